@@ -1,0 +1,159 @@
+"""The one interface every backend implements.
+
+A backend instance is one loaded copy of a model version on one device (an ONNX Runtime session, a
+TensorRT execution context, a Python model object).  The scheduler owns instances and hands each a
+batch: a list of already-validated requests.  Backends that run one stacked tensor batch (ONNX
+Runtime, TensorRT) derive from :class:`TensorBackend`, which does the stacking and scattering; a
+backend that wants the individual requests (Python models) implements :meth:`Backend.execute` itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_server.config.model import ModelConfig
+from edge_server.errors import EdgeServerError, ModelExecutionError
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """Where and how one instance runs; resolved from ``instance_group`` by the model loader."""
+
+    name: str  # e.g. "digits_0_1"
+    kind: str  # "KIND_CPU", "KIND_GPU", "KIND_DLA" (resolved, never KIND_AUTO)
+    device_id: int = 0
+    threads: int = 1  # intra-op threads this instance may use without oversubscribing the cores
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """Everything a backend needs to load one instance."""
+
+    config: ModelConfig
+    version: int
+    version_dir: Path
+    model_path: Path
+    instance: InstanceSpec
+
+
+@dataclass
+class BatchItem:
+    """One validated request inside a batch.  ``inputs`` already have the batch axis where the model has one."""
+
+    inputs: dict[str, np.ndarray]
+    batch_size: int
+    requested_outputs: tuple[str, ...]
+    request_id: str = ""
+
+
+@dataclass
+class Timing:
+    """Durations a backend reports for one batch, in nanoseconds; Triton's compute-input/infer/output split."""
+
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+
+
+Result = dict[str, np.ndarray] | EdgeServerError
+
+
+class Backend(abc.ABC):
+    """One loaded instance of a model version.  Construction loads; :meth:`close` frees everything."""
+
+    #: device label for status and metrics: "cpu", "cuda:0", "dla:1"
+    device: str = "cpu"
+
+    @classmethod
+    def gpu_available(cls) -> bool:
+        """Whether this backend can place instances on a GPU on this machine (decides KIND_AUTO)."""
+        return False
+
+    @classmethod
+    @abc.abstractmethod
+    def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
+        """Check ``config`` against the model file and fill what it leaves out (Triton's auto-complete).
+
+        Raises :class:`~edge_server.errors.ConfigError` when they disagree.
+        """
+
+    @abc.abstractmethod
+    def __init__(self, ctx: LoadContext) -> None: ...
+
+    @abc.abstractmethod
+    def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        """Run one batch; return one result per item, in order.
+
+        An error that belongs to one request is returned in its slot; an exception raised from here fails
+        the whole batch (the instance is kept unless the error says otherwise).
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sessions, contexts, threads and buffers; the instance is unusable afterwards."""
+
+
+class TensorBackend(Backend):
+    """A backend that runs the whole batch as one set of stacked tensors."""
+
+    @abc.abstractmethod
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Run the stacked batch and return the named outputs."""
+
+    #: all output names of the model, in config order; set by subclasses at load
+    output_names: tuple[str, ...] = ()
+    #: whether tensors carry a leading batch axis (max_batch_size > 0)
+    batched: bool = True
+
+    def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        t0 = time.perf_counter_ns()
+        if len(batch) == 1:
+            stacked = batch[0].inputs
+        else:
+            stacked = {
+                name: np.concatenate([item.inputs[name] for item in batch], axis=0)
+                for name in batch[0].inputs
+            }
+        wanted = _union_outputs(batch, self.output_names)
+        t1 = time.perf_counter_ns()
+        outputs = self.run(stacked, wanted)
+        t2 = time.perf_counter_ns()
+        results = scatter(outputs, batch, batched=self.batched)
+        t3 = time.perf_counter_ns()
+        timing.compute_input_ns += t1 - t0
+        timing.compute_infer_ns += t2 - t1
+        timing.compute_output_ns += t3 - t2
+        return results
+
+
+def _union_outputs(batch: Sequence[BatchItem], all_outputs: tuple[str, ...]) -> list[str]:
+    wanted = {name for item in batch for name in item.requested_outputs}
+    return [name for name in all_outputs if name in wanted]
+
+
+def scatter(outputs: dict[str, np.ndarray], batch: Sequence[BatchItem], *, batched: bool) -> list[Result]:
+    """Split stacked outputs back into each request's rows, after checking the row count."""
+    if len(batch) == 1:
+        item = batch[0]
+        return [{name: outputs[name] for name in item.requested_outputs}]
+    total = sum(item.batch_size for item in batch)
+    for name, array in outputs.items():
+        if not batched or array.ndim == 0 or array.shape[0] != total:
+            raise ModelExecutionError(
+                f"output {name!r} has shape {list(array.shape)}; expected {total} rows for a batch of "
+                f"{len(batch)} requests"
+            )
+    results: list[Result] = []
+    start = 0
+    for item in batch:
+        stop = start + item.batch_size
+        results.append({name: outputs[name][start:stop] for name in item.requested_outputs})
+        start = stop
+    return results
+

@@ -1,0 +1,177 @@
+"""ONNX Runtime backend: one InferenceSession per instance.
+
+Execution providers are picked from what this onnxruntime build offers and what the instance group and
+``optimization.execution_accelerators`` ask for (TensorRT EP, then CUDA EP, then CPU), as Triton's
+onnxruntime backend does.  Thread counts are set per instance so that N instances share the cores
+instead of each spawning a pool as large as the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from edge_server import dtypes
+from edge_server.backends.base import LoadContext, TensorBackend
+from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
+from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError
+
+log = logging.getLogger(__name__)
+
+# Triton's --backend-config=onnxruntime,default-max-batch-size default.
+DEFAULT_MAX_BATCH_SIZE = 4
+
+
+def _graph_tensors(args: Sequence[Any]) -> list[tuple[str, str, list[int]]]:
+    """(name, config type, dims with -1 for symbolic) of ONNX Runtime NodeArgs."""
+    out = []
+    for arg in args:
+        dims = [d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or [])]
+        out.append((arg.name, dtypes.from_onnxruntime(arg.type), dims))
+    return out
+
+
+def _check_or_fill(
+    configured: tuple[TensorSpec, ...],
+    graph: list[tuple[str, str, list[int]]],
+    *,
+    role: str,
+    batched: bool,
+    source: str,
+) -> tuple[TensorSpec, ...]:
+    by_name = {name: (dtype, dims) for name, dtype, dims in graph}
+    if not configured:
+        return tuple(
+            TensorSpec(name=name, data_type=dtype, dims=tuple(dims[1:] if batched else dims))
+            for name, dtype, dims in graph
+        )
+    for spec in configured:
+        if spec.name not in by_name:
+            raise ConfigError(
+                f"{source}: {role} {spec.name!r} is not in the ONNX model; the model's {role}s are "
+                f"{sorted(by_name)}"
+            )
+        dtype, dims = by_name[spec.name]
+        if spec.data_type != dtype:
+            raise ConfigError(
+                f"{source}: {role} {spec.name!r} has data_type {spec.data_type} but the ONNX model has {dtype}"
+            )
+        model_dims = dims[1:] if batched and dims else dims
+        want = list(spec.reshape if spec.reshape is not None else spec.dims)
+        if batched and not dims:
+            raise ConfigError(f"{source}: {role} {spec.name!r} is a scalar in the model but max_batch_size > 0")
+        if len(want) != len(model_dims) or any(
+            m != -1 and w != -1 and m != w for w, m in zip(want, model_dims, strict=False)
+        ):
+            raise ConfigError(
+                f"{source}: {role} {spec.name!r} has dims {want} but the ONNX model has "
+                f"{model_dims} (excluding the batch axis)"
+                if batched
+                else f"{source}: {role} {spec.name!r} has dims {want} but the ONNX model has {model_dims}"
+            )
+        if batched and dims[0] not in (-1,):
+            raise ConfigError(
+                f"{source}: max_batch_size > 0 but the ONNX model's {role} {spec.name!r} has a fixed first "
+                f"dimension {dims[0]}; export it with a dynamic batch axis or set max_batch_size: 0"
+            )
+    return configured
+
+
+class OnnxRuntimeBackend(TensorBackend):
+    @classmethod
+    def gpu_available(cls) -> bool:
+        return "CUDAExecutionProvider" in ort.get_available_providers()
+
+    @classmethod
+    def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise ConfigError(f"{model_path}: not a loadable ONNX model: {exc}") from exc
+        inputs = _graph_tensors(session.get_inputs())
+        outputs = _graph_tensors(session.get_outputs())
+        del session
+        changes: dict[str, Any] = {}
+        max_batch = config.max_batch_size
+        if max_batch == 0 and not config.inputs and not config.outputs:
+            # Triton's rule: batch when every input and output starts with a dynamic axis.
+            if all(dims and dims[0] == -1 for _, _, dims in inputs + outputs):
+                max_batch = DEFAULT_MAX_BATCH_SIZE
+                changes["max_batch_size"] = max_batch
+                if config.dynamic_batching is None:
+                    changes["dynamic_batching"] = DynamicBatching()
+        batched = max_batch > 0
+        changes["inputs"] = _check_or_fill(
+            config.inputs, inputs, role="input", batched=batched, source=config.source
+        )
+        changes["outputs"] = _check_or_fill(
+            config.outputs, outputs, role="output", batched=batched, source=config.source
+        )
+        if not config.platform:
+            changes["platform"] = "onnxruntime_onnx"
+        return config.replace(**changes)
+
+    def __init__(self, ctx: LoadContext) -> None:
+        config = ctx.config
+        params = config.parameters
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(params.get("intra_op_thread_count", ctx.instance.threads))
+        options.inter_op_num_threads = int(params.get("inter_op_thread_count", 1))
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # Spinning workers burn the cores other instances need; Triton's parameter name turns it back on.
+        options.add_session_config_entry(
+            "session.intra_op.allow_spinning", params.get("session.intra_op.allow_spinning", "0")
+        )
+        options.log_severity_level = 3
+        providers = self._providers(ctx)
+        try:
+            self._session = ort.InferenceSession(str(ctx.model_path), options, providers=providers)
+        except Exception as exc:
+            raise ConfigError(f"{ctx.model_path}: onnxruntime failed to load the model: {exc}") from exc
+        used = self._session.get_providers()[0]
+        self.device = "cpu" if used == "CPUExecutionProvider" else f"cuda:{ctx.instance.device_id}"
+        self.output_names = tuple(t.name for t in config.outputs)
+        self.batched = config.max_batch_size > 0
+        log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
+
+    @staticmethod
+    def _providers(ctx: LoadContext) -> list[Any]:
+        available = set(ort.get_available_providers())
+        if ctx.instance.kind == "KIND_CPU":
+            return ["CPUExecutionProvider"]
+        if "CUDAExecutionProvider" not in available:
+            raise BackendUnavailable(
+                f"{ctx.instance.name}: instance kind {ctx.instance.kind} needs onnxruntime's CUDA execution "
+                f"provider, which this onnxruntime build lacks (has {sorted(available)}); install the "
+                "'gpu' extra or use KIND_CPU"
+            )
+        device = {"device_id": str(ctx.instance.device_id)}
+        providers: list[Any] = []
+        for accel in ctx.config.gpu_accelerators:
+            if accel.name == "tensorrt" and "TensorrtExecutionProvider" in available:
+                trt = dict(device)
+                if accel.parameters.get("precision_mode") == "FP16":
+                    trt["trt_fp16_enable"] = "True"
+                if "max_workspace_size_bytes" in accel.parameters:
+                    trt["trt_max_workspace_size"] = accel.parameters["max_workspace_size_bytes"]
+                providers.append(("TensorrtExecutionProvider", trt))
+        providers.append(("CUDAExecutionProvider", device))
+        providers.append("CPUExecutionProvider")
+        return providers
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        try:
+            values = self._session.run(list(output_names), inputs)
+        except Exception as exc:
+            raise ModelExecutionError(f"onnxruntime failed: {exc}") from exc
+        return dict(zip(output_names, values, strict=True))
+
+    def close(self) -> None:
+        self._session = None  # type: ignore[assignment]

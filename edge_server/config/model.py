@@ -1,0 +1,222 @@
+"""Typed model configuration, mirroring the parts of Triton's ``ModelConfig`` that edge-server acts on.
+
+These objects are built once by :mod:`edge_server.config.parser` from ``config.pbtxt`` (and completed
+from the model file by the backend), validated, and then only read.  Field names follow Triton's proto
+so that a Triton user recognises every one of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BackendName = Literal["onnxruntime", "tensorrt", "python", "ensemble"]
+
+# platform -> backend, as Triton resolves them.
+PLATFORM_TO_BACKEND: dict[str, BackendName] = {
+    "onnxruntime_onnx": "onnxruntime",
+    "tensorrt_plan": "tensorrt",
+    "ensemble": "ensemble",
+}
+BACKEND_TO_PLATFORM: dict[str, str] = {v: k for k, v in PLATFORM_TO_BACKEND.items()}
+
+# Triton's default model file name per backend.
+DEFAULT_MODEL_FILENAME: dict[str, str] = {
+    "onnxruntime": "model.onnx",
+    "tensorrt": "model.plan",
+    "python": "model.py",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output.  ``dims`` excludes the batch dimension when max_batch_size > 0; -1 is variable."""
+
+    name: str
+    data_type: str  # Triton name, e.g. "TYPE_FP32"
+    dims: tuple[int, ...]
+    reshape: tuple[int, ...] | None = None
+    optional: bool = False
+    format: str = "FORMAT_NONE"
+    label_filename: str = ""
+
+
+@dataclass(frozen=True)
+class SecondaryDevice:
+    kind: str  # "KIND_NVDLA"
+    device_id: int
+
+
+@dataclass(frozen=True)
+class InstanceGroup:
+    """``count`` instances of one kind.  KIND_AUTO resolves to GPU where the backend can use one."""
+
+    name: str = ""
+    kind: str = "KIND_AUTO"  # KIND_AUTO, KIND_CPU, KIND_GPU, KIND_MODEL
+    count: int = 1
+    gpus: tuple[int, ...] = ()
+    secondary_devices: tuple[SecondaryDevice, ...] = ()
+    passive: bool = False
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's ``ModelQueuePolicy``.  0 means "no timeout" and "unbounded queue", as in Triton."""
+
+    timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+    default_timeout_microseconds: int = 0
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    preferred_batch_size: tuple[int, ...] = ()
+    max_queue_delay_microseconds: int = 0
+    preserve_ordering: bool = False
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    default_queue_policy: QueuePolicy = field(default_factory=QueuePolicy)
+    priority_queue_policy: dict[int, QueuePolicy] = field(default_factory=dict)
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        return self.priority_queue_policy.get(level, self.default_queue_policy)
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which version directories are served: the latest N, all, or specific ones."""
+
+    kind: Literal["latest", "all", "specific"] = "latest"
+    num_versions: int = 1
+    versions: tuple[int, ...] = ()
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions to serve out of those on disk, highest first."""
+        ordered = sorted(available, reverse=True)
+        if self.kind == "all":
+            return ordered
+        if self.kind == "specific":
+            return [v for v in ordered if v in self.versions]
+        return ordered[: self.num_versions]
+
+
+@dataclass(frozen=True)
+class WarmupInput:
+    data_type: str
+    dims: tuple[int, ...]
+    source: Literal["zero_data", "random_data", "input_data_file"] = "zero_data"
+    input_data_file: str = ""
+
+
+@dataclass(frozen=True)
+class Warmup:
+    name: str
+    batch_size: int = 1
+    inputs: dict[str, WarmupInput] = field(default_factory=dict)
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One entry of ``optimization { execution_accelerators { ... } }``."""
+
+    name: str
+    parameters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A validated model configuration.  ``source`` names the config file for error messages."""
+
+    name: str
+    backend: str
+    platform: str = ""
+    max_batch_size: int = 0
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    instance_groups: tuple[InstanceGroup, ...] = ()
+    dynamic_batching: DynamicBatching | None = None
+    version_policy: VersionPolicy = field(default_factory=VersionPolicy)
+    parameters: dict[str, str] = field(default_factory=dict)
+    model_warmup: tuple[Warmup, ...] = ()
+    default_model_filename: str = ""
+    gpu_accelerators: tuple[Accelerator, ...] = ()
+    cpu_accelerators: tuple[Accelerator, ...] = ()
+    source: str = ""
+
+    @property
+    def model_filename(self) -> str:
+        return self.default_model_filename or DEFAULT_MODEL_FILENAME.get(self.backend, "")
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.outputs if t.name == name), None)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_triton_dict(self) -> dict[str, Any]:
+        """The config as Triton renders it in JSON (``args["model_config"]``, the metadata endpoints)."""
+
+        def tensor(t: TensorSpec) -> dict[str, Any]:
+            d: dict[str, Any] = {"name": t.name, "data_type": t.data_type, "dims": list(t.dims)}
+            if t.reshape is not None:
+                d["reshape"] = {"shape": list(t.reshape)}
+            if t.optional:
+                d["optional"] = True
+            if t.format != "FORMAT_NONE":
+                d["format"] = t.format
+            if t.label_filename:
+                d["label_filename"] = t.label_filename
+            return d
+
+        out: dict[str, Any] = {
+            "name": self.name,
+            "platform": self.platform,
+            "backend": self.backend,
+            "max_batch_size": self.max_batch_size,
+            "input": [tensor(t) for t in self.inputs],
+            "output": [tensor(t) for t in self.outputs],
+            "instance_group": [
+                {
+                    "name": g.name,
+                    "kind": g.kind,
+                    "count": g.count,
+                    "gpus": list(g.gpus),
+                    "secondary_devices": [
+                        {"kind": s.kind, "device_id": s.device_id} for s in g.secondary_devices
+                    ],
+                    "passive": g.passive,
+                }
+                for g in self.instance_groups
+            ],
+            "version_policy": _version_policy_dict(self.version_policy),
+            "parameters": {k: {"string_value": v} for k, v in self.parameters.items()},
+            "default_model_filename": self.default_model_filename,
+        }
+        if self.dynamic_batching is not None:
+            db = self.dynamic_batching
+            out["dynamic_batching"] = {
+                "preferred_batch_size": list(db.preferred_batch_size),
+                "max_queue_delay_microseconds": db.max_queue_delay_microseconds,
+                "preserve_ordering": db.preserve_ordering,
+                "priority_levels": db.priority_levels,
+                "default_priority_level": db.default_priority_level,
+                "default_queue_policy": dataclasses.asdict(db.default_queue_policy),
+                "priority_queue_policy": {
+                    str(k): dataclasses.asdict(v) for k, v in db.priority_queue_policy.items()
+                },
+            }
+        return out
+
+
+def _version_policy_dict(policy: VersionPolicy) -> dict[str, Any]:
+    if policy.kind == "all":
+        return {"all": {}}
+    if policy.kind == "specific":
+        return {"specific": {"versions": list(policy.versions)}}
+    return {"latest": {"num_versions": policy.num_versions}}

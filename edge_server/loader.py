@@ -1,0 +1,189 @@
+"""Turning one version directory into a running model: config, backend instances, scheduler, warmup.
+
+Everything here happens beside serving (the lifecycle calls it), never on the request path.  A version
+is returned only after every instance has loaded and run its warmup, so a version that is handed to
+the router can take traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_server import dtypes
+from edge_server.backends import backend_class, guess_backend
+from edge_server.backends.base import Backend, BatchItem, InstanceSpec, LoadContext, Timing
+from edge_server.config import ModelConfig, load_config_file
+from edge_server.config.model import InstanceGroup, TensorSpec, Warmup
+from edge_server.errors import ConfigError, EdgeServerError
+from edge_server.repository import ModelSource
+from edge_server.scheduler.scheduler import ModelScheduler
+from edge_server.scheduler.stats import ModelStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedVersion:
+    """A version that is ready for traffic: its config, its scheduler and its statistics."""
+
+    name: str
+    version: int
+    config: ModelConfig
+    scheduler: ModelScheduler
+    stats: ModelStats
+    content_hash: str
+    devices: tuple[str, ...]
+
+    def retire(self, drain_timeout: float) -> None:
+        """Let queued and running requests finish (up to the deadline), then free everything."""
+        if not self.scheduler.drain(drain_timeout):
+            log.warning("%s v%d: drain deadline passed; failing what is still queued", self.name, self.version)
+        self.scheduler.stop()
+
+
+def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
+    """The model's config as written, with the backend decided (from the files when the config is silent)."""
+    if source.config_path.is_file():
+        config, warnings = load_config_file(source.config_path, default_name=source.name)
+    else:
+        config, warnings = ModelConfig(name=source.name, backend="", source=str(source.config_path)), []
+    if not config.backend:
+        backend = guess_backend([source.versions[v] for v in sorted(source.versions, reverse=True)])
+        if backend is None:
+            raise ConfigError(
+                f"{source.path}: no config.pbtxt naming a backend or platform, and no model.onnx, model.plan "
+                "or model.py in any version directory"
+            )
+        config = config.replace(backend=backend)
+    return config, warnings
+
+
+def load_version(
+    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, cpu_count: int | None = None
+) -> LoadedVersion:
+    """Load, complete, instantiate and warm up one version; raises ConfigError/BackendUnavailable on failure."""
+    version_dir = source.versions[version]
+    model_path = version_dir / config.model_filename
+    if not model_path.exists():
+        raise ConfigError(
+            f"{source.name} v{version}: model file {config.model_filename!r} is missing from {version_dir}"
+        )
+    backend_cls = backend_class(config.backend)
+    config = backend_cls.complete_config(config, model_path)
+    _check_io(config)
+    specs = instance_specs(config, backend_cls, cpu_count=cpu_count or os.cpu_count() or 1)
+    instances: list[tuple[str, Backend]] = []
+    try:
+        for spec in specs:
+            ctx = LoadContext(
+                config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
+            )
+            instances.append((spec.name, backend_cls(ctx)))
+        for name, backend in instances:
+            warm_up(config, backend, version_dir, instance_name=name)
+    except BaseException:
+        for _, backend in instances:
+            backend.close()
+        raise
+    stats = ModelStats(source.name, version)
+    scheduler = ModelScheduler(config, instances, stats)
+    return LoadedVersion(
+        name=source.name,
+        version=version,
+        config=config,
+        scheduler=scheduler,
+        stats=stats,
+        content_hash=content_hash,
+        devices=tuple(backend.device for _, backend in instances),
+    )
+
+
+def _check_io(config: ModelConfig) -> None:
+    if not config.inputs and config.backend != "python":
+        raise ConfigError(f"{config.source}: model {config.name!r} declares no inputs")
+    if not config.outputs:
+        raise ConfigError(f"{config.source}: model {config.name!r} declares no outputs")
+
+
+def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count: int) -> list[InstanceSpec]:
+    """Resolve ``instance_group`` into concrete instances; CPU threads are split among CPU instances."""
+    groups = config.instance_groups or (InstanceGroup(),)
+    gpu = backend_cls.gpu_available()
+    resolved: list[tuple[str, int]] = []
+    for group in groups:
+        kind = group.kind
+        if kind in ("KIND_AUTO", "KIND_MODEL"):
+            kind = "KIND_GPU" if gpu and kind == "KIND_AUTO" else "KIND_CPU"
+        for _ in range(group.count):
+            if group.secondary_devices:
+                resolved.extend(("KIND_DLA", d.device_id) for d in group.secondary_devices)
+            elif kind == "KIND_GPU":
+                resolved.extend(("KIND_GPU", g) for g in (group.gpus or (0,)))
+            else:
+                resolved.append(("KIND_CPU", 0))
+    cpu_instances = sum(1 for kind, _ in resolved if kind == "KIND_CPU")
+    threads = max(1, cpu_count // max(cpu_instances, 1))
+    return [
+        InstanceSpec(name=f"{config.name}_{index}", kind=kind, device_id=device, threads=threads)
+        for index, (kind, device) in enumerate(resolved)
+    ]
+
+
+def _warmup_array(name: str, spec: TensorSpec, batch: int | None, source: str, data: Path | None) -> np.ndarray:
+    dtype = dtypes.to_numpy(spec.data_type)
+    shape = tuple(d if d >= 0 else 1 for d in spec.dims)
+    if batch is not None:
+        shape = (batch, *shape)
+    if source == "input_data_file" and data is not None:
+        raw = data.read_bytes()
+        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+    if dtype.kind == "O":
+        return np.full(shape, b"", dtype=object)
+    if source == "random_data":
+        rng = np.random.default_rng(0)
+        return rng.random(shape).astype(dtype)
+    return np.zeros(shape, dtype=dtype)
+
+
+def _warmup_samples(config: ModelConfig) -> list[Warmup]:
+    if config.model_warmup:
+        return list(config.model_warmup)
+    if config.backend == "python":  # user code may rightly reject made-up zeros: only explicit samples
+        return []
+    return [Warmup(name="generated_zero_input")]
+
+
+def warm_up(config: ModelConfig, backend: Backend, version_dir: Path, *, instance_name: str) -> None:
+    """Run every warmup sample (or one generated zero input) through one instance; raise if it fails."""
+    batched = config.max_batch_size > 0
+    for sample in _warmup_samples(config):
+        inputs: dict[str, np.ndarray] = {}
+        for spec in config.inputs:
+            given = sample.inputs.get(spec.name)
+            if given is None and sample.inputs:
+                continue
+            tensor = spec if given is None else TensorSpec(spec.name, given.data_type, given.dims)
+            data = version_dir / "warmup" / given.input_data_file if given and given.input_data_file else None
+            batch = sample.batch_size if batched else None
+            inputs[spec.name] = _warmup_array(
+                spec.name, tensor, batch, given.source if given else "zero_data", data
+            )
+        item = BatchItem(
+            inputs=inputs,
+            batch_size=sample.batch_size if batched else 1,
+            requested_outputs=tuple(t.name for t in config.outputs),
+        )
+        for _ in range(max(sample.count, 1)):
+            try:
+                (result,) = backend.execute([item], Timing())
+            except EdgeServerError as exc:
+                raise ConfigError(f"{instance_name}: warmup {sample.name!r} failed: {exc.message}") from exc
+            except Exception as exc:
+                raise ConfigError(f"{instance_name}: warmup {sample.name!r} failed: {exc!r}") from exc
+            if isinstance(result, EdgeServerError):
+                raise ConfigError(f"{instance_name}: warmup {sample.name!r} failed: {result.message}")

@@ -1,0 +1,231 @@
+"""Per model-version scheduler: one queue, one worker thread per instance.
+
+An idle worker forms the next batch itself (``policy.next_batch`` under the queue's lock) and runs it
+on its own backend instance, so a request passes through exactly one thread hand-off on its way in and
+one future on its way out.  Because only idle instances form batches, a freed instance takes the
+largest batch the queue holds at that moment, as Triton's dynamic batcher does.
+
+Lock order: the condition's lock is never held while a backend runs or a future is completed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Hashable
+from concurrent.futures import Future
+
+from edge_server.backends.base import Backend, BatchItem, Result, Timing
+from edge_server.config.model import ModelConfig, QueuePolicy
+from edge_server.errors import EdgeServerError, InvalidArgument, ModelExecutionError, ServerShuttingDown
+from edge_server.scheduler.policy import BatchSettings, next_batch
+from edge_server.scheduler.queue import QueuedRequest, RequestQueue
+from edge_server.scheduler.stats import ModelStats
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerClosed(ServerShuttingDown):
+    """This version stopped taking requests (it is being replaced or unloaded); route to another."""
+
+
+def batch_settings(config: ModelConfig) -> BatchSettings:
+    db = config.dynamic_batching
+    if config.max_batch_size == 0 or db is None:
+        return BatchSettings(max_batch_size=max(config.max_batch_size, 1), batching=False)
+    return BatchSettings(
+        max_batch_size=config.max_batch_size,
+        preferred_batch_sizes=frozenset(db.preferred_batch_size),
+        max_queue_delay_ns=db.max_queue_delay_microseconds * 1000,
+    )
+
+
+class ModelScheduler:
+    def __init__(
+        self, config: ModelConfig, instances: list[tuple[str, Backend]], stats: ModelStats
+    ) -> None:
+        self._config = config
+        self._stats = stats
+        self._settings = batch_settings(config)
+        self._flush = BatchSettings(
+            max_batch_size=self._settings.max_batch_size,
+            batching=self._settings.batching,
+        )
+        db = config.dynamic_batching
+        self._levels = db.priority_levels if db and db.priority_levels else 0
+        self._default_level = (db.default_priority_level or 1) if db and self._levels else 1
+        self._policies = {
+            level: (db.queue_policy(level) if db else QueuePolicy())
+            for level in range(1, max(self._levels, 1) + 1)
+        }
+        self._override_allowed = db is None
+        self._preserve_ordering = bool(db and db.preserve_ordering)
+        self._cond = threading.Condition()
+        self._queue = RequestQueue(self._levels, self._policies)
+        self._accepting = True
+        self._stopping = False
+        self._in_flight = 0
+        self._next_seq = 0
+        self._delivered_seq = 0
+        self._instances = instances
+        self._threads = [
+            threading.Thread(target=self._worker, args=(backend,), name=f"edge-{name}", daemon=True)
+            for name, backend in instances
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- request side ---------------------------------------------------------------------------
+
+    def submit(
+        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+    ) -> Future[dict]:
+        """Queue a validated request; the future gets its outputs or its error."""
+        level = self._level(priority)
+        policy = self._policies[level]
+        timeout = policy.default_timeout_microseconds
+        if timeout_us is not None and (policy.allow_timeout_override or self._override_allowed):
+            timeout = timeout_us
+        now = time.monotonic_ns()
+        future: Future[dict] = Future()
+        request = QueuedRequest(
+            item=item,
+            shape_key=shape_key,
+            level=level,
+            enqueue_ns=now,
+            future=future,
+            deadline_ns=now + timeout * 1000 if timeout > 0 else 0,
+            timeout_action=policy.timeout_action,
+        )
+        with self._cond:
+            if not self._accepting:
+                raise SchedulerClosed(f"model {self._config.name!r} is unloading")
+            self._queue.push(request)
+            self._cond.notify()
+        return future
+
+    def _level(self, priority: int) -> int:
+        if priority < 0:
+            raise InvalidArgument(f"priority must be >= 0, got {priority}")
+        if not self._levels:
+            return 1
+        if priority == 0:
+            return self._default_level
+        if priority > self._levels:
+            raise InvalidArgument(
+                f"priority {priority} is out of range: model {self._config.name!r} has priority_levels "
+                f"{self._levels} (1 is the highest, 0 means the default level {self._default_level})"
+            )
+        return priority
+
+    def queue_size(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def drain(self, timeout: float) -> bool:
+        """Stop taking requests and wait for the queued and running ones; False if the deadline passed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._accepting = False
+            self._cond.notify_all()  # a worker waiting out a batching delay flushes now
+            while len(self._queue) or self._in_flight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def stop(self) -> None:
+        """Stop the workers, fail whatever is still queued, and close every instance."""
+        with self._cond:
+            self._accepting = False
+            self._stopping = True
+            leftover = self._queue.drain()
+            self._cond.notify_all()
+        for request in leftover:
+            if request.future.set_running_or_notify_cancel():
+                request.future.set_exception(
+                    ServerShuttingDown(f"model {self._config.name!r} was unloaded before the request ran")
+                )
+        for thread in self._threads:
+            thread.join()
+        for name, backend in self._instances:
+            try:
+                backend.close()
+            except Exception:
+                log.exception("closing instance %s failed", name)
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def _worker(self, backend: Backend) -> None:
+        while True:
+            try:
+                taken = self._take_batch()
+                if taken is None:
+                    return
+                self._run(backend, *taken)
+            except Exception:  # the loop never dies: log it and serve the next batch
+                log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
+
+    def _take_batch(self) -> tuple[list[QueuedRequest], int] | None:
+        with self._cond:
+            while not self._stopping:
+                now = time.monotonic_ns()
+                for request in self._queue.expire(now):
+                    self._stats.record_failure(now - request.enqueue_ns, now - request.enqueue_ns)
+                settings = self._settings if self._accepting else self._flush
+                decision = next_batch(self._queue.head(settings.max_batch_size + 1), now, settings)
+                if decision.count:
+                    batch = self._queue.pop(decision.count)
+                    seq = self._next_seq
+                    self._next_seq += 1
+                    self._in_flight += len(batch)
+                    return batch, seq
+                self._cond.wait(decision.wait_ns / 1e9 if decision.wait_ns else None)
+        return None
+
+    def _run(self, backend: Backend, batch: list[QueuedRequest], seq: int) -> None:
+        start = time.monotonic_ns()
+        live = [r for r in batch if r.future.set_running_or_notify_cancel()]
+        timing = Timing()
+        results: list[Result] = []
+        if live:
+            try:
+                results = backend.execute([r.item for r in live], timing)
+                if len(results) != len(live):
+                    raise ModelExecutionError(
+                        f"backend returned {len(results)} results for {len(live)} requests"
+                    )
+            except EdgeServerError as exc:
+                results = [exc] * len(live)
+            except Exception as exc:
+                log.exception("instance of %r failed a batch of %d", self._config.name, len(live))
+                results = [ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")] * len(live)
+        if self._preserve_ordering:
+            with self._cond:
+                while self._delivered_seq != seq:
+                    self._cond.wait()
+        end = time.monotonic_ns()
+        for request, result in zip(live, results, strict=True):
+            if isinstance(result, Exception):
+                request.future.set_exception(result)
+            else:
+                request.future.set_result(result)
+        if live:
+            self._stats.record_batch(
+                batch_size=sum(r.batch_size for r in live),
+                queue_ns=[start - r.enqueue_ns for r in live],
+                request_ns=[end - r.enqueue_ns for r in live],
+                succeeded=[not isinstance(res, Exception) for res in results],
+                compute_input_ns=timing.compute_input_ns,
+                compute_infer_ns=timing.compute_infer_ns,
+                compute_output_ns=timing.compute_output_ns,
+            )
+        with self._cond:
+            self._in_flight -= len(batch)
+            self._delivered_seq += 1
+            if self._preserve_ordering or not self._accepting:
+                self._cond.notify_all()

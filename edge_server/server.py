@@ -1,0 +1,215 @@
+"""The in-process API: the whole server as an object, no IPC (Triton's C API, in Python).
+
+Applications import it directly; the daemon's frontends (IPC now, HTTP later) are thin layers over the
+same object.  Construction loads the repository (in ``none`` and ``poll`` mode every model, in
+``explicit`` mode the ``load_models``); a model that fails to load is reported in :meth:`models` and
+the others serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+
+from edge_server.config.model import ModelConfig
+from edge_server.dataplane import DataPlane, InferRequest
+from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
+from edge_server.lifecycle import ModelManager, VersionStatus
+
+log = logging.getLogger(__name__)
+
+ControlMode = Literal["none", "explicit", "poll"]
+CONTROL_MODES: tuple[str, ...] = ("none", "explicit", "poll")
+
+
+def default_repository() -> Path:
+    """The bundled example repository (``models/`` beside the package in a source checkout)."""
+    return Path(__file__).resolve().parent.parent / "models"
+
+
+class Server:
+    """An edge-server instance in this process.
+
+    ``model_control_mode`` follows Triton: ``none`` loads everything and refuses load/unload calls,
+    ``explicit`` loads ``load_models`` (``"*"`` for all) and obeys load/unload, ``poll`` loads
+    everything and follows changes in the repository.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | Path | None = None,
+        *,
+        model_control_mode: ControlMode = "none",
+        load_models: Iterable[str] = (),
+        drain_timeout: float = 30.0,
+        cpu_count: int | None = None,
+    ) -> None:
+        if model_control_mode not in CONTROL_MODES:
+            raise InvalidArgument(
+                f"model_control_mode must be one of {list(CONTROL_MODES)}, got {model_control_mode!r}"
+            )
+        repository = Path(model_repository) if model_repository is not None else default_repository()
+        if not repository.is_dir():
+            raise InvalidArgument(f"model repository {repository} is not a directory")
+        self.repository = repository
+        self.control_mode = model_control_mode
+        self._manager = ModelManager(repository, drain_timeout=drain_timeout, cpu_count=cpu_count)
+        self._dataplane = DataPlane(self._manager)
+        self._closed = threading.Event()
+        names = list(load_models)
+        if model_control_mode == "explicit" and "*" not in names:
+            for name in names:
+                try:
+                    self._manager.load(name)
+                except EdgeServerError as exc:
+                    log.error("model %s failed to load: %s", name, exc.message)
+        else:
+            self._manager.rescan()
+
+    # -- inference ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        version: int | None = None,
+        outputs: Sequence[str] | None = None,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        request_id: str = "",
+    ) -> Future[dict[str, np.ndarray]]:
+        """Queue a request and return at once; for many requests in flight from one thread."""
+        self._check_open()
+        return self._dataplane.submit(
+            InferRequest(
+                model=model,
+                inputs=inputs,
+                version=version,
+                outputs=outputs,
+                priority=priority,
+                timeout_us=timeout_us,
+                request_id=request_id,
+            )
+        )
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        version: int | None = None,
+        outputs: Sequence[str] | None = None,
+        priority: int = 0,
+        timeout_us: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run one request and wait for its outputs; raises an :class:`EdgeServerError` subclass on failure."""
+        return self.submit(
+            model, inputs, version=version, outputs=outputs, priority=priority, timeout_us=timeout_us
+        ).result()
+
+    async def infer_async(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        version: int | None = None,
+        outputs: Sequence[str] | None = None,
+        priority: int = 0,
+        timeout_us: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """The asyncio form of :meth:`infer`; many may be awaited at once."""
+        future = self.submit(
+            model, inputs, version=version, outputs=outputs, priority=priority, timeout_us=timeout_us
+        )
+        return await asyncio.wrap_future(future)
+
+    @property
+    def dataplane(self) -> DataPlane:
+        """What frontends call; the same object this API uses."""
+        return self._dataplane
+
+    # -- repository and models ------------------------------------------------------------------
+
+    def models(self) -> list[VersionStatus]:
+        """Every model version the server knows, with its state and, when not ready, why."""
+        return self._manager.index()
+
+    def model_config(self, model: str, version: int | None = None) -> ModelConfig:
+        return self._dataplane.config(model, version)
+
+    def model_metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
+        return self._dataplane.metadata(model, version)
+
+    def statistics(self, model: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
+        return self._dataplane.statistics(model, version)
+
+    def is_ready(self, model: str | None = None, version: int | None = None) -> bool:
+        if self._closed.is_set():
+            return False
+        if model is None:
+            return True
+        try:
+            self._manager.resolve(model, version)
+        except EdgeServerError:
+            return False
+        return True
+
+    def load_model(self, model: str) -> list[VersionStatus]:
+        """Load or reload ``model`` from the repository (explicit and poll modes)."""
+        self._check_control()
+        return self._manager.load(model)
+
+    def unload_model(self, model: str) -> None:
+        """Drain and unload every version of ``model`` (explicit and poll modes)."""
+        self._check_control()
+        self._manager.unload(model)
+
+    def rescan(self) -> None:
+        """Reload what changed on disk (SIGHUP); in explicit mode only the models already loaded."""
+        self._check_open()
+        if self.control_mode == "explicit":
+            self._manager.rescan(self._manager.serving().keys())
+        else:
+            self._manager.rescan()
+
+    @property
+    def manager(self) -> ModelManager:
+        return self._manager
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drain every model (each up to its drain deadline) and unload it.  Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._manager.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise ServerShuttingDown("the server is shut down")
+
+    def _check_control(self) -> None:
+        self._check_open()
+        if self.control_mode == "none":
+            raise InvalidArgument(
+                "model control is disabled (model_control_mode 'none'); start with "
+                "--model-control-mode explicit or poll to load and unload models"
+            )
