@@ -1,0 +1,237 @@
+"""``edge-server`` command line: serve, models, infer.  Flag names follow Triton's where it has one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from edge_server import dtypes
+from edge_server.errors import EdgeServerError
+
+log = logging.getLogger("edge_server")
+
+
+class _Target(Protocol):
+    """What ``models`` and ``infer`` need, from a running daemon (IPC client) or from a local Server."""
+
+    def infer(self, model: str, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]: ...
+
+    def model_metadata(self, model: str) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def configure_logging(verbose: int, fmt: str) -> None:
+    """One logging set-up for the process; under journald (JOURNAL_STREAM set) timestamps are left out."""
+    level = logging.DEBUG if verbose > 0 else logging.INFO
+    if fmt == "json":
+        formatter: logging.Formatter = _JsonFormatter()
+    elif os.environ.get("JOURNAL_STREAM") and fmt == "default":
+        formatter = logging.Formatter("<%(levelno)s>%(name)s: %(message)s")
+    else:
+        datefmt = "%Y-%m-%dT%H:%M:%S" if fmt == "ISO8601" else None
+        formatter = logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt)
+    handler = logging.StreamHandler()
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {"ts": record.created, "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge-server", description=__doc__)
+    parser.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
+    parser.add_argument("--log-format", choices=["default", "ISO8601", "json"], default="default")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the server on a model repository")
+    serve.add_argument("--model-repository", type=Path, default=None, help="default: the bundled models/")
+    serve.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
+    serve.add_argument(
+        "--load-model", action="append", default=[], metavar="NAME", help="explicit mode: load NAME ('*': all)"
+    )
+    serve.add_argument("--ipc", default=None, metavar="ADDRESS", help="ipc://PATH or tcp://127.0.0.1:PORT")
+    serve.add_argument("--no-ipc", action="store_true", help="serve no IPC frontend (in-process use only)")
+    serve.add_argument("--max-message-bytes", type=int, default=256 << 20)
+    serve.add_argument(
+        "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
+    )
+
+    for name, help_text in (("models", "list models, versions and their state"), ("infer", "run one request")):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("--ipc", default=None, metavar="ADDRESS", help="ask this running daemon")
+        sub.add_argument(
+            "--model-repository", type=Path, default=None, help="without --ipc: load this repository locally"
+        )
+        if name == "infer":
+            sub.add_argument("model")
+            sub.add_argument("--model-version", type=int, default=None)
+            sub.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
+            sub.add_argument("--image", type=Path, default=None, help="an image file for a one-input image model")
+            sub.add_argument("--output", action="append", default=None, metavar="NAME")
+            sub.add_argument("--top", type=int, default=3, help="classes to print for classification outputs")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_verbose, args.log_format)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "models":
+            return _models(args)
+        return _infer(args)
+    except EdgeServerError as exc:
+        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from edge_server.daemon import Daemon, DaemonOptions
+
+    options = DaemonOptions(
+        model_repository=args.model_repository,
+        model_control_mode=args.model_control_mode,
+        load_models=tuple(args.load_model),
+        ipc_address="" if args.no_ipc else args.ipc,
+        max_message_bytes=args.max_message_bytes,
+        drain_timeout=args.exit_timeout_secs,
+    )
+    return Daemon(options).run()
+
+
+def _connect(args: argparse.Namespace) -> tuple[Any, bool]:
+    """A client of the daemon at --ipc, or a local Server on --model-repository; and which one it is."""
+    if args.ipc:
+        from edge_server.client import Client
+
+        return Client(args.ipc), True
+    from edge_server.server import Server
+
+    logging.getLogger().setLevel(logging.WARNING)  # a local load should not drown the answer in logs
+    return Server(args.model_repository), False
+
+
+def _models(args: argparse.Namespace) -> int:
+    target, remote = _connect(args)
+    try:
+        if remote:
+            rows = [(m["name"], m["version"], m["state"], m.get("reason", "")) for m in target.models()]
+        else:
+            rows = [(s.name, s.version, s.state.value, s.reason) for s in target.models()]
+    finally:
+        target.close()
+    print(f"{'MODEL':<24} {'VERSION':<8} {'STATE':<12} REASON")
+    for name, version, state, reason in rows:
+        print(f"{name:<24} {'-' if version is None else version!s:<8} {state:<12} {reason}")
+    return 0
+
+
+def _infer(args: argparse.Namespace) -> int:
+    target, remote = _connect(args)
+    try:
+        metadata = target.model_metadata(args.model)
+        inputs = _read_inputs(args, metadata)
+        outputs = target.infer(args.model, inputs, version=args.model_version, outputs=args.output)
+        labels = {} if remote else _labels(target, args.model)
+    finally:
+        target.close()
+    for name, array in outputs.items():
+        print(f"{name}: {array.dtype} {list(array.shape)}")
+        print(np.array2string(array, threshold=64, precision=5))
+        if name in labels and array.ndim >= 1 and array.dtype.kind == "f":
+            scores = array.reshape(-1, array.shape[-1])[0]
+            top = np.argsort(scores)[::-1][: args.top]
+            for rank, index in enumerate(top, 1):
+                print(f"  #{rank}: {labels[name][index]} ({scores[index]:.4f})")
+    return 0
+
+
+def _read_inputs(args: argparse.Namespace, metadata: dict[str, Any]) -> dict[str, np.ndarray]:
+    inputs: dict[str, np.ndarray] = {}
+    for item in args.input:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise EdgeServerError(f"--input expects NAME=FILE.npy, got {item!r}")
+        array = np.load(path, allow_pickle=False)
+        spec = next((t for t in metadata["inputs"] if t["name"] == name), None)
+        if spec is not None and array.ndim == len(spec["shape"]) - 1 and spec["shape"][:1] == [-1]:
+            array = array[None]  # a single sample for a batching model: add the batch axis
+        inputs[name] = array
+    if args.image is not None:
+        if len(metadata["inputs"]) != 1:
+            raise EdgeServerError(f"--image needs a model with one input; {args.model!r} has {metadata['inputs']}")
+        spec = metadata["inputs"][0]
+        inputs[spec["name"]] = image_tensor(args.image, spec)
+    if not inputs:
+        raise EdgeServerError("give --input NAME=FILE.npy (repeatable) or --image FILE")
+    return inputs
+
+
+def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
+    """Load an image as the tensor a KServe input spec asks for: CHW or HWC, 1 or 3 channels, resized.
+
+    Float inputs are scaled to [0, 1]; integer inputs keep 0..255.  A leading -1 in the shape is the
+    batch axis and becomes 1.
+    """
+    import cv2
+
+    shape = list(spec["shape"])
+    batched = len(shape) == 4 or (len(shape) == 3 and shape[0] == -1)
+    dims = shape[1:] if batched else shape
+    if len(dims) == 2:
+        channels, chw, (height, width) = 1, False, dims
+    elif dims[0] in (1, 3):
+        channels, chw, height, width = dims[0], True, dims[1], dims[2]
+    elif dims[-1] in (1, 3):
+        channels, chw, height, width = dims[-1], False, dims[0], dims[1]
+    else:
+        raise EdgeServerError(f"--image: cannot tell the channel axis of input shape {shape}")
+    image = cv2.imread(str(path), cv2.IMREAD_GRAYSCALE if channels == 1 else cv2.IMREAD_COLOR)
+    if image is None:
+        raise EdgeServerError(f"--image: cannot read {path} as an image")
+    if channels == 3:
+        image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    if height > 0 and width > 0:
+        image = cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA)
+    dtype = dtypes.to_numpy(dtypes.from_wire(spec["datatype"]))
+    array = image.astype(dtype) / 255.0 if dtype.kind == "f" else image.astype(dtype)
+    if channels == 1 and len(dims) == 3:
+        array = array[None] if chw else array[..., None]
+    elif chw:
+        array = array.transpose(2, 0, 1)
+    array = np.ascontiguousarray(array, dtype=dtype)
+    return array[None] if batched else array
+
+
+def _labels(server: Any, model: str) -> dict[str, list[str]]:
+    config = server.model_config(model)
+    labels: dict[str, list[str]] = {}
+    for spec in config.outputs:
+        if spec.label_filename:
+            path = server.repository / model / spec.label_filename
+            if path.is_file():
+                labels[spec.name] = path.read_text().split("\n")
+    return labels
+
+
+if __name__ == "__main__":
+    sys.exit(main())

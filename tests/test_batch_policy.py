@@ -1,0 +1,105 @@
+"""The batching decision and the request queue, without threads: made-up requests and clocks."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from edge_server.backends.base import BatchItem
+from edge_server.config.model import QueuePolicy
+from edge_server.errors import QueueFull, RequestTimeout
+from edge_server.scheduler.policy import BatchSettings, Decision, next_batch
+from edge_server.scheduler.queue import QueuedRequest, RequestQueue
+
+
+@dataclass
+class R:
+    batch_size: int
+    enqueue_ns: int = 0
+    shape_key: tuple = ()
+
+
+MAX8 = BatchSettings(max_batch_size=8, max_queue_delay_ns=1_000_000)
+
+
+def test_empty_queue_waits_for_anything() -> None:
+    assert next_batch([], 0, MAX8) == Decision(0, 0)
+
+
+def test_without_dynamic_batching_each_request_runs_alone() -> None:
+    settings = BatchSettings(max_batch_size=8, batching=False)
+    assert next_batch([R(2), R(2)], 0, settings) == Decision(1)
+
+
+def test_full_batch_is_sent_at_once_and_never_split() -> None:
+    queue = [R(4), R(2), R(2), R(6), R(2)]
+    assert next_batch(queue, 0, MAX8) == Decision(3)  # 4+2+2 = 8
+    assert next_batch(queue[3:], 0, MAX8) == Decision(2)  # 6+2 = 8
+
+
+def test_batch_that_cannot_grow_is_sent() -> None:
+    assert next_batch([R(4), R(6)], 0, MAX8) == Decision(1)  # 4+6 > 8
+    assert next_batch([R(2), R(2, shape_key=("x", (3,)))], 0, MAX8) == Decision(1)  # other shapes
+
+
+def test_partial_batch_waits_for_the_delay_of_its_oldest_request() -> None:
+    queue = [R(2, enqueue_ns=100), R(2, enqueue_ns=500)]
+    assert next_batch(queue, 600, MAX8) == Decision(0, 1_000_000 - 500)
+    assert next_batch(queue, 100 + 1_000_000, MAX8) == Decision(2)
+
+
+def test_zero_delay_sends_whatever_is_queued() -> None:
+    settings = BatchSettings(max_batch_size=8, max_queue_delay_ns=0)
+    assert next_batch([R(1), R(1)], 0, settings) == Decision(2)
+
+
+def test_preferred_size_is_sent_at_once_largest_first() -> None:
+    settings = BatchSettings(max_batch_size=16, preferred_batch_sizes=frozenset({4, 8}), max_queue_delay_ns=10**9)
+    assert next_batch([R(2), R(2)], 0, settings) == Decision(2)
+    assert next_batch([R(4), R(2), R(2), R(1)], 0, settings) == Decision(3)  # 8 beats 4
+    assert next_batch([R(3), R(3)], 0, settings) == Decision(0, 10**9)  # 6 is not preferred: wait
+
+
+def _request(level: int, enqueue: int, deadline: int = 0, action: str = "REJECT") -> QueuedRequest:
+    item = BatchItem(inputs={"x": np.zeros(1)}, batch_size=1, requested_outputs=())
+    return QueuedRequest(
+        item=item, shape_key=(), level=level, enqueue_ns=enqueue, future=Future(), deadline_ns=deadline,
+        timeout_action=action,
+    )
+
+
+def test_queue_orders_by_priority_then_arrival() -> None:
+    queue = RequestQueue(2, {1: QueuePolicy(), 2: QueuePolicy()})
+    low, high1, high2 = _request(2, 1), _request(1, 2), _request(1, 3)
+    for r in (low, high1, high2):
+        queue.push(r)
+    assert queue.head(10) == [high1, high2, low]
+    assert queue.pop(2) == [high1, high2]
+    assert len(queue) == 1
+
+
+def test_queue_full_is_rejected_per_level() -> None:
+    queue = RequestQueue(2, {1: QueuePolicy(max_queue_size=1), 2: QueuePolicy()})
+    queue.push(_request(1, 0))
+    with pytest.raises(QueueFull, match="max_queue_size"):
+        queue.push(_request(1, 1))
+    queue.push(_request(2, 1))  # another level has its own limit
+
+
+def test_timeouts_reject_or_delay() -> None:
+    queue = RequestQueue(1, {1: QueuePolicy()})
+    rejected = _request(1, 0, deadline=100, action="REJECT")
+    delayed = _request(1, 1, deadline=100, action="DELAY")
+    fresh = _request(1, 2, deadline=10_000)
+    for r in (rejected, delayed, fresh):
+        queue.push(r)
+    assert queue.expire(50) == []
+    assert queue.expire(200) == [rejected]
+    with pytest.raises(RequestTimeout):
+        rejected.future.result(timeout=0)
+    assert queue.head(10) == [fresh, delayed]  # delayed goes behind what has not expired
+    assert queue.pop(2) == [fresh, delayed]
+    assert queue.expire(10**9) == []

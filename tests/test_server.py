@@ -1,0 +1,329 @@
+"""The in-process API on a Triton-style repository written the way a Triton user writes one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from edge_server import ModelState, Server
+from edge_server.errors import (
+    InvalidArgument,
+    ModelExecutionError,
+    ModelNotFound,
+    ModelNotReady,
+    ServerShuttingDown,
+)
+from tests.onnx_factory import affine_model
+
+ADDER_CONFIG = """
+name: "adder"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+version_policy: { latest: { num_versions: 2 } }
+input [
+  {
+    name: "INPUT0"
+    data_type: TYPE_FP32
+    dims: [ 4 ]
+  }
+]
+output [
+  {
+    name: "OUTPUT0"
+    data_type: TYPE_FP32
+    dims: [ 4 ]
+  }
+]
+instance_group [ { count: 2, kind: KIND_CPU } ]
+dynamic_batching { max_queue_delay_microseconds: 100 }
+optimization { cuda { graphs: true } }
+"""
+
+PY_CONFIG = """
+name: "pyscale"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ -1 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ -1 ] } ]
+"""
+
+PY_MODEL = '''
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        out = pb_utils.get_output_config_by_name(config, "OUT")
+        self.dtype = pb_utils.triton_string_to_numpy(out["data_type"])
+        self.version = int(args["model_version"])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            if x.size and x[0] < 0:
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError("negative input rejected")))
+                continue
+            if x.size and x[0] == 999:
+                raise RuntimeError("user code blew up")
+            out = pb_utils.Tensor("OUT", (x * 3).astype(self.dtype))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+        return responses
+
+    def finalize(self):
+        pass
+'''
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    write(root / "adder" / "config.pbtxt", ADDER_CONFIG)
+    affine_model(root / "adder" / "1" / "model.onnx", offset=1.0)
+    affine_model(root / "adder" / "2" / "model.onnx", offset=2.0)
+    affine_model(root / "adder" / "3" / "model.onnx", offset=3.0)
+    (root / "adder" / "notes").mkdir()  # non-numeric: ignored
+    write(root / "pyscale" / "config.pbtxt", PY_CONFIG)
+    write(root / "pyscale" / "1" / "model.py", PY_MODEL)
+    # No config.pbtxt at all: completed from the ONNX graph.
+    affine_model(root / "noconfig" / "1" / "model.onnx", offset=5.0, dims=("n", 3))
+    # default_model_filename instead of model.onnx.
+    write(
+        root / "renamed" / "config.pbtxt",
+        'platform: "onnxruntime_onnx"\ndefault_model_filename: "custom.onnx"\nmax_batch_size: 0\n',
+    )
+    affine_model(root / "renamed" / "1" / "custom.onnx", offset=7.0, dims=(2,))
+    affine_model(root / ".hidden" / "1" / "model.onnx")
+    return root
+
+
+@pytest.fixture
+def server(repo: Path):
+    with Server(repo) as srv:
+        yield srv
+
+
+def direct(path: Path, name: str, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {name: x})[0]
+
+
+def test_repository_loads_with_triton_layout(server: Server) -> None:
+    states = {(s.name, s.version): s.state for s in server.models()}
+    assert states == {
+        ("adder", 3): ModelState.READY,
+        ("adder", 2): ModelState.READY,
+        ("noconfig", 1): ModelState.READY,
+        ("pyscale", 1): ModelState.READY,
+        ("renamed", 1): ModelState.READY,
+    }
+
+
+def test_outputs_equal_direct_onnxruntime_bit_for_bit(server: Server, repo: Path) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    for version in (2, 3):
+        got = server.infer("adder", {"INPUT0": x}, version=version)["OUTPUT0"]
+        want = direct(repo / "adder" / str(version) / "model.onnx", "INPUT0", x)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    latest = server.infer("adder", {"INPUT0": x})["OUTPUT0"]
+    np.testing.assert_array_equal(latest, x + 3.0)
+    y = rng.standard_normal(2).astype(np.float32)
+    np.testing.assert_array_equal(server.infer("renamed", {"INPUT0": y})["OUTPUT0"], y + 7.0)
+
+
+def test_config_completed_from_onnx_graph(server: Server) -> None:
+    config = server.model_config("noconfig")
+    assert config.max_batch_size == 4  # every axis 0 is dynamic: Triton's default-max-batch-size
+    assert config.inputs[0].name == "INPUT0" and config.inputs[0].dims == (3,)
+    assert config.inputs[0].data_type == "TYPE_FP32"
+    assert config.platform == "onnxruntime_onnx"
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_array_equal(server.infer("noconfig", {"INPUT0": x})["OUTPUT0"], x + 5.0)
+    meta = server.model_metadata("adder")
+    assert meta["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 4]}]
+    assert meta["versions"] == ["2", "3"]
+
+
+def test_unsupported_triton_field_warns_by_name(repo: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING), Server(repo):
+        pass
+    assert any("optimization.cuda" in r.getMessage() for r in caplog.records)
+
+
+def test_python_model_triton_interface(server: Server) -> None:
+    out = server.infer("pyscale", {"IN": np.array([1.0, 2.0], np.float32)})
+    np.testing.assert_array_equal(out["OUT"], np.array([3.0, 6.0], np.float32))
+
+
+def test_python_model_errors_are_per_request(server: Server) -> None:
+    with pytest.raises(ModelExecutionError, match="negative input rejected"):
+        server.infer("pyscale", {"IN": np.array([-1.0], np.float32)})
+    with pytest.raises(ModelExecutionError, match="user code blew up"):
+        server.infer("pyscale", {"IN": np.array([999.0], np.float32)})
+    # The model and the server keep serving.
+    assert server.infer("pyscale", {"IN": np.array([2.0], np.float32)})["OUT"][0] == 6.0
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "kwargs", "error", "message"),
+    [
+        ("nope", {"INPUT0": np.zeros((1, 4), np.float32)}, {}, ModelNotFound, "unknown model 'nope'"),
+        ("adder", {"INPUT0": np.zeros((1, 4), np.float32)}, {"version": 1}, ModelNotFound, "no version 1"),
+        ("adder", {}, {}, InvalidArgument, "missing input 'INPUT0'"),
+        (
+            "adder",
+            {"INPUT0": np.zeros((1, 4), np.float32), "EXTRA": np.zeros(1)},
+            {},
+            InvalidArgument,
+            "has no input 'EXTRA'",
+        ),
+        ("adder", {"INPUT0": np.zeros((1, 4), np.float64)}, {}, InvalidArgument, "expected TYPE_FP32"),
+        ("adder", {"INPUT0": np.zeros(4, np.float32)}, {}, InvalidArgument, r"expected shape \[batch, 4\]"),
+        ("adder", {"INPUT0": np.zeros((1, 5), np.float32)}, {}, InvalidArgument, r"got \[1, 5\]"),
+        ("adder", {"INPUT0": np.zeros((9, 4), np.float32)}, {}, InvalidArgument, "batch size 9"),
+        ("adder", {"INPUT0": [[0.0] * 4]}, {}, InvalidArgument, "expected a numpy array"),
+        (
+            "adder",
+            {"INPUT0": np.zeros((1, 4), np.float32)},
+            {"outputs": ["NOPE"]},
+            InvalidArgument,
+            "has no output 'NOPE'",
+        ),
+        ("adder", {"INPUT0": np.zeros((1, 4), np.float32)}, {"priority": -1}, InvalidArgument, "priority"),
+        ("pyscale", {"IN": np.zeros((2, 2), np.float32)}, {}, InvalidArgument, r"expected shape \[-1\]"),
+    ],
+)
+def test_bad_requests_get_precise_errors(
+    server: Server, model: str, inputs: dict, kwargs: dict, error: type, message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        server.infer(model, inputs, **kwargs)
+    assert server.infer("adder", {"INPUT0": np.zeros((1, 4), np.float32)})["OUTPUT0"][0, 0] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("config", "files", "reason"),
+    [
+        ("max_batch_sizee: 8\n", True, "max_batch_sizee"),
+        (
+            'platform: "onnxruntime_onnx"\ninput [{ name: "INPUT0", data_type: TYPE_FLOAT33, dims: [4] }]\n',
+            True,
+            "TYPE_FLOAT33",
+        ),
+        ('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n', False, "model file 'model.onnx' is missing"),
+        (
+            'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+            'input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [5] }]\n'
+            'output [{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [4] }]\n',
+            True,
+            r"dims \[5\] but the ONNX model has \[4\]",
+        ),
+        (
+            'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+            'input [{ name: "INPUT0", data_type: TYPE_INT32, dims: [4] }]\n',
+            True,
+            "data_type TYPE_INT32 but the ONNX model has TYPE_FP32",
+        ),
+        ("", None, "no config.pbtxt naming a backend"),
+    ],
+)
+def test_broken_model_fails_alone(repo: Path, config: str, files: bool | None, reason: str) -> None:
+    broken = repo / "broken"
+    write(broken / "config.pbtxt", config)
+    if files:
+        affine_model(broken / "1" / "model.onnx")
+    else:
+        (broken / "1").mkdir(parents=True)
+        if files is None:
+            (broken / "config.pbtxt").unlink()
+    with Server(repo) as server:
+        (status,) = [s for s in server.models() if s.name == "broken"]
+        assert status.state == ModelState.UNAVAILABLE
+        assert re.search(reason, status.reason), status.reason
+        with pytest.raises(ModelNotReady):
+            server.infer("broken", {"INPUT0": np.zeros((1, 4), np.float32)})
+        assert server.infer("adder", {"INPUT0": np.zeros((1, 4), np.float32)})["OUTPUT0"][0, 0] == 3.0
+
+
+def test_version_policies(repo: Path) -> None:
+    config = repo / "adder" / "config.pbtxt"
+    for policy, expected in (
+        ("{ all: {} }", [3, 2, 1]),
+        ("{ specific: { versions: [1, 3] } }", [3, 1]),
+        ("{ latest: { num_versions: 1 } }", [3]),
+    ):
+        config.write_text(ADDER_CONFIG.replace("{ latest: { num_versions: 2 } }", policy))
+        with Server(repo) as server:
+            assert [s.version for s in server.models() if s.name == "adder"] == expected
+
+
+def test_async_infer_many_in_flight(server: Server) -> None:
+    async def run() -> list[dict[str, np.ndarray]]:
+        tasks = [
+            server.infer_async("adder", {"INPUT0": np.full((1, 4), i, np.float32)}) for i in range(50)
+        ]
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    for i, out in enumerate(results):
+        np.testing.assert_array_equal(out["OUTPUT0"], np.full((1, 4), i + 3.0, np.float32))
+
+
+def test_statistics_count_requests(server: Server) -> None:
+    for _ in range(3):
+        server.infer("adder", {"INPUT0": np.zeros((2, 4), np.float32)})
+    (stats,) = server.statistics("adder", version=3)
+    assert stats["inference_count"] == 6
+    assert stats["inference_stats"]["success"]["count"] == 3
+    assert stats["execution_count"] <= 3
+    assert stats["inference_stats"]["compute_infer"]["ns"] > 0
+
+
+def test_control_mode_none_refuses_load(server: Server) -> None:
+    with pytest.raises(InvalidArgument, match="model control is disabled"):
+        server.load_model("adder")
+
+
+def test_explicit_mode_loads_only_named_models(repo: Path) -> None:
+    with Server(repo, model_control_mode="explicit", load_models=["pyscale"]) as server:
+        assert {s.name for s in server.models()} == {"pyscale"}
+        with pytest.raises(ModelNotFound):
+            server.infer("adder", {"INPUT0": np.zeros((1, 4), np.float32)})
+        server.load_model("adder")
+        assert server.infer("adder", {"INPUT0": np.zeros((1, 4), np.float32)})["OUTPUT0"][0, 0] == 3.0
+        server.unload_model("adder")
+        with pytest.raises(ModelNotReady, match="unloaded"):
+            server.infer("adder", {"INPUT0": np.zeros((1, 4), np.float32)})
+
+
+def test_closed_server_refuses_requests(repo: Path) -> None:
+    server = Server(repo)
+    server.close()
+    with pytest.raises(ServerShuttingDown):
+        server.infer("adder", {"INPUT0": np.zeros((1, 4), np.float32)})
+    server.close()  # idempotent
+
+
+def test_example_repository_digits_are_classified(example_repository: Path) -> None:
+    with Server(example_repository) as server:
+        for label in (0, 3, 7):
+            x = np.load(example_repository / "digits" / "samples" / f"digit_{label}.npy")[None]
+            assert int(server.infer("digits", {"image": x})["probabilities"].argmax()) == label
