@@ -49,7 +49,12 @@ def configure_logging(verbose: int, fmt: str) -> None:
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return json.dumps(
-            {"ts": record.created, "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+            {
+                "ts": record.created,
+                "level": record.levelname,
+                "logger": record.name,
+                "msg": record.getMessage(),
+            }
         )
 
 
@@ -63,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-repository", type=Path, default=None, help="default: the bundled models/")
     serve.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
     serve.add_argument(
-        "--load-model", action="append", default=[], metavar="NAME", help="explicit mode: load NAME ('*': all)"
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="explicit mode: load NAME ('*': all)",
     )
     serve.add_argument("--ipc", default=None, metavar="ADDRESS", help="ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--no-ipc", action="store_true", help="serve no IPC frontend (in-process use only)")
@@ -72,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
     )
 
-    for name, help_text in (("models", "list models, versions and their state"), ("infer", "run one request")):
+    for name, help_text in (
+        ("models", "list models, versions and their state"),
+        ("infer", "run one request"),
+    ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--ipc", default=None, metavar="ADDRESS", help="ask this running daemon")
         sub.add_argument(
@@ -82,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("model")
             sub.add_argument("--model-version", type=int, default=None)
             sub.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
-            sub.add_argument("--image", type=Path, default=None, help="an image file for a one-input image model")
+            sub.add_argument(
+                "--image", type=Path, default=None, help="an image file for a one-input image model"
+            )
             sub.add_argument("--output", action="append", default=None, metavar="NAME")
             sub.add_argument("--top", type=int, default=3, help="classes to print for classification outputs")
     return parser
@@ -178,7 +192,9 @@ def _read_inputs(args: argparse.Namespace, metadata: dict[str, Any]) -> dict[str
         inputs[name] = array
     if args.image is not None:
         if len(metadata["inputs"]) != 1:
-            raise EdgeServerError(f"--image needs a model with one input; {args.model!r} has {metadata['inputs']}")
+            raise EdgeServerError(
+                f"--image needs a model with one input; {args.model!r} has {metadata['inputs']}"
+            )
         spec = metadata["inputs"][0]
         inputs[spec["name"]] = image_tensor(args.image, spec)
     if not inputs:

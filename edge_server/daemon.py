@@ -58,9 +58,7 @@ class Daemon:
                 frontend.start()
                 log.info("serving on %s", address)
             ready = [s for s in server.models() if s.state.value == "READY"]
-            log.info(
-                "edge-server ready: %d model version(s) serving from %s", len(ready), server.repository
-            )
+            log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
             self._loop(server)
         finally:
             log.info("stopping: draining requests")

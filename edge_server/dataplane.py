@@ -74,12 +74,12 @@ def validate(config: ModelConfig, request: InferRequest) -> tuple[BatchItem, Has
             raise InvalidArgument(f"{where}: expected {spec.data_type} ({expected}), got {array.dtype}")
         shape = array.shape
         dims = shape[1:] if batched else shape
-        if len(dims) != len(spec.dims) or len(shape) < (1 if batched else 0) or any(
-            want >= 0 and got != want for want, got in zip(spec.dims, dims, strict=False)
+        if (
+            len(dims) != len(spec.dims)
+            or len(shape) < (1 if batched else 0)
+            or any(want >= 0 and got != want for want, got in zip(spec.dims, dims, strict=False))
         ):
-            raise InvalidArgument(
-                f"{where}: expected shape {_describe(spec, batched)}, got {list(shape)}"
-            )
+            raise InvalidArgument(f"{where}: expected shape {_describe(spec, batched)}, got {list(shape)}")
         if batched:
             rows = shape[0]
             if rows < 1 or rows > config.max_batch_size:
@@ -112,7 +112,9 @@ def _requested_outputs(config: ModelConfig, requested: Sequence[str] | None) -> 
         return names
     for name in requested:
         if name not in names:
-            raise InvalidArgument(f"model {config.name!r} has no output {name!r}; its outputs are {list(names)}")
+            raise InvalidArgument(
+                f"model {config.name!r} has no output {name!r}; its outputs are {list(names)}"
+            )
     return tuple(dict.fromkeys(requested))
 
 
@@ -186,12 +188,12 @@ class DataPlane:
             chosen = {name: serving.get(name, {})}
         else:
             chosen = serving
-        return [loaded.stats.as_dict() for versions in chosen.values() for _, loaded in sorted(versions.items())]
+        return [
+            loaded.stats.as_dict() for versions in chosen.values() for _, loaded in sorted(versions.items())
+        ]
 
 
-def _chain(
-    future: Future[dict[str, np.ndarray]], transform: Any
-) -> Future[dict[str, np.ndarray]]:
+def _chain(future: Future[dict[str, np.ndarray]], transform: Any) -> Future[dict[str, np.ndarray]]:
     chained: Future[dict[str, np.ndarray]] = Future()
 
     def done(source: Future[dict[str, np.ndarray]]) -> None:

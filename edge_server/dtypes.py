@@ -50,7 +50,7 @@ def config_names() -> list[str]:
 
 
 def to_numpy(config_type: str) -> np.dtype:
-    """numpy dtype for a config type name such as ``TYPE_FP32``."""
+    """Numpy dtype for a config type name such as ``TYPE_FP32``."""
     try:
         return _TABLE[config_type][1]
     except KeyError:

@@ -87,3 +87,104 @@ class BackendUnavailable(EdgeServerError):
 
     code = "BACKEND_UNAVAILABLE"
     http_status = 400
+
+
+# -- IPC protocol and shared memory (edge_server.ipc, edge_server.client) --------------------------
+
+
+class ProtocolError(EdgeServerError):
+    """A message on the IPC socket does not follow the wire protocol (docs/protocol.md)."""
+
+    code = "PROTOCOL_ERROR"
+    http_status = 400
+
+
+class MalformedMessage(ProtocolError):
+    """Garbage or truncated frames, a header that is not msgpack, a missing or mistyped field."""
+
+    code = "MALFORMED_MESSAGE"
+
+
+class UnsupportedProtocolVersion(ProtocolError):
+    """The message carries a protocol version this server does not speak."""
+
+    code = "UNSUPPORTED_VERSION"
+
+
+class UnknownOperation(ProtocolError):
+    """The header's ``op`` names no operation of this protocol version."""
+
+    code = "UNKNOWN_OP"
+
+
+class TensorSizeMismatch(ProtocolError):
+    """A tensor's bytes (inline frame or shared-memory reference) disagree with its datatype and shape."""
+
+    code = "TENSOR_SIZE_MISMATCH"
+
+
+class MessageTooLarge(ProtocolError):
+    """The message is larger than the configured limit; send big tensors through shared memory."""
+
+    code = "MESSAGE_TOO_LARGE"
+    http_status = 413
+
+
+class SharedMemoryError(EdgeServerError):
+    """A shared-memory registration or reference cannot be honoured."""
+
+    code = "SHM_ERROR"
+    http_status = 400
+
+
+class ShmNotRegistered(SharedMemoryError):
+    """The reference names a region this client has not registered (or has unregistered)."""
+
+    code = "SHM_NOT_REGISTERED"
+
+
+class ShmOutOfBounds(SharedMemoryError):
+    """offset + byte_size reaches past the end of the registered region, or an output does not fit."""
+
+    code = "SHM_OUT_OF_BOUNDS"
+
+
+class ShmNameRejected(SharedMemoryError):
+    """The segment name is outside the configured prefix or contains characters a name may not have."""
+
+    code = "SHM_NAME_REJECTED"
+
+
+class ShmUnavailable(SharedMemoryError):
+    """The segment does not exist, is not a regular shared-memory file, or cannot be mapped."""
+
+    code = "SHM_UNAVAILABLE"
+
+
+class ShmAlreadyRegistered(SharedMemoryError):
+    """This client already registered a region under that name."""
+
+    code = "SHM_ALREADY_REGISTERED"
+
+
+class AddressInUse(EdgeServerError):
+    """Another live daemon already listens on the IPC address."""
+
+    code = "ADDRESS_IN_USE"
+    http_status = 500
+
+
+class ConnectionLost(EdgeServerError):
+    """Client side: the daemon went away while the request was in flight; its reply will never come.
+
+    The client reconnects by itself; the same request sent again after the daemon is back succeeds.
+    """
+
+    code = "CONNECTION_LOST"
+    http_status = 503
+
+
+class ReplyTimeout(RequestTimeout):
+    """Client side: no reply within the caller's timeout (the daemon may be down or overloaded)."""
+
+    code = "TIMEOUT"

@@ -111,7 +111,7 @@ class Server:
         priority: int = 0,
         timeout_us: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """Run one request and wait for its outputs; raises an :class:`EdgeServerError` subclass on failure."""
+        """Run one request and wait for its outputs; failures raise an :class:`EdgeServerError`."""
         return self.submit(
             model, inputs, version=version, outputs=outputs, priority=priority, timeout_us=timeout_us
         ).result()

@@ -57,7 +57,9 @@ def test_zero_delay_sends_whatever_is_queued() -> None:
 
 
 def test_preferred_size_is_sent_at_once_largest_first() -> None:
-    settings = BatchSettings(max_batch_size=16, preferred_batch_sizes=frozenset({4, 8}), max_queue_delay_ns=10**9)
+    settings = BatchSettings(
+        max_batch_size=16, preferred_batch_sizes=frozenset({4, 8}), max_queue_delay_ns=10**9
+    )
     assert next_batch([R(2), R(2)], 0, settings) == Decision(2)
     assert next_batch([R(4), R(2), R(2), R(1)], 0, settings) == Decision(3)  # 8 beats 4
     assert next_batch([R(3), R(3)], 0, settings) == Decision(0, 10**9)  # 6 is not preferred: wait
@@ -66,7 +68,12 @@ def test_preferred_size_is_sent_at_once_largest_first() -> None:
 def _request(level: int, enqueue: int, deadline: int = 0, action: str = "REJECT") -> QueuedRequest:
     item = BatchItem(inputs={"x": np.zeros(1)}, batch_size=1, requested_outputs=())
     return QueuedRequest(
-        item=item, shape_key=(), level=level, enqueue_ns=enqueue, future=Future(), deadline_ns=deadline,
+        item=item,
+        shape_key=(),
+        level=level,
+        enqueue_ns=enqueue,
+        future=Future(),
+        deadline_ns=deadline,
         timeout_action=action,
     )
 

@@ -163,7 +163,9 @@ def test_queue_timeout_rejects_and_override_is_honoured(tmp_path: Path) -> None:
         max_batch_size=1,
         extra="""
         dynamic_batching {
-          default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 50000 allow_timeout_override: true }
+          default_queue_policy {
+            timeout_action: REJECT default_timeout_microseconds: 50000 allow_timeout_override: true
+          }
         }
         """,
     )

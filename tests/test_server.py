@@ -54,7 +54,7 @@ input [ { name: "IN", data_type: TYPE_FP32, dims: [ -1 ] } ]
 output [ { name: "OUT", data_type: TYPE_FP32, dims: [ -1 ] } ]
 """
 
-PY_MODEL = '''
+PY_MODEL = """
 import json
 
 import numpy as np
@@ -84,7 +84,7 @@ class TritonPythonModel:
 
     def finalize(self):
         pass
-'''
+"""
 
 
 def write(path: Path, text: str) -> None:
@@ -277,9 +277,7 @@ def test_version_policies(repo: Path) -> None:
 
 def test_async_infer_many_in_flight(server: Server) -> None:
     async def run() -> list[dict[str, np.ndarray]]:
-        tasks = [
-            server.infer_async("adder", {"INPUT0": np.full((1, 4), i, np.float32)}) for i in range(50)
-        ]
+        tasks = [server.infer_async("adder", {"INPUT0": np.full((1, 4), i, np.float32)}) for i in range(50)]
         return await asyncio.gather(*tasks)
 
     results = asyncio.run(run())

@@ -1,5 +1,7 @@
-"""Backend registry: maps a backend name to an import string, so that importing edge_server never
-imports onnxruntime, TensorRT or CUDA until a model needs them."""
+"""Backend registry: a backend name maps to an import string.
+
+So importing edge_server never imports onnxruntime, TensorRT or CUDA until a model needs them.
+"""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class LoadContext:
 
 @dataclass
 class BatchItem:
-    """One validated request inside a batch.  ``inputs`` already have the batch axis where the model has one."""
+    """One validated request in a batch; ``inputs`` carry the batch axis where the model has one."""
 
     inputs: dict[str, np.ndarray]
     batch_size: int
@@ -54,7 +54,7 @@ class BatchItem:
 
 @dataclass
 class Timing:
-    """Durations a backend reports for one batch, in nanoseconds; Triton's compute-input/infer/output split."""
+    """Nanoseconds a backend spent on one batch, split as Triton's compute input/infer/output."""
 
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
@@ -156,4 +156,3 @@ def scatter(outputs: dict[str, np.ndarray], batch: Sequence[BatchItem], *, batch
         results.append({name: outputs[name][start:stop] for name in item.requested_outputs})
         start = stop
     return results
-

@@ -59,12 +59,15 @@ def _check_or_fill(
         dtype, dims = by_name[spec.name]
         if spec.data_type != dtype:
             raise ConfigError(
-                f"{source}: {role} {spec.name!r} has data_type {spec.data_type} but the ONNX model has {dtype}"
+                f"{source}: {role} {spec.name!r} has data_type {spec.data_type} "
+                f"but the ONNX model has {dtype}"
             )
         model_dims = dims[1:] if batched and dims else dims
         want = list(spec.reshape if spec.reshape is not None else spec.dims)
         if batched and not dims:
-            raise ConfigError(f"{source}: {role} {spec.name!r} is a scalar in the model but max_batch_size > 0")
+            raise ConfigError(
+                f"{source}: {role} {spec.name!r} is a scalar in the model but max_batch_size > 0"
+            )
         if len(want) != len(model_dims) or any(
             m != -1 and w != -1 and m != w for w, m in zip(want, model_dims, strict=False)
         ):

@@ -117,7 +117,7 @@ def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[s
 
 
 def triton_string_to_numpy(triton_type: str) -> type:
-    """numpy scalar type for a config name such as ``TYPE_FP32`` (Triton returns the type, not a dtype)."""
+    """Numpy scalar type for a config name such as ``TYPE_FP32`` (Triton returns the type, not a dtype)."""
     return dtypes.to_numpy(triton_type).type
 
 

@@ -164,4 +164,3 @@ class PythonBackend(Backend):
             except Exception:
                 log.exception("%s: finalize() raised", self._name)
         self._model = None
-

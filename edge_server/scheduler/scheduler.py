@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerClosed(ServerShuttingDown):
-    """This version stopped taking requests (it is being replaced or unloaded); route to another."""
+    """The version stopped taking requests (being replaced or unloaded); route to another."""
 
 
 def batch_settings(config: ModelConfig) -> BatchSettings:
@@ -42,9 +42,7 @@ def batch_settings(config: ModelConfig) -> BatchSettings:
 
 
 class ModelScheduler:
-    def __init__(
-        self, config: ModelConfig, instances: list[tuple[str, Backend]], stats: ModelStats
-    ) -> None:
+    def __init__(self, config: ModelConfig, instances: list[tuple[str, Backend]], stats: ModelStats) -> None:
         self._config = config
         self._stats = stats
         self._settings = batch_settings(config)
