@@ -1,0 +1,66 @@
+"""The ``edge-server`` command line, run as a real subprocess (local mode: no daemon)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "edge_server", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_models_lists_states(example_repository: Path) -> None:
+    result = cli("models", "--model-repository", str(example_repository))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["MODEL", "VERSION", "STATE", "REASON"]
+    rows = {line.split()[0]: line.split()[1:3] for line in lines[1:]}
+    assert rows["digits"] == ["1", "READY"]
+    assert rows["preprocess"] == ["1", "READY"]
+
+
+def test_infer_image_prints_the_right_class(example_repository: Path) -> None:
+    image = example_repository / "digits" / "samples" / "digit_7.png"
+    result = cli("infer", "digits", "--image", str(image), "--model-repository", str(example_repository))
+    assert result.returncode == 0, result.stderr
+    assert "probabilities: float32 [1, 10]" in result.stdout
+    assert "#1: 7 (" in result.stdout
+
+
+def test_infer_npy_input(example_repository: Path, tmp_path: Path) -> None:
+    x = np.arange(6, dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    result = cli(
+        "infer",
+        "identity",
+        "--input",
+        f"INPUT0={tmp_path / 'x.npy'}",
+        "--model-repository",
+        str(example_repository),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "OUTPUT0: float32 [6]" in result.stdout
+    assert "[0. 1. 2. 3. 4. 5.]" in result.stdout
+
+
+def test_infer_bad_input_is_a_clear_error(example_repository: Path, tmp_path: Path) -> None:
+    np.save(tmp_path / "bad.npy", np.zeros((2, 2), np.float64))
+    result = cli(
+        "infer",
+        "identity",
+        "--input",
+        f"INPUT0={tmp_path / 'bad.npy'}",
+        "--model-repository",
+        str(example_repository),
+    )
+    assert result.returncode == 1
+    assert "error [INVALID_ARGUMENT]: model 'identity' input 'INPUT0': expected TYPE_FP32" in result.stderr
+    result = cli("infer", "nope", "--input", "x=y.npy", "--model-repository", str(example_repository))
+    assert result.returncode == 1
+    assert "error [MODEL_NOT_FOUND]: unknown model 'nope'" in result.stderr
