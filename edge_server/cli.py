@@ -15,6 +15,7 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.errors import EdgeServerError
+from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
 
 log = logging.getLogger("edge_server")
 
@@ -76,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--ipc", default=None, metavar="ADDRESS", help="ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--no-ipc", action="store_true", help="serve no IPC frontend (in-process use only)")
-    serve.add_argument("--max-message-bytes", type=int, default=256 << 20)
+    serve.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    serve.add_argument(
+        "--shm-prefix", default=DEFAULT_SHM_PREFIX, help="only shared-memory names with this prefix register"
+    )
     serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
     )
@@ -127,6 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
         load_models=tuple(args.load_model),
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
+        shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
     )
     return Daemon(options).run()

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from edge_server.errors import EdgeServerError
+from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
 from edge_server.server import ControlMode, Server
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,8 @@ class DaemonOptions:
     model_control_mode: ControlMode = "none"
     load_models: tuple[str, ...] = ()
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
-    max_message_bytes: int = 256 << 20
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
 
 
@@ -54,7 +56,13 @@ class Daemon:
                 from edge_server.ipc.frontend import IpcFrontend
 
                 address = options.ipc_address or default_address()
-                frontend = IpcFrontend(server, address, max_message_bytes=options.max_message_bytes)
+                frontend = IpcFrontend(
+                    server,
+                    address,
+                    max_message_bytes=options.max_message_bytes,
+                    shm_prefix=options.shm_prefix,
+                    drain_timeout=options.drain_timeout,
+                )
                 frontend.start()
                 log.info("serving on %s", address)
             ready = [s for s in server.models() if s.state.value == "READY"]

@@ -162,7 +162,7 @@ class ShmUnavailable(SharedMemoryError):
 
 
 class ShmAlreadyRegistered(SharedMemoryError):
-    """This client already registered a region under that name."""
+    """The client already registered a region under that name."""
 
     code = "SHM_ALREADY_REGISTERED"
 

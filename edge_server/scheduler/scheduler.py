@@ -165,6 +165,9 @@ class ModelScheduler:
                 if taken is None:
                     return
                 self._run(backend, *taken)
+                # Drop the batch now, not at the next request: its inputs may be views of a client's
+                # shared memory that must be unmapped when the client unregisters it.
+                taken = None
             except Exception:  # the loop never dies: log it and serve the next batch
                 log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
 

@@ -1,0 +1,342 @@
+"""The sync client's socket machinery: leader election, outbox, replies, timeouts, reconnection.
+
+Whoever holds ``_io`` is the *leader* and alone touches the sockets: it sends what callers queued
+in the outbox, receives replies and completes their futures.  A thread that waits for its own reply
+becomes the leader itself when nobody else is (the common case: one thread, one request at a time),
+so a round trip costs no thread hand-off.  When requests are pending and no caller leads (futures from
+``Client.submit``), a background pump thread leads instead; every release of ``_io`` hands over to it
+when work remains, so no request is ever left without a leader.
+
+Reconnection: ZeroMQ reconnects the socket by itself when the daemon restarts.  The socket monitor
+tells the leader; requests already sent fail with ConnectionLost (their replies died with the old
+daemon), requests not yet sent wait in the outbox for the new connection, and the regions this client
+registered are registered again before anything else is sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, wait
+from typing import Any, cast
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from edge_server.client import _wire
+from edge_server.client.shm import SharedMemoryRegion
+from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, ReplyTimeout
+from edge_server.ipc import protocol
+
+log = logging.getLogger(__name__)
+
+# Plain ints: pyzmq's enum flags cost a microsecond per operation on the hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+
+Decoder = Callable[[dict[str, Any], list[Any]], Any]
+
+
+class Call:
+    __slots__ = ("rid", "frames", "decode", "future", "deadline", "sent")
+
+    def __init__(self, rid: int, frames: list[Any], decode: Decoder, deadline: float | None) -> None:
+        self.rid = rid
+        self.frames: list[Any] | None = frames
+        self.decode = decode
+        self.future: Future[Any] = Future()
+        self.deadline = deadline
+        self.sent = False
+
+
+def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # the caller cancelled it
+        pass
+
+
+class Transport:
+    """The socket machinery: leader election, outbox, replies, timeouts, reconnection."""
+
+    def __init__(self, address: str, *, max_message_bytes: int) -> None:
+        self.address = address
+        self.max_message_bytes = max_message_bytes
+        self._ctx = zmq.Context(io_threads=1)
+        sock = self._ctx.socket(zmq.DEALER)
+        # ZMQ_IMMEDIATE stays off: with it on, ZeroMQ discards replies still unread when the connection
+        # drops, and a graceful daemon stop sends its last replies just before closing.  Sends are held
+        # back by the client itself while the monitor says it is disconnected.
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 20)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(address)
+        self._sock = sock
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poll_items: list[tuple[Any, int]] = [
+            (sock, zmq.POLLIN),
+            (self._monitor, zmq.POLLIN),
+            (self._wake_fd, zmq.POLLIN),
+        ]
+        self._pollout = False
+        self._io = threading.Lock()  # leadership
+        self._lock = threading.Lock()  # _pending, _outbox, _deadlines
+        self._work = threading.Condition(self._lock)
+        self._pending: dict[int, Call] = {}
+        self._outbox: collections.deque[Call] = collections.deque()
+        self._deadlines: list[tuple[float, int]] = []
+        self._ids = itertools.count(1)
+        self._connected = False
+        self._was_connected = False
+        self._closed = False
+        self._pump: threading.Thread | None = None
+        self.regions: dict[str, SharedMemoryRegion] = {}  # registered here: re-registered on reconnect
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def enqueue(self, rid: int, frames: list[Any], decode: Decoder, timeout: float | None) -> Call:
+        if self._closed:
+            raise Cancelled("the client is closed")
+        call = Call(rid, frames, decode, None if timeout is None else time.monotonic() + timeout)
+        with self._lock:
+            self._pending[rid] = call
+            self._outbox.append(call)
+            if call.deadline is not None:
+                heapq.heappush(self._deadlines, (call.deadline, rid))
+        return call
+
+    def wait(self, call: Call) -> Any:
+        """Lead until ``call`` is answered, or let the current leader answer it."""
+        future = call.future
+        while not future.done():
+            if self._io.acquire(blocking=False):
+                try:
+                    self._drive(future.done)
+                finally:
+                    self._release()
+            else:
+                self._poke()
+                # The leader sends our call; when it stops leading it hands over to the pump.
+                wait([future], timeout=1.0)
+        return future.result()
+
+    def kick(self) -> None:
+        """Send now if nobody leads, then make sure someone keeps receiving (futures API)."""
+        if self._io.acquire(blocking=False):
+            try:
+                self._service_monitor()
+                self._flush()
+            finally:
+                self._release()
+        else:
+            self._poke()
+
+    def _poke(self) -> None:
+        fd = self._wake_fd
+        if fd >= 0:
+            try:
+                os.eventfd_write(fd, 1)
+            except OSError:  # closed by close() in the meantime
+                pass
+
+    def _release(self) -> None:
+        self._io.release()
+        with self._lock:
+            if self._pending and not self._closed:  # every queued call is also pending
+                if self._pump is None:
+                    self._pump = threading.Thread(
+                        target=self._pump_main, name="edge-client-pump", daemon=True
+                    )
+                    self._pump.start()
+                self._work.notify()
+
+    def _pump_main(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._pending:
+                    self._work.wait()
+                if self._closed:
+                    return
+            if not self._io.acquire(timeout=0.2):
+                continue
+            try:
+                self._drive(lambda: self._closed or not self._pending)
+            finally:
+                self._io.release()
+
+    # -- the leader's loop (caller holds _io) ---------------------------------------------------
+
+    def _drive(self, done: Callable[[], bool]) -> None:
+        sock, monitor = self._sock, self._monitor
+        while True:
+            if cast(int, monitor.get(_EVENTS)) & _POLLIN:
+                self._service_monitor()
+            blocked = self._flush() if self._outbox else False
+            if blocked != self._pollout:
+                self._poll_items[0] = (sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
+                self._pollout = blocked
+            if done():
+                return
+            timeout_ms = -1
+            if self._deadlines:
+                timeout_ms = max(0, int((self._deadlines[0][0] - time.monotonic()) * 1000.0) + 1)
+            for item, revents in zmq.zmq_poll(self._poll_items, timeout_ms):
+                if item is sock:
+                    if revents & zmq.POLLIN:
+                        self._receive()
+                elif item == self._wake_fd:
+                    try:
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
+            if self._deadlines and self._deadlines[0][0] <= time.monotonic():
+                self._expire()
+
+    def _flush(self) -> bool:
+        """Send the outbox; True if the socket could not take more (reconnecting or full)."""
+        if not self._connected:
+            return False  # the monitor's HANDSHAKE_SUCCEEDED wakes the poll
+        outbox = self._outbox
+        while outbox:
+            call = outbox[0]
+            if call.frames is None:  # timed out before it could be sent
+                outbox.popleft()
+                continue
+            try:
+                self._sock.send_multipart(call.frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            outbox.popleft()
+            call.frames = None
+            call.sent = True
+        return False
+
+    def _receive(self) -> None:
+        sock = self._sock
+        while cast(int, sock.get(_EVENTS)) & _POLLIN:
+            frames = sock.recv_multipart(copy=False)
+            try:
+                header = protocol.unpack(frames[0].buffer)
+            except EdgeServerError as exc:
+                log.warning("ignoring a reply that is not protocol: %s", exc.message)
+                continue
+            rid = header.get("id")
+            with self._lock:
+                call = self._pending.pop(rid, None) if isinstance(rid, int) else None
+            if call is None:
+                continue  # a ping, or the reply to a request that already timed out
+            if header.get("ok") is True:
+                try:
+                    _settle(call.future, call.decode(header, frames[1:]))
+                except EdgeServerError as exc:
+                    _settle(call.future, exc=exc)
+            else:
+                _settle(call.future, exc=protocol.error_from_wire(header.get("error")))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        expired: list[Call] = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, rid = heapq.heappop(self._deadlines)
+                call = self._pending.pop(rid, None)
+                if call is not None:
+                    call.frames = None
+                    expired.append(call)
+            if any(not call.sent for call in expired):
+                self._outbox = collections.deque(c for c in self._outbox if c.frames is not None)
+        for call in expired:
+            hint = "" if self._connected else " (not connected: is the daemon running?)"
+            _settle(call.future, exc=ReplyTimeout(f"no reply from {self.address} in time{hint}"))
+
+    def _service_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                self._receive()  # replies that arrived before the connection closed still count
+                self._lost()
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._was_connected:
+                    self._reregister()
+                self._connected = self._was_connected = True
+
+    def _lost(self) -> None:
+        with self._lock:
+            gone = [c for c in self._pending.values() if c.sent]
+            for call in gone:
+                del self._pending[call.rid]
+        for call in gone:
+            _settle(
+                call.future, exc=ConnectionLost(f"the daemon at {self.address} went away before replying")
+            )
+
+    def _reregister(self) -> None:
+        """A new daemon knows none of our regions: register them again ahead of everything queued."""
+        for region in reversed(list(self.regions.values())):
+            rid = self.next_id()
+            frames = _wire.control_message(rid, "shm_register", name=region.name, byte_size=region.byte_size)
+            call = Call(rid, frames, _log_reregister, None)
+            with self._lock:
+                self._pending[rid] = call
+                self._outbox.appendleft(call)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def connected(self) -> bool:
+        """Whether the socket is connected, as far as the monitor has told us."""
+        if self._io.acquire(timeout=0.1):  # a leader stuck on a hung daemon must not block close()
+            try:
+                self._service_monitor()
+            finally:
+                self._release()
+        return self._connected
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending.values())
+            self._pending.clear()
+            self._outbox.clear()
+            self._work.notify_all()
+        self._poke()
+        for call in pending:
+            _settle(call.future, exc=Cancelled("the client was closed before the reply came"))
+        if self._pump is not None:
+            self._pump.join()
+        with self._io:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._sock.close(0)
+            self._ctx.term()
+            fd, self._wake_fd = self._wake_fd, -1
+            os.close(fd)
+
+
+def _log_reregister(header: dict[str, Any], frames: list[Any]) -> None:
+    log.info("re-registered shared-memory region %s after reconnecting", header.get("region"))

@@ -1,0 +1,145 @@
+"""Where the IPC socket lives, and making its file safe to bind.
+
+The default follows the issue: the systemd runtime directory when run as a service
+(``$RUNTIME_DIRECTORY``), else ``$XDG_RUNTIME_DIR/edge-server``, else a per-user directory under the
+temp directory.  Directories this module creates get mode 0700; the socket file gets 0660, so the
+owner and the group (the unit's ``Group=``, e.g. ``video``) may connect and nobody else.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import stat
+import tempfile
+from pathlib import Path
+
+from edge_server.errors import AddressInUse, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "edge-server.sock"
+SOCKET_MODE = 0o660
+DIR_MODE = 0o700
+# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+MAX_IPC_PATH = 107
+
+
+def default_address() -> str:
+    """The ``ipc://`` address a daemon binds and a client connects to when none is given."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY")
+    if runtime:
+        # systemd joins several RuntimeDirectory= entries with ':'; the first is ours.
+        return f"ipc://{Path(runtime.split(':')[0]) / SOCKET_NAME}"
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        directory = Path(xdg) / "edge-server"
+    else:
+        directory = Path(tempfile.gettempdir()) / f"edge-server-{os.getuid()}"
+    _private_dir(directory)
+    return f"ipc://{directory / SOCKET_NAME}"
+
+
+def _private_dir(directory: Path) -> None:
+    """Create ``directory`` 0700, or accept it only if it is ours and closed to others.
+
+    The temp directory is shared by every user: a directory someone else made there must not be used.
+    """
+    try:
+        directory.mkdir(mode=DIR_MODE, parents=True)
+    except FileExistsError:
+        pass
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise InvalidArgument(f"{directory} exists and is not a directory")
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise InvalidArgument(
+            f"{directory} is not a private directory of this user (owner uid {info.st_uid}, mode "
+            f"{stat.S_IMODE(info.st_mode):o}); remove it or pass --ipc"
+        )
+
+
+def ipc_path(address: str) -> Path | None:
+    """The socket file of an ``ipc://`` address; None for other transports."""
+    if not address.startswith("ipc://"):
+        return None
+    return Path(address[len("ipc://") :])
+
+
+def check_address(address: str) -> None:
+    """Reject addresses the daemon should not bind: unknown transports, over-long socket paths."""
+    if address.startswith("tcp://"):
+        host = address[len("tcp://") :].rsplit(":", 1)[0]
+        if host not in ("127.0.0.1", "localhost", "[::1]"):
+            log.warning("IPC frontend on %s: the protocol has no authentication; bind to 127.0.0.1", address)
+        return
+    path = ipc_path(address)
+    if path is None:
+        raise InvalidArgument(f"IPC address {address!r} must start with ipc:// or tcp://")
+    if path.name == "" or address == "ipc://":
+        raise InvalidArgument(f"IPC address {address!r} names no socket file")
+    if len(os.fsencode(str(path))) > MAX_IPC_PATH:
+        raise InvalidArgument(
+            f"IPC socket path {path} is {len(os.fsencode(str(path)))} bytes; the limit is {MAX_IPC_PATH}"
+        )
+
+
+def prepare_bind(address: str) -> None:
+    """Before binding: make the parent directory, and refuse if a live daemon already owns the socket.
+
+    ZeroMQ silently replaces an existing socket file, which would steal the address from a running
+    daemon; a stale file left by a crash is removed here instead.
+    """
+    check_address(address)
+    path = ipc_path(address)
+    if path is None:
+        return
+    if not path.parent.exists():
+        path.parent.mkdir(mode=DIR_MODE, parents=True)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise InvalidArgument(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise
+        log.info("removing stale IPC socket %s", path)
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise AddressInUse(f"another process is serving on {address}; stop it or choose another --ipc address")
+
+
+def secure_socket(address: str) -> None:
+    """After binding: owner and group may connect, nobody else."""
+    path = ipc_path(address)
+    if path is not None:
+        os.chmod(path, SOCKET_MODE)
+
+
+def socket_identity(address: str) -> tuple[int, int] | None:
+    """(device, inode) of the socket file just bound, to recognise it at shutdown."""
+    path = ipc_path(address)
+    if path is None:
+        return None
+    info = os.lstat(path)
+    return info.st_dev, info.st_ino
+
+
+def remove_socket(address: str, identity: tuple[int, int] | None) -> None:
+    """Remove our socket file at shutdown, unless another daemon has bound the path since."""
+    path = ipc_path(address)
+    if path is None or identity is None:
+        return
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (info.st_dev, info.st_ino) == identity:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,332 @@
+"""The daemon's IPC frontend: one ROUTER socket, one thread that owns it.
+
+ZeroMQ sockets are not thread-safe, so a single frontend thread receives, decodes, hands requests to
+the data plane and sends every reply.  Requests complete on scheduler threads; their done-callback
+encodes the reply there (including the copy of an output into the client's shared memory) and queues
+it, then wakes the frontend thread through an eventfd it polls beside the socket.  Sends are
+non-blocking: a client that stops reading loses replies (logged) instead of stalling everyone, and a
+vanished client is noticed (ZMQ_ROUTER_MANDATORY) and its state released.  Load and unload may take
+seconds, so they run on a one-thread control executor, never on the frontend thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from edge_server.errors import (
+    EdgeServerError,
+    MalformedMessage,
+    MessageTooLarge,
+    ServerShuttingDown,
+)
+from edge_server.ipc import addresses, handlers, protocol
+from edge_server.ipc.peers import PeerTable
+
+if TYPE_CHECKING:
+    from edge_server.server import Server
+
+log = logging.getLogger(__name__)
+
+_RECV_BURST = 64  # messages taken per wake-up before replies get their turn
+_HWM = 10_000
+# Plain ints: pyzmq's enum flags cost a microsecond per operation on the hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_PING = protocol.pack({"v": protocol.PROTOCOL_VERSION, "id": None, "op": protocol.PING})
+
+
+class IpcFrontend:
+    """Serves ``server`` on ``address`` (``ipc://PATH`` or ``tcp://127.0.0.1:PORT``).
+
+    ``max_message_bytes`` bounds a whole request; larger ones get MESSAGE_TOO_LARGE.  ZeroMQ itself
+    drops the connection of a peer that sends a single frame over twice that (ZMQ_MAXMSGSIZE), so a
+    hostile client cannot make the daemon allocate without bound.  ``shm_prefix`` is the only name
+    prefix clients may register shared memory under.
+    """
+
+    def __init__(
+        self,
+        server: Server,
+        address: str | None = None,
+        *,
+        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        shm_prefix: str = protocol.DEFAULT_SHM_PREFIX,
+        probe_interval: float = 10.0,
+        drain_timeout: float = 5.0,
+    ) -> None:
+        self.server = server
+        self.address = address or addresses.default_address()
+        self.max_message_bytes = max_message_bytes
+        self.shm_prefix = shm_prefix
+        self.drain_timeout = drain_timeout
+        self._peers = PeerTable(shm_prefix, probe_interval=probe_interval)
+        self._replies: collections.deque[tuple[bytes, list[Any], Future | None]] = collections.deque()
+        self._wake_fd = -1
+        self._wake_lock = threading.Lock()
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-ipc-control")
+        self._stopping = False
+        self._socket_file: tuple[int, int] | None = None
+        self._stop_deadline = 0.0
+        self.dropped_replies = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind and start serving; returns once the socket accepts connections."""
+        if self._thread is not None:
+            raise RuntimeError("IpcFrontend.start() called twice")
+        addresses.prepare_bind(self.address)
+        ctx = zmq.Context(io_threads=1)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, _HWM)
+        sock.setsockopt(zmq.RCVHWM, _HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.address)
+            if self.address.startswith("tcp://"):  # a wildcard port (tcp://127.0.0.1:*) resolves here
+                self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            addresses.secure_socket(self.address)
+            self._socket_file = addresses.socket_identity(self.address)
+        except Exception:
+            sock.close(0)
+            ctx.term()
+            raise
+        self._ctx, self._sock = ctx, sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # The thread takes the socket over; Thread.start() is the memory barrier ZeroMQ asks for.
+        self._thread = threading.Thread(target=self._run, name="edge-ipc-frontend", daemon=True)
+        self._thread.start()
+        log.info("IPC frontend listening on %s", self.address)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking requests, give in-flight ones up to ``timeout`` to answer, then close.  Idempotent."""
+        thread = self._thread
+        if thread is None or self._stopping:
+            if thread is not None:
+                thread.join()
+            self._control.shutdown(wait=True)
+            return
+        self._stop_deadline = time.monotonic() + (self.drain_timeout if timeout is None else timeout)
+        self._stopping = True
+        self._wake()
+        thread.join()
+        self._control.shutdown(wait=True)
+
+    def __enter__(self) -> IpcFrontend:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- introspection (tests, status lines) ----------------------------------------------------
+
+    def status(self) -> dict[str, int]:
+        """Counters for status lines and tests; exact when called on the frontend thread."""
+        return {
+            "clients": len(self._peers),
+            "regions": self._peers.region_count(),
+            "released_clients": self._peers.dropped,
+            "dropped_replies": self.dropped_replies,
+        }
+
+    # -- the frontend thread --------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        # Under the lock so that a callback finishing after shutdown never writes to a reused fd number.
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
+
+    def _run(self) -> None:
+        assert self._sock is not None and self._monitor is not None
+        items: list[tuple[Any, int]] = [
+            (self._sock, _POLLIN),
+            (self._monitor, _POLLIN),
+            (self._wake_fd, _POLLIN),
+        ]
+        try:
+            while True:
+                try:
+                    if self._loop_once(items):
+                        break
+                except Exception:  # the loop never dies: one bad message must not stop the daemon
+                    log.exception("IPC frontend: unexpected error; serving on")
+        finally:
+            self._shutdown()
+
+    def _loop_once(self, items: list[tuple[Any, int]]) -> bool:
+        sock, monitor = self._sock, self._monitor
+        assert sock is not None and monitor is not None
+        now = time.monotonic()
+        timeout_ms = max(0, int((self._peers.next_deadline() - now) * 1000.0) + 1)
+        if self._stopping:
+            timeout_ms = min(timeout_ms, 50)
+        for item, _revents in zmq.zmq_poll(items, timeout_ms):
+            if item is sock:
+                self._receive(sock)
+            elif item is monitor:
+                while cast(int, monitor.get(_EVENTS)) & _POLLIN:
+                    event = recv_monitor_message(monitor)
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self._peers.disconnect_seen()
+            else:
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:
+                    pass
+        if self._replies:
+            self._send_replies(sock)
+        if time.monotonic() >= self._peers.next_deadline():
+            for identity in self._peers.due_probes():
+                self._send(sock, identity, [_PING])
+        if self._stopping:
+            return not self._peers.busy() or time.monotonic() >= self._stop_deadline
+        return False
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        # zmq_poll said readable: take what is queued, up to a burst, then let replies go out.
+        for _ in range(_RECV_BURST):
+            if not cast(int, sock.get(_EVENTS)) & _POLLIN:
+                return
+            self._handle(sock.recv_multipart(copy=False))
+
+    def _shutdown(self) -> None:
+        assert self._sock is not None and self._monitor is not None and self._ctx is not None
+        self._send_replies(self._sock)
+        self._peers.close()
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(linger=500)  # lets the last replies leave
+        self._ctx.term()
+        with self._wake_lock:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
+        addresses.remove_socket(self.address, self._socket_file)
+        log.info("IPC frontend on %s closed", self.address)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        body = frames[1:]
+        rid: int | str | None = None
+        try:
+            if not body:
+                raise MalformedMessage("empty message: expected a header frame")
+            header: dict[str, Any] | None = None
+            if len(body[0]) <= self.max_message_bytes:
+                header = protocol.unpack(body[0].buffer)
+                rid = protocol.request_id(header)
+            total = sum(len(f) for f in body)
+            if total > self.max_message_bytes:
+                raise MessageTooLarge(
+                    f"the message has {total} bytes; this server accepts at most {self.max_message_bytes} "
+                    "(pass large tensors through shared memory)"
+                )
+            assert header is not None
+            if header.get("id") is not None and rid is None:
+                raise MalformedMessage(f"field 'id' must be an integer or a string, got {header['id']!r}")
+            protocol.check_version(header)
+            op = protocol.field(header, "op", str)
+            peer = self._peers.get(identity)
+            if op == "infer":
+                self._infer(peer, identity, rid, header, body[1:])
+                return
+            if len(body) > 1:
+                raise MalformedMessage(f"operation {op!r} takes no tensor frames, got {len(body) - 1}")
+            if op == "bye":
+                released = self._peers.drop(identity, "said bye")
+                self._queue(identity, protocol.ok_header(rid, unregistered=released))
+            elif op == "ipc_status":
+                self._queue(identity, protocol.ok_header(rid, ipc=self.status()))
+            elif op in handlers.SLOW_OPS:
+                future = self._control.submit(handlers.control, self.server, peer.registry, op, header)
+                future.add_done_callback(partial(self._control_done, identity, rid))
+            else:
+                reply = handlers.control(self.server, peer.registry, op, header)
+                self._queue(identity, protocol.ok_header(rid, **reply))
+        except EdgeServerError as exc:
+            self._queue(identity, protocol.error_header(rid, exc))
+        except Exception as exc:
+            log.exception("IPC request from %s failed unexpectedly", identity.hex())
+            self._queue(identity, protocol.error_header(rid, EdgeServerError(f"internal error: {exc!r}")))
+
+    def _infer(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+        if self._stopping:
+            raise ServerShuttingDown("the daemon is shutting down")
+        request, ctx = handlers.decode_infer(header, frames, peer.registry)
+        future = self.server.dataplane.submit(request)
+        peer.in_flight.add(future)
+        future.add_done_callback(partial(self._infer_done, identity, ctx))
+
+    def _infer_done(self, identity: bytes, ctx: handlers.InferContext, future: Future) -> None:
+        """Runs on the scheduler thread that finished the request: encode here, send on the frontend."""
+        frames: list[Any] = []  # a cancelled request's client is gone: nothing to send
+        if not future.cancelled():
+            try:
+                frames = handlers.encode_result(ctx, future.result())
+            except Exception as exc:
+                frames = [protocol.pack(protocol.error_header(ctx.rid, _as_error(exc)))]
+        self._replies.append((identity, frames, future))
+        self._wake()
+
+    def _control_done(self, identity: bytes, rid: int | str | None, future: Future) -> None:
+        try:
+            header = protocol.ok_header(rid, **future.result())
+        except Exception as exc:
+            header = protocol.error_header(rid, _as_error(exc))
+        self._replies.append((identity, [protocol.pack(header)], None))
+        self._wake()
+
+    def _queue(self, identity: bytes, header: dict[str, Any]) -> None:
+        self._replies.append((identity, [protocol.pack(header)], None))
+
+    # -- replies --------------------------------------------------------------------------------
+
+    def _send_replies(self, sock: zmq.Socket) -> None:
+        replies = self._replies
+        while replies:
+            identity, frames, future = replies.popleft()
+            if future is not None:
+                peer = self._peers.find(identity)
+                if peer is None:
+                    continue  # dropped while the request ran
+                peer.in_flight.discard(future)
+            if frames:
+                self._send(sock, identity, frames)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any]) -> None:
+        try:
+            sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.dropped_replies += 1
+            log.warning("client %s is not reading its replies; one reply dropped", identity.hex())
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._peers.drop(identity, "disconnected")
+
+
+def _as_error(exc: BaseException) -> EdgeServerError:
+    if isinstance(exc, EdgeServerError):
+        return exc
+    log.error("unexpected error from the data plane: %r", exc, exc_info=exc)
+    return EdgeServerError(f"internal error: {exc!r}")

@@ -1,0 +1,224 @@
+"""Turning protocol messages into data-plane calls and results back into messages.
+
+Nothing here touches a socket: the frontend hands in decoded headers and frames, and gets back header
+maps and frames to send.  That keeps every rule about a message testable without ZeroMQ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edge_server.dataplane import InferRequest
+from edge_server.errors import (
+    InvalidArgument,
+    MalformedMessage,
+    ShmOutOfBounds,
+    TensorSizeMismatch,
+    UnknownOperation,
+)
+from edge_server.ipc import protocol
+from edge_server.ipc.shm import MappedRegion, ShmRegistry
+
+if TYPE_CHECKING:
+    from edge_server.server import Server
+
+#: Control operations that may take long (they drain or load models): run beside the frontend thread.
+SLOW_OPS = frozenset({"load", "reload", "unload"})
+
+
+@dataclass
+class InferContext:
+    """What the reply to one infer request needs once its outputs exist."""
+
+    rid: int | str | None
+    order: list[str] | None  # requested output names in request order; None: as the model returns them
+    shm_outputs: dict[str, tuple[MappedRegion, int, int]] = field(default_factory=dict)
+
+
+def decode_infer(
+    header: Mapping[str, Any], frames: Sequence[Any], registry: ShmRegistry | None
+) -> tuple[InferRequest, InferContext]:
+    """Build the data-plane request; tensors stay views over the frames or the shared memory."""
+    rid = protocol.request_id(header)
+    model = protocol.field(header, "model", str)
+    version = _version(header.get("version"))
+    priority = protocol.field(header, "priority", int, required=False) or 0
+    timeout_us = protocol.field(header, "timeout_us", int, required=False)
+    if priority < 0 or (timeout_us is not None and timeout_us < 0):
+        raise MalformedMessage("'priority' and 'timeout_us' must be non-negative")
+    descs = protocol.field(header, "inputs", list)
+    inputs: dict[str, np.ndarray] = {}
+    used = [False] * len(frames)
+    for index, desc in enumerate(descs):
+        if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
+            raise MalformedMessage(f"inputs[{index}] must be a map with a string 'name'")
+        name = desc["name"]
+        where = f"input {name!r}"
+        if name in inputs:
+            raise MalformedMessage(f"{where} appears twice in 'inputs'")
+        datatype, dtype = protocol.tensor_dtype(desc, where)
+        shape = protocol.tensor_shape(desc, where)
+        if "shm" in desc:
+            region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
+            region = _resolve(registry, region_name, offset, byte_size, where)
+            if datatype != "BYTES":
+                want = protocol.expected_nbytes(dtype, shape)
+                if byte_size != want:
+                    raise_size(where, datatype, shape, want, byte_size)
+            array = protocol.to_array(region.view(offset, byte_size), datatype, dtype, shape, where)
+            if array.flags.writeable:
+                array.flags.writeable = False  # the client's memory: a model must not scribble on it
+        else:
+            slot = desc.get("frame")
+            if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+                raise MalformedMessage(f"{where}: needs 'frame' (a frame index) or 'shm' (a reference)")
+            if slot >= len(frames):
+                raise MalformedMessage(
+                    f"{where} refers to tensor frame {slot} but the message has {len(frames)} "
+                    "tensor frames (truncated message?)"
+                )
+            if used[slot]:
+                raise MalformedMessage(f"{where}: tensor frame {slot} is already used by another input")
+            used[slot] = True
+            array = protocol.to_array(frames[slot].buffer, datatype, dtype, shape, where)
+        inputs[name] = array
+    if not all(used):
+        raise MalformedMessage(
+            f"the message has {len(frames)} tensor frames but the header refers to {sum(used)} of them"
+        )
+    order, shm_outputs = _decode_outputs(header.get("outputs"), registry)
+    request = InferRequest(
+        model=model,
+        inputs=inputs,
+        version=version,
+        outputs=order,
+        priority=priority,
+        timeout_us=timeout_us,
+        request_id=str(rid) if rid is not None else "",
+    )
+    return request, InferContext(rid=rid, order=order, shm_outputs=shm_outputs)
+
+
+def raise_size(where: str, datatype: str, shape: tuple[int, ...], want: int, got: int) -> None:
+    raise TensorSizeMismatch(
+        f"{where}: {datatype} {list(shape)} needs {want} bytes, the reference holds {got}"
+    )
+
+
+def _version(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MalformedMessage(f"'version' must be a positive integer, got {value!r}")
+    return value
+
+
+def _resolve(
+    registry: ShmRegistry | None, region: str, offset: int, byte_size: int, where: str
+) -> MappedRegion:
+    if registry is None:
+        registry = ShmRegistry("")  # empty: the lookup raises the precise not-registered error
+    return registry.resolve(region, offset, byte_size, where)
+
+
+def _decode_outputs(
+    descs: Any, registry: ShmRegistry | None
+) -> tuple[list[str] | None, dict[str, tuple[MappedRegion, int, int]]]:
+    if descs is None:
+        return None, {}
+    if not isinstance(descs, list):
+        raise MalformedMessage("field 'outputs' must be an array of maps")
+    order: list[str] = []
+    shm: dict[str, tuple[MappedRegion, int, int]] = {}
+    for index, desc in enumerate(descs):
+        if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
+            raise MalformedMessage(f"outputs[{index}] must be a map with a string 'name'")
+        name = desc["name"]
+        if name in order:
+            raise MalformedMessage(f"output {name!r} appears twice in 'outputs'")
+        order.append(name)
+        if desc.get("shm") is not None:
+            where = f"output {name!r}"
+            region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
+            shm[name] = (_resolve(registry, region_name, offset, byte_size, where), offset, byte_size)
+    return order, shm
+
+
+def encode_result(ctx: InferContext, outputs: Mapping[str, np.ndarray]) -> list[Any]:
+    """Reply frames for a finished request: inline outputs as raw frames, shm outputs written in place."""
+    names = ctx.order if ctx.order is not None else list(outputs)
+    descs: list[dict[str, Any]] = []
+    frames: list[Any] = [b""]
+    for name in names:
+        array = outputs[name]
+        datatype, shape, data = protocol.to_buffer(array)
+        desc: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+        target = ctx.shm_outputs.get(name)
+        if target is None:
+            desc["frame"] = len(frames) - 1
+            frames.append(data)
+        else:
+            region, offset, capacity = target
+            nbytes = len(data) if isinstance(data, bytes) else data.nbytes
+            if nbytes > capacity:
+                raise ShmOutOfBounds(
+                    f"output {name!r} ({datatype} {shape}) needs {nbytes} bytes but its shared-memory "
+                    f"reference holds {capacity}"
+                )
+            region.write(offset, data)
+            desc["shm"] = {"region": region.name, "offset": offset, "byte_size": nbytes}
+        descs.append(desc)
+    frames[0] = protocol.pack(protocol.ok_header(ctx.rid, outputs=descs))
+    return frames
+
+
+def control(server: Server, registry: ShmRegistry, op: str, header: Mapping[str, Any]) -> dict[str, Any]:
+    """Answer a control operation; returns the reply header's payload fields."""
+    model = protocol.field(header, "model", str, required=op in ("metadata", "config", *SLOW_OPS))
+    version = _version(header.get("version"))
+    if op == "live":
+        return {"live": True}
+    if op == "ready":
+        return {"ready": server.is_ready(model, version)}
+    if op == "models":
+        return {"models": [_status(s) for s in server.models()]}
+    if op == "metadata":
+        return {"metadata": server.model_metadata(model, version)}
+    if op == "config":
+        return {"config": server.model_config(model, version).to_triton_dict()}
+    if op == "stats":
+        return {"stats": server.statistics(model, version)}
+    if op in ("load", "reload"):
+        return {"models": [_status(s) for s in server.load_model(model)]}
+    if op == "unload":
+        server.unload_model(model)
+        return {}
+    if op == "shm_register":
+        name = protocol.field(header, "name", str)
+        byte_size = protocol.field(header, "byte_size", int, required=False)
+        region = registry.register(name, byte_size)
+        return {"region": {"name": region.name, "byte_size": region.byte_size}}
+    if op == "shm_unregister":
+        return {"unregistered": registry.unregister(protocol.field(header, "name", str, required=False))}
+    if op == "shm_status":
+        return {"regions": registry.status(protocol.field(header, "name", str, required=False))}
+    if op in protocol.OPS:
+        raise InvalidArgument(f"operation {op!r} is not handled here")
+    raise UnknownOperation(
+        f"unknown operation {op!r}; protocol {protocol.PROTOCOL_VERSION} has {sorted(protocol.OPS)}"
+    )
+
+
+def _status(status: Any) -> dict[str, Any]:
+    return {
+        "name": status.name,
+        "version": status.version,
+        "state": status.state.value,
+        "reason": status.reason,
+    }

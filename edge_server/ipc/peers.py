@@ -1,0 +1,131 @@
+"""What the frontend remembers about each connected client, and how it notices one has gone.
+
+A ROUTER socket does not say which client disconnected.  The frontend learns it three ways, all
+ending in :meth:`PeerTable.drop` (unmap every region of that client, cancel its queued requests):
+
+* the client says ``bye`` when it closes (the normal case, immediate);
+* a reply or probe to it fails with EHOSTUNREACH (the socket runs with ZMQ_ROUTER_MANDATORY, so
+  ZeroMQ reports a vanished peer instead of silently dropping the message);
+* probes: after the socket monitor reports any disconnect, and every ``probe_interval`` for clients
+  idle that long, each client that still holds regions or requests gets a ``ping`` message (clients
+  ignore it).  A live client, even an idle one, keeps its regions; a dead one is dropped.
+
+Clients that hold nothing are simply forgotten when idle.  All of it runs on the frontend thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from edge_server.ipc.shm import ShmRegistry
+
+log = logging.getLogger(__name__)
+
+# After a disconnect event ZeroMQ may not yet have removed the peer's pipe; probing a moment later
+# makes EHOSTUNREACH reliable.
+DISCONNECT_PROBE_DELAY = 0.2
+
+
+@dataclass(eq=False)
+class Peer:
+    identity: bytes
+    registry: ShmRegistry
+    last_seen: float
+    in_flight: set[Future] = field(default_factory=set)
+
+    @property
+    def holds_state(self) -> bool:
+        return bool(self.in_flight) or len(self.registry) > 0
+
+
+class PeerTable:
+    def __init__(self, shm_prefix: str, *, probe_interval: float) -> None:
+        self._prefix = shm_prefix
+        self._probe_interval = probe_interval
+        self._peers: dict[bytes, Peer] = {}
+        self._next_sweep = time.monotonic() + probe_interval
+        self._probe_all_at: float | None = None
+        self.dropped = 0  # clients whose state was released because they vanished or said bye
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def get(self, identity: bytes) -> Peer:
+        peer = self._peers.get(identity)
+        now = time.monotonic()
+        if peer is None:
+            peer = Peer(identity=identity, registry=ShmRegistry(self._prefix), last_seen=now)
+            self._peers[identity] = peer
+        else:
+            peer.last_seen = now
+        return peer
+
+    def find(self, identity: bytes) -> Peer | None:
+        return self._peers.get(identity)
+
+    def busy(self) -> bool:
+        """Whether any client still waits for a reply."""
+        return any(p.in_flight for p in self._peers.values())
+
+    def region_count(self) -> int:
+        return sum(len(p.registry) for p in list(self._peers.values()))
+
+    def drop(self, identity: bytes, why: str) -> list[str]:
+        """Forget a client: unmap its regions and cancel what it still has queued."""
+        peer = self._peers.pop(identity, None)
+        if peer is None:
+            return []
+        cancelled = sum(1 for f in list(peer.in_flight) if f.cancel())
+        names = peer.registry.unregister(None)
+        if names or peer.in_flight:
+            self.dropped += 1
+            log.info(
+                "client %s %s: released %d shared-memory regions, cancelled %d of %d queued requests",
+                identity.hex(),
+                why,
+                len(names),
+                cancelled,
+                len(peer.in_flight),
+            )
+        peer.in_flight.clear()
+        return names
+
+    def disconnect_seen(self) -> None:
+        """The socket monitor saw some connection close; probe everyone who holds state shortly."""
+        when = time.monotonic() + DISCONNECT_PROBE_DELAY
+        if self._probe_all_at is None or when < self._probe_all_at:
+            self._probe_all_at = when
+
+    def next_deadline(self) -> float:
+        if self._probe_all_at is not None:
+            return min(self._probe_all_at, self._next_sweep)
+        return self._next_sweep
+
+    def due_probes(self) -> list[bytes]:
+        """Clients to probe now; forgets idle clients that hold nothing."""
+        now = time.monotonic()
+        probe_all = self._probe_all_at is not None and now >= self._probe_all_at
+        sweep = now >= self._next_sweep
+        if not probe_all and not sweep:
+            return []
+        if probe_all:
+            self._probe_all_at = None
+        if sweep:
+            self._next_sweep = now + self._probe_interval
+        idle_before = now - self._probe_interval
+        due: list[bytes] = []
+        for identity, peer in list(self._peers.items()):
+            if not peer.holds_state:
+                if peer.last_seen < idle_before:
+                    del self._peers[identity]
+                continue
+            if probe_all or peer.last_seen < idle_before:
+                due.append(identity)
+        return due
+
+    def close(self) -> None:
+        for identity in list(self._peers):
+            self.drop(identity, "released at shutdown")

@@ -1,0 +1,272 @@
+"""The IPC wire protocol shared by the daemon and the client library (docs/protocol.md).
+
+A message is a ZeroMQ multipart message ``[header, *tensor frames]``.  The header is a msgpack map;
+tensor bytes never pass through msgpack: they are raw frames, referenced by index from the header, or
+(region, offset, byte_size) references into POSIX shared memory.  Everything that can be wrong with a
+message raises an :class:`~edge_server.errors.EdgeServerError` subclass whose ``code`` goes on the
+wire, so both sides agree on one meaning per code.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from edge_server import dtypes
+from edge_server.errors import (
+    EdgeServerError,
+    MalformedMessage,
+    TensorSizeMismatch,
+    UnsupportedProtocolVersion,
+)
+
+#: The version this code speaks.  A server answers any other version with UNSUPPORTED_VERSION.
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+
+#: Request operations of protocol version 1.
+OPS = frozenset(
+    {
+        "infer",
+        "live",
+        "ready",
+        "models",
+        "metadata",
+        "config",
+        "stats",
+        "load",
+        "reload",
+        "unload",
+        "shm_register",
+        "shm_unregister",
+        "shm_status",
+        "ipc_status",
+        "bye",
+    }
+)
+#: Sent by the server to a client, never answered: a liveness probe the client ignores.
+PING = "ping"
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_SHM_PREFIX = "edge-server-"
+
+# KServe v2 datatype name -> numpy dtype, built from the one table in edge_server.dtypes.
+WIRE_DTYPES: dict[str, np.dtype] = {dtypes.to_wire(n): dtypes.to_numpy(n) for n in dtypes.config_names()}
+_NUMPY_TO_WIRE: dict[np.dtype, str] = {dt: wire for wire, dt in WIRE_DTYPES.items() if wire != "BYTES"}
+_LEN = struct.Struct("<I")
+
+# -- headers --------------------------------------------------------------------------------------
+
+
+def pack(header: Mapping[str, Any]) -> bytes:
+    """Msgpack a header (str keys, bin for bytes); never pickles."""
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def unpack(frame: Any) -> dict[str, Any]:
+    """Decode a header frame; anything but a msgpack map raises MALFORMED_MESSAGE."""
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types for garbage
+        raise MalformedMessage(
+            f"the header frame is not valid msgpack ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(header, dict):
+        raise MalformedMessage(f"the header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+def request_id(header: Mapping[str, Any]) -> int | str | None:
+    """The header's id if it has a usable one; None otherwise (the error reply then carries id null)."""
+    rid = header.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, (int, str)):
+        return None
+    return rid
+
+
+def check_version(header: Mapping[str, Any]) -> None:
+    version = header.get("v")
+    if version is None:
+        raise MalformedMessage("the header has no protocol version 'v'")
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        raise UnsupportedProtocolVersion(
+            f"protocol version {version!r} is not supported; this server speaks {sorted(SUPPORTED_VERSIONS)}"
+        )
+
+
+def field(
+    header: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, required: bool = True
+) -> Any:
+    """``header[key]`` checked against ``kind``; None when absent and not required."""
+    value = header.get(key)
+    if value is None:
+        if required:
+            raise MalformedMessage(f"the header has no field {key!r}")
+        return None
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise MalformedMessage(f"field {key!r} must be {_kind_name(kind)}, got bool")
+    if not isinstance(value, kind):
+        raise MalformedMessage(f"field {key!r} must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {int: "an integer", str: "a string", list: "an array", dict: "a map", bool: "a boolean"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def ok_header(rid: int | str | None, **fields: Any) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "id": rid, "ok": True, **fields}
+
+
+def error_header(rid: int | str | None, exc: EdgeServerError) -> dict[str, Any]:
+    return {
+        "v": PROTOCOL_VERSION,
+        "id": rid,
+        "ok": False,
+        "error": {"code": exc.code, "message": exc.message},
+    }
+
+
+def _error_classes() -> dict[str, type[EdgeServerError]]:
+    """Wire code -> the most general class with that code (breadth first from the root)."""
+    table: dict[str, type[EdgeServerError]] = {EdgeServerError.code: EdgeServerError}
+    queue: list[type[EdgeServerError]] = [EdgeServerError]
+    while queue:
+        cls = queue.pop(0)
+        for sub in cls.__subclasses__():
+            table.setdefault(sub.code, sub)
+            queue.append(sub)
+    return table
+
+
+def error_from_wire(error: Any) -> EdgeServerError:
+    """The exception a client raises for an error reply's ``error`` map; unknown codes are kept as sent."""
+    if not isinstance(error, dict):
+        return MalformedMessage(f"the error reply carries no error map: {error!r}")
+    code = str(error.get("code", "INTERNAL"))
+    message = str(error.get("message", ""))
+    cls = _error_classes().get(code, EdgeServerError)
+    exc = cls(message)
+    exc.code = code  # keep a code from a newer server even when this client has no class for it
+    return exc
+
+
+# -- tensors --------------------------------------------------------------------------------------
+
+
+def wire_datatype(array: np.ndarray) -> str:
+    """KServe datatype name of an array; str/bytes/object arrays are BYTES."""
+    if array.dtype.kind in "OSU":
+        return "BYTES"
+    try:
+        return _NUMPY_TO_WIRE[array.dtype]
+    except KeyError:
+        raise MalformedMessage(f"numpy dtype {array.dtype} has no wire datatype") from None
+
+
+def tensor_shape(desc: Mapping[str, Any], where: str) -> tuple[int, ...]:
+    shape = desc.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise MalformedMessage(f"{where}: 'shape' must be an array of non-negative integers, got {shape!r}")
+    return tuple(shape)
+
+
+def tensor_dtype(desc: Mapping[str, Any], where: str) -> tuple[str, np.dtype]:
+    datatype = desc.get("datatype")
+    dtype = WIRE_DTYPES.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise MalformedMessage(
+            f"{where}: unknown datatype {datatype!r}; expected one of {sorted(WIRE_DTYPES)}"
+        )
+    return datatype, dtype  # type: ignore[return-value]
+
+
+def expected_nbytes(dtype: np.dtype, shape: Iterable[int]) -> int:
+    return dtype.itemsize * math.prod(shape)
+
+
+def to_array(buffer: Any, datatype: str, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """An array over ``buffer`` without copying (BYTES are decoded, which copies)."""
+    size = len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes
+    if datatype == "BYTES":
+        return decode_bytes(buffer, shape, where)
+    want = expected_nbytes(dtype, shape)
+    if size != want:
+        raise TensorSizeMismatch(f"{where}: {datatype} {list(shape)} needs {want} bytes, got {size}")
+    array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    if not array.flags.aligned:  # numpy and runtimes tolerate it badly; a copy is cheaper than a crash
+        array = array.copy()
+    return array
+
+
+def encode_bytes(array: np.ndarray) -> bytes:
+    """BYTES tensor: each element in C order as a little-endian uint32 length and its bytes."""
+    parts: list[bytes] = []
+    for item in array.reshape(-1):
+        if isinstance(item, str):
+            data = item.encode("utf-8")
+        elif isinstance(item, (bytes, bytearray, memoryview, np.bytes_)):
+            data = bytes(item)
+        else:
+            raise MalformedMessage(f"a BYTES tensor element must be bytes or str, got {type(item).__name__}")
+        parts.append(_LEN.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def decode_bytes(buffer: Any, shape: tuple[int, ...], where: str) -> np.ndarray:
+    view = memoryview(buffer).cast("B")
+    count = math.prod(shape)
+    items: list[bytes] = []
+    pos = 0
+    end = view.nbytes
+    for index in range(count):
+        if pos + 4 > end:
+            raise TensorSizeMismatch(
+                f"{where}: BYTES data ends inside element {index} of {count} (at byte {pos} of {end})"
+            )
+        (length,) = _LEN.unpack_from(view, pos)
+        pos += 4
+        if pos + length > end:
+            raise TensorSizeMismatch(
+                f"{where}: BYTES element {index} claims {length} bytes but only {end - pos} remain"
+            )
+        items.append(bytes(view[pos : pos + length]))
+        pos += length
+    if pos != end:
+        raise TensorSizeMismatch(f"{where}: {end - pos} bytes left over after {count} BYTES elements")
+    array = np.empty(count, dtype=object)
+    array[:] = items
+    return array.reshape(shape)
+
+
+def to_buffer(array: np.ndarray) -> tuple[str, list[int], Any]:
+    """(datatype, shape, buffer) for sending ``array``; numeric arrays go out without a copy."""
+    datatype = wire_datatype(array)
+    if datatype == "BYTES":
+        return datatype, list(array.shape), encode_bytes(array)
+    return datatype, list(array.shape), np.ascontiguousarray(array)
+
+
+def shm_ref(desc: Any, where: str) -> tuple[str, int, int]:
+    """(region, offset, byte_size) of a ``shm`` descriptor."""
+    if not isinstance(desc, dict):
+        raise MalformedMessage(f"{where}: 'shm' must be a map with region, offset and byte_size")
+    region = desc.get("region")
+    offset = desc.get("offset", 0)
+    byte_size = desc.get("byte_size")
+    if not isinstance(region, str) or not region:
+        raise MalformedMessage(f"{where}: 'shm.region' must be a region name, got {region!r}")
+    for key, value in (("offset", offset), ("byte_size", byte_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise MalformedMessage(f"{where}: 'shm.{key}' must be a non-negative integer, got {value!r}")
+    return region, offset, byte_size  # type: ignore[return-value]

@@ -1,0 +1,200 @@
+"""Shared memory on both sides (real /dev/shm, no sockets), socket addresses, and the peer table."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import os
+import socket
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_server.client.shm import SharedMemoryRegion, ShmRing
+from edge_server.errors import (
+    AddressInUse,
+    InvalidArgument,
+    ShmAlreadyRegistered,
+    ShmNameRejected,
+    ShmNotRegistered,
+    ShmOutOfBounds,
+    ShmUnavailable,
+)
+from edge_server.ipc import addresses, peers
+from edge_server.ipc.shm import ShmRegistry, check_name
+
+
+@pytest.fixture
+def region() -> SharedMemoryRegion:
+    r = SharedMemoryRegion(4096)
+    yield r
+    r.close()
+
+
+def test_region_is_created_under_the_prefix_with_group_access(region: SharedMemoryRegion) -> None:
+    path = f"/dev/shm/{region.name}"
+    assert region.name.startswith("edge-server-")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660 and os.path.getsize(path) == 4096
+    region.close()
+    assert not os.path.exists(path) and region.closed
+
+
+def test_forgotten_region_is_unlinked_when_collected() -> None:
+    r = SharedMemoryRegion(128)
+    path = f"/dev/shm/{r.name}"
+    del r
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_region_write_and_references(region: SharedMemoryRegion) -> None:
+    x = np.arange(10, dtype=np.int16)
+    ref = region.write(x, offset=100)
+    assert (ref.offset, ref.byte_size, ref.datatype, ref.shape) == (100, 20, "INT16", (10,))
+    assert region.array(np.int16, (10,), offset=100).tolist() == x.tolist()
+    assert region.tensor("INT16", (10,), offset=100) == ref
+    assert region.output(4000).byte_size == 96
+    with pytest.raises(ShmOutOfBounds):
+        region.write(np.zeros(100, np.float64), offset=3500)
+    with pytest.raises(ShmOutOfBounds):
+        region.output(4000, 200)
+
+
+def test_registry_maps_without_copying_and_checks_bounds(region: SharedMemoryRegion) -> None:
+    registry = ShmRegistry("edge-server-")
+    mapped = registry.register(region.name, None)
+    assert mapped.byte_size == 4096
+    region.array(np.uint8, (4,))[...] = [1, 2, 3, 4]
+    assert bytes(mapped.view(0, 4)) == b"\x01\x02\x03\x04"  # the client's memory, live
+    mapped.write(8, np.array([9, 9], np.uint8))
+    assert region.array(np.uint8, (2,), offset=8).tolist() == [9, 9]
+    assert registry.resolve(region.name, 4000, 96, "t") is mapped
+    with pytest.raises(ShmOutOfBounds, match="past the end"):
+        registry.resolve(region.name, 4000, 97, "t")
+    with pytest.raises(ShmNotRegistered):
+        registry.resolve("edge-server-other", 0, 1, "t")
+    with pytest.raises(ShmAlreadyRegistered):
+        registry.register(region.name, 16)
+    assert registry.status() == [{"name": region.name, "byte_size": 4096}]
+    assert registry.unregister(None) == [region.name] and len(registry) == 0
+    with pytest.raises(ShmNotRegistered):
+        registry.unregister(region.name)
+
+
+def test_registry_never_unlinks_the_clients_segment(region: SharedMemoryRegion) -> None:
+    registry = ShmRegistry("edge-server-")
+    registry.register(region.name, 1024)
+    registry.close()
+    assert os.path.exists(f"/dev/shm/{region.name}")
+
+
+def test_unmap_waits_for_arrays_still_in_use(region: SharedMemoryRegion) -> None:
+    registry = ShmRegistry("edge-server-")
+    mapped = registry.register(region.name, None)
+    view = np.frombuffer(mapped.view(0, 16), np.uint8)  # a request's input
+    registry.unregister(region.name)
+    assert not mapped.mm.closed  # still mapped: the array reads through it
+    del view
+    mapped.release()
+    assert mapped.mm.closed
+
+
+@pytest.mark.parametrize(
+    "name", ["other-prefix", "edge-server-a/b", "..", "edge-server-\u00e9", "edge-server-" + "x" * 200]
+)
+def test_names_outside_the_prefix_are_rejected(name: str) -> None:
+    with pytest.raises(ShmNameRejected):
+        check_name(name, "edge-server-")
+
+
+def test_register_limits(region: SharedMemoryRegion) -> None:
+    registry = ShmRegistry("edge-server-", max_regions=1)
+    with pytest.raises(ShmOutOfBounds):
+        registry.register(region.name, 8192)
+    with pytest.raises(ShmUnavailable):
+        registry.register("edge-server-does-not-exist", None)
+    registry.register(region.name, None)
+    with pytest.raises(InvalidArgument, match="at most 1"):
+        registry.register(region.name + "x", None)
+    registry.close()
+
+
+def test_ring_slots_are_aligned_and_wait_for_their_request(region: SharedMemoryRegion) -> None:
+    ring = ShmRing(region, 3, 100)
+    offsets = [slot.offset for slot in ring.slots]
+    assert offsets == [0, 128, 256]
+    first = ring.next()
+    pending: concurrent.futures.Future[int] = concurrent.futures.Future()
+    first.hold(pending)
+    assert ring.next() is ring.slots[1] and ring.next() is ring.slots[2]
+    with pytest.raises(TimeoutError):
+        ring.next(timeout=0.01)  # slot 0 is still busy
+    pending.set_result(1)
+    assert ring.next(timeout=1) is first
+    with pytest.raises(ShmOutOfBounds):
+        first.write(np.zeros(200, np.uint8))
+
+
+def test_default_address(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RUNTIME_DIRECTORY", f"{tmp_path}/run:{tmp_path}/other")
+    assert addresses.default_address() == f"ipc://{tmp_path}/run/edge-server.sock"
+    monkeypatch.delenv("RUNTIME_DIRECTORY")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert addresses.default_address() == f"ipc://{tmp_path}/edge-server/edge-server.sock"
+    assert stat.S_IMODE(os.stat(tmp_path / "edge-server").st_mode) == 0o700
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr(addresses.tempfile, "gettempdir", lambda: str(tmp_path))
+    assert addresses.default_address() == f"ipc://{tmp_path}/edge-server-{os.getuid()}/edge-server.sock"
+    os.chmod(tmp_path / f"edge-server-{os.getuid()}", 0o777)
+    with pytest.raises(InvalidArgument, match="not a private directory"):
+        addresses.default_address()
+
+
+def test_address_checks(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="ipc:// or tcp://"):
+        addresses.check_address("udp://x")
+    with pytest.raises(InvalidArgument, match="limit is 107"):
+        addresses.check_address("ipc:///" + "x" * 120)
+    addresses.check_address("tcp://127.0.0.1:5555")
+
+
+def test_prepare_bind_removes_stale_sockets_and_refuses_live_ones(tmp_path: Path) -> None:
+    path = tmp_path / "d.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # the file stays, nobody listens: a crashed daemon's leftover
+    addresses.prepare_bind(f"ipc://{path}")
+    assert not path.exists()
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        live.bind(str(path))
+        live.listen()
+        with pytest.raises(AddressInUse):
+            addresses.prepare_bind(f"ipc://{path}")
+    finally:
+        live.close()
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(InvalidArgument, match="not a socket"):
+        addresses.prepare_bind(f"ipc://{tmp_path}/plain")
+
+
+def test_peer_table_probes_only_clients_that_hold_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(peers.time, "monotonic", lambda: now[0])
+    table = peers.PeerTable("edge-server-", probe_interval=10.0)
+    idle = table.get(b"idle")
+    busy = table.get(b"busy")
+    busy.in_flight.add(concurrent.futures.Future())
+    assert table.due_probes() == []
+    now[0] += 11  # both idle past the interval: the empty one is forgotten, the busy one probed
+    assert table.due_probes() == [b"busy"] and table.find(b"idle") is None and idle is not None
+    table.get(b"busy")
+    table.disconnect_seen()
+    assert table.due_probes() == []  # the probe waits a moment after the disconnect event
+    now[0] += peers.DISCONNECT_PROBE_DELAY
+    assert table.due_probes() == [b"busy"]
+    future = next(iter(busy.in_flight))
+    table.drop(b"busy", "disconnected")
+    assert future.cancelled() and table.dropped == 1 and len(table) == 0
