@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--ipc", default=None, metavar="ADDRESS", help="ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--no-ipc", action="store_true", help="serve no IPC frontend (in-process use only)")
+    serve.add_argument(
+        "--repository-quiet-secs",
+        type=float,
+        default=0.5,
+        help="poll mode: how long a model's files must stay unchanged before it is (re)loaded",
+    )
     serve.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     serve.add_argument(
         "--shm-prefix", default=DEFAULT_SHM_PREFIX, help="only shared-memory names with this prefix register"
@@ -133,6 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
+        watch_quiet_s=args.repository_quiet_secs,
     )
     return Daemon(options).run()
 

@@ -29,6 +29,7 @@ class DaemonOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
+    watch_quiet_s: float = 0.5
 
 
 class Daemon:
@@ -48,6 +49,7 @@ class Daemon:
             model_control_mode=options.model_control_mode,
             load_models=options.load_models,
             drain_timeout=options.drain_timeout,
+            watch_quiet_s=options.watch_quiet_s,
         )
         frontend = None
         try:

@@ -3,12 +3,23 @@
 Control operations (load, unload, rescan) run one at a time under ``_control``; the request path reads
 the routing table without any lock (it is replaced whole, never mutated, so a reader sees either the
 old table or the new one).  A new version is loaded and warmed up *beside* the serving one, published
-by swapping the table, and only then is the old version drained and unloaded.  A version that fails to
-load never takes traffic: the last good one keeps serving and the failure is kept in the index.
+by swapping the table, and only then is the old version drained and unloaded.  Because the swap comes
+before the drain, a request that routed to the old version just before the swap and finds it closed
+(``SchedulerClosed``) is re-routed by the data plane to the new one; requests already queued on the old
+version run there before it stops.
+
+A version that fails to load never takes traffic: the last good one keeps serving and the failure is
+kept in the index with its reason.  Decisions are made by content hash: a version whose files hash as
+before is kept as it is, and a version whose exact content already failed is not retried by the watcher
+(an explicit load or SIGHUP retries it).  With a ``latest N`` policy, the N newest versions *that load*
+serve, so a broken drop of version 3 leaves version 2 serving, and removing version 2 brings version 1
+back.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import enum
 import logging
 import threading
@@ -16,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.repository import ModelSource, scan, scan_model
@@ -41,6 +53,7 @@ class VersionStatus:
 
 
 Listener = Callable[[VersionStatus], None]
+_Key = tuple[str, int | None]
 
 
 class ModelManager:
@@ -53,7 +66,8 @@ class ModelManager:
         self._control = threading.RLock()
         self._serving: dict[str, dict[int, LoadedVersion]] = {}  # replaced whole, never mutated
         self._status_lock = threading.Lock()
-        self._status: dict[tuple[str, int | None], VersionStatus] = {}
+        self._status: dict[_Key, VersionStatus] = {}
+        self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (hash, reason)
         self._listeners: list[Listener] = []
         self._closed = False
 
@@ -84,6 +98,7 @@ class ModelManager:
     # -- index ----------------------------------------------------------------------------------
 
     def index(self) -> list[VersionStatus]:
+        """Every version the manager knows: serving, loading, unloading or failed (with why)."""
         with self._status_lock:
             return sorted(self._status.values(), key=lambda s: (s.name, -(s.version or 0)))
 
@@ -91,7 +106,7 @@ class ModelManager:
         return self._serving
 
     def add_listener(self, listener: Listener) -> None:
-        """Called on every state change (metrics, systemd STATUS lines, logs)."""
+        """Called on every state change (metrics, systemd STATUS lines, logs); must not block."""
         self._listeners.append(listener)
 
     def _set(self, name: str, version: int | None, state: ModelState, reason: str = "") -> None:
@@ -99,18 +114,47 @@ class ModelManager:
         with self._status_lock:
             if version is not None:
                 self._status.pop((name, None), None)
+            unchanged = self._status.get((name, version)) == status
             self._status[(name, version)] = status
-        for listener in self._listeners:
-            listener(status)
+        if not unchanged:
+            self._notify(status)
+
+    def _publish(self, name: str, rows: list[VersionStatus]) -> None:
+        """Replace every index row of ``name`` with ``rows`` (versions being retired keep theirs)."""
+        keep = {(r.name, r.version) for r in rows}
+        with self._status_lock:
+            stale = [
+                key
+                for key, s in self._status.items()
+                if key[0] == name and key not in keep and s.state is not ModelState.UNLOADING
+            ]
+            for key in stale:
+                del self._status[key]
+            changed = [r for r in rows if self._status.get((r.name, r.version)) != r]
+            for row in rows:
+                self._status[(row.name, row.version)] = row
+        for row in changed:
+            self._notify(row)
 
     def _forget(self, name: str, version: int | None) -> None:
         with self._status_lock:
             self._status.pop((name, version), None)
 
+    def _notify(self, status: VersionStatus) -> None:
+        for listener in self._listeners:
+            try:
+                listener(status)
+            except Exception:  # a broken listener must not stop a swap half-way
+                log.exception("model state listener failed on %s", status)
+
     # -- control --------------------------------------------------------------------------------
 
     def load(self, name: str) -> list[VersionStatus]:
-        """Bring ``name`` in line with the repository; raises if nothing of it can serve afterwards."""
+        """Load or reload ``name`` from the repository; raises if nothing of it can serve afterwards.
+
+        Versions whose files did not change stay as they are; versions that failed before are tried
+        again even if their files are the same (the failure may have been transient).
+        """
         with self._control:
             self._check_open()
             source = scan_model(self.repository, name)
@@ -118,27 +162,33 @@ class ModelManager:
                 if name in self._serving:
                     self._unload(name)
                 raise ModelNotFound(f"no model directory {name!r} in {self.repository}")
-            self._sync(source)
+            self._sync(source, retry_failed=True)
             return [s for s in self.index() if s.name == name]
 
     def unload(self, name: str) -> None:
+        """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
         with self._control:
             if name not in self._serving and not any(s.name == name for s in self.index()):
                 raise ModelNotFound(f"unknown model {name!r}")
             self._unload(name)
-            for status in [s for s in self.index() if s.name == name]:
-                self._forget(name, status.version)
-            self._set(name, None, ModelState.UNAVAILABLE, "unloaded")
+            self._publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
 
-    def rescan(self, names: Iterable[str] | None = None) -> None:
+    def rescan(self, names: Iterable[str] | None = None, *, retry_failed: bool = True) -> None:
         """Reload what changed on disk among ``names`` (default: every model); unload removed models.
 
         Failures are logged and kept in the index; they never stop the rescan of the other models.
+        ``retry_failed=False`` (the watcher) skips versions whose exact content already failed.
         """
         with self._control:
             self._check_open()
-            on_disk = scan(self.repository)
-            wanted = set(on_disk) | set(self._serving) if names is None else set(names)
+            if names is None:
+                on_disk: dict[str, ModelSource | None] = dict(scan(self.repository))
+                with self._status_lock:
+                    known = {key[0] for key in self._status}
+                wanted = set(on_disk) | set(self._serving) | known
+            else:
+                wanted = set(names)
+                on_disk = {name: scan_model(self.repository, name) for name in wanted}
             for name in sorted(wanted):
                 source = on_disk.get(name)
                 try:
@@ -146,14 +196,15 @@ class ModelManager:
                         if name in self._serving:
                             log.info("model %s was removed from the repository; unloading", name)
                             self._unload(name)
-                        for status in [s for s in self.index() if s.name == name]:
-                            self._forget(name, status.version)
+                        self._publish(name, [])
+                        self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
                     else:
-                        self._sync(source)
+                        self._sync(source, retry_failed=retry_failed)
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
 
     def close(self) -> None:
+        """Unload everything (each version drained up to the deadline); later control calls fail."""
         with self._control:
             self._closed = True
             for name in list(self._serving):
@@ -171,16 +222,30 @@ class ModelManager:
         self._retire(list(old.values()))
 
     def _retire(self, versions: list[LoadedVersion]) -> None:
-        for loaded in versions:
+        if not versions:
+            return
+        # A copy replaced by a new copy of the same version number has no index row of its own.
+        shown = [v for v in versions if v.version not in self._serving.get(v.name, {})]
+        for loaded in shown:
             self._set(loaded.name, loaded.version, ModelState.UNLOADING)
         for loaded in versions:
             loaded.retire(self._drain_timeout)
-            self._forget(loaded.name, loaded.version)
             log.info("%s v%d unloaded", loaded.name, loaded.version)
+        for loaded in shown:
+            with self._status_lock:
+                status = self._status.get((loaded.name, loaded.version))
+                if status is not None and status.state is ModelState.UNLOADING:
+                    del self._status[(loaded.name, loaded.version)]
+        shown.clear()
+        versions.clear()  # drop our references before asking the allocator to give memory back
+        release_memory()
 
-    def _sync(self, source: ModelSource) -> None:
+    # -- bringing one model in line with its files ---------------------------------------------
+
+    def _sync(self, source: ModelSource, *, retry_failed: bool) -> None:
         name = source.name
         current = self._serving.get(name, {})
+        config_signature = source.config_signature()
         try:
             config, warnings = read_config(source)
         except EdgeServerError as exc:
@@ -188,56 +253,150 @@ class ModelManager:
             raise
         for warning in warnings:
             log.warning("%s", warning)
-        selected = config.version_policy.select(list(source.versions))
+        policy = config.version_policy
+        selected = policy.select(list(source.versions))
         if not selected:
-            exc = ModelNotReady(
+            missing = ModelNotReady(
                 f"{source.path}: no version directory matches the version policy "
                 f"(on disk: {sorted(source.versions)})"
             )
-            self._fail_model(name, current, exc)
-            raise exc
+            self._fail_model(name, current, missing)
+            raise missing
+        # latest N: a version that does not load is replaced by the next older one on disk.
+        candidates = sorted(source.versions, reverse=True) if policy.kind == "latest" else selected
         config_hash = source.config_hash()
         ready: dict[int, LoadedVersion] = {}
-        failed: dict[int, EdgeServerError] = {}
-        for version in selected:
-            content_hash = config_hash + source.version_hash(version)
-            existing = current.get(version)
-            if existing is not None and existing.content_hash == content_hash:
-                ready[version] = existing
-                continue
-            self._set(name, version, ModelState.LOADING)
-            try:
-                ready[version] = load_version(
-                    source, version, config, content_hash=content_hash, cpu_count=self._cpu_count
-                )
-            except EdgeServerError as exc:
-                log.error("%s v%d failed to load: %s", name, version, exc.message)
-                failed[version] = exc
-                if existing is not None:
-                    ready[version] = existing  # the last good copy of this version keeps serving
+        failed: dict[int, str] = {}
+        for version in candidates:
+            if len(ready) >= len(selected):
+                break
+            outcome = self._bring_up(
+                source, version, config, config_hash, current.get(version), retry_failed=retry_failed
+            )
+            if isinstance(outcome, str):
+                failed[version] = outcome
+                if version in current:
+                    ready[version] = current[version]  # the last good copy of this version keeps serving
             else:
-                log.info("%s v%d ready on %s", name, version, ", ".join(ready[version].devices))
-        if not ready:
-            ready = dict(current)  # every selected version failed: what served before keeps serving
+                ready[version] = outcome
+        config_changed = config_signature != source.config_signature()
+        if config_changed:
+            # What was loaded may come from a half-written config.pbtxt (a prefix of a text proto can
+            # parse): throw the fresh versions away and keep what served; the change's own event
+            # brings the next attempt.
+            reason = "the config files changed while loading; loading again when they settle"
+            log.warning("model %s: %s", name, reason)
+            for version, loaded in ready.items():
+                if current.get(version) is not loaded:
+                    loaded.retire(0.0)
+                    failed[version] = reason
+            ready = dict(current)
+        removed_but_serving = not ready and bool(current)
+        if removed_but_serving:
+            ready = dict(current)  # nothing on disk loads: what served before keeps serving
         table = dict(self._serving)
         if ready:
             table[name] = ready
         else:
             table.pop(name, None)
         self._serving = table  # the atomic switch: new requests go to the new versions from here on
-        for version, exc in failed.items():
-            if version not in ready:
-                self._set(name, version, ModelState.UNAVAILABLE, exc.message)
+        rows = [
+            VersionStatus(name, v, ModelState.UNAVAILABLE, r) for v, r in failed.items() if v not in ready
+        ]
         for version in ready:
-            reason = f"serving the previous files; the new ones failed: {failed[version].message}" if version in failed else ""
-            self._set(name, version, ModelState.READY, reason)
-        self._retire([v for key, v in current.items() if ready.get(key) is not v])
-        if not ready and failed:
-            raise next(iter(failed.values()))
+            reason = ""
+            if version in failed:
+                reason = f"serving the previous files; the new ones failed: {failed[version]}"
+            elif removed_but_serving:
+                reason = "still serving; no version on disk could be loaded"
+            rows.append(VersionStatus(name, version, ModelState.READY, reason))
+        retiring = [v for key, v in current.items() if ready.get(key) is not v]
+        rows += [
+            VersionStatus(name, v.version, ModelState.UNLOADING) for v in retiring if v.version not in ready
+        ]
+        self._publish(name, rows)
+        self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
+        self._retire(retiring)
+        if not ready:
+            raise ModelNotReady(f"model {name!r}: no version could be loaded ({_summary(failed)})")
+
+    def _bring_up(
+        self,
+        source: ModelSource,
+        version: int,
+        config: ModelConfig,
+        config_hash: str,
+        existing: LoadedVersion | None,
+        *,
+        retry_failed: bool,
+    ) -> LoadedVersion | str:
+        """The loaded version (``existing`` when its content is unchanged), or why it did not load."""
+        name = source.name
+        signature = source.version_signature(version)
+        content_hash = config_hash + source.version_hash(version)
+        if existing is not None and existing.content_hash == content_hash:
+            return existing
+        known = self._failed.get((name, version))
+        if known is not None and known[0] == content_hash and not retry_failed:
+            return known[1]
+        self._set(name, version, ModelState.LOADING, "replacing the serving copy" if existing else "")
+        try:
+            loaded = load_version(
+                source, version, config, content_hash=content_hash, cpu_count=self._cpu_count
+            )
+        except Exception as exc:  # any failure, expected or not, must leave the old version serving
+            reason = exc.message if isinstance(exc, EdgeServerError) else repr(exc)
+            if source.version_signature(version) != signature:
+                reason += " (the files changed while loading; loading again when they settle)"
+            else:
+                self._failed[(name, version)] = (content_hash, reason)
+            if isinstance(exc, EdgeServerError):
+                log.error("%s v%d failed to load: %s", name, version, reason)
+            else:
+                log.exception("%s v%d failed to load", name, version)
+            return reason
+        if source.version_signature(version) != signature:
+            loaded.retire(0.0)  # it never took traffic; what it loaded may be a half-written file
+            reason = "the files changed while loading; loading again when they settle"
+            log.warning("%s v%d: %s", name, version, reason)
+            return reason
+        self._failed.pop((name, version), None)
+        log.info("%s v%d ready on %s", name, version, ", ".join(loaded.devices))
+        return loaded
 
     def _fail_model(self, name: str, current: dict[int, LoadedVersion], exc: EdgeServerError) -> None:
         log.error("model %s: %s", name, exc.message)
-        if current:
-            for version in current:
-                self._set(name, version, ModelState.READY, f"still serving; the new files failed: {exc.message}")
-        self._set(name, None, ModelState.UNAVAILABLE, exc.message)
+        rows = [
+            VersionStatus(name, v, ModelState.READY, f"still serving; the new files failed: {exc.message}")
+            for v in current
+        ]
+        rows.append(VersionStatus(name, None, ModelState.UNAVAILABLE, exc.message))
+        self._publish(name, rows)
+
+
+def _summary(failed: dict[int, str]) -> str:
+    return "; ".join(f"v{v}: {reason}" for v, reason in sorted(failed.items())) or "nothing to load"
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _load_libc()
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the OS after an unload (glibc keeps it otherwise, and RSS only grows).
+
+    A session's weights are freed when it closes, but glibc holds on to the pages of its arenas;
+    ``malloc_trim`` returns them, so the resident size after a reload is what is really in use.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

@@ -42,7 +42,9 @@ class LoadedVersion:
     def retire(self, drain_timeout: float) -> None:
         """Let queued and running requests finish (up to the deadline), then free everything."""
         if not self.scheduler.drain(drain_timeout):
-            log.warning("%s v%d: drain deadline passed; failing what is still queued", self.name, self.version)
+            log.warning(
+                "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
+            )
         self.scheduler.stop()
 
 
@@ -66,7 +68,7 @@ def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
 def load_version(
     source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, cpu_count: int | None = None
 ) -> LoadedVersion:
-    """Load, complete, instantiate and warm up one version; raises ConfigError/BackendUnavailable on failure."""
+    """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable."""
     version_dir = source.versions[version]
     model_path = version_dir / config.model_filename
     if not model_path.exists():
@@ -134,7 +136,9 @@ def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count
     ]
 
 
-def _warmup_array(name: str, spec: TensorSpec, batch: int | None, source: str, data: Path | None) -> np.ndarray:
+def _warmup_array(
+    name: str, spec: TensorSpec, batch: int | None, source: str, data: Path | None
+) -> np.ndarray:
     dtype = dtypes.to_numpy(spec.data_type)
     shape = tuple(d if d >= 0 else 1 for d in spec.dims)
     if batch is not None:

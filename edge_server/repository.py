@@ -4,16 +4,32 @@
 temporary files and non-numeric version folders are ignored, as in Triton.  Content hashes let the
 lifecycle decide whether a version really changed (a copy that keeps timestamps is still noticed; a
 touched but identical file is not).
+
+Hashing a large TensorRT plan on every rescan would cost seconds on a Jetson, so file hashes are cached
+by ``(device, inode, size, mtime, ctime)``.  The cache cannot be fooled by a copy that preserves
+timestamps: the kernel sets ``ctime`` on every write and no user call can set it back.  Like git's
+"racily clean" index entries, a file whose ctime is within :data:`RACY_WINDOW_NS` of now is never
+cached, because a second write inside the same timestamp tick would leave every stat field unchanged.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 CONFIG_FILENAME = "config.pbtxt"
-_TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp", "~", ".crdownload")
+_TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp", "~", ".crdownload", ".dpkg-new", ".rsync-tmp")
+
+#: Files changed this recently are hashed again on every call instead of being cached.
+RACY_WINDOW_NS = 2_000_000_000
+_CACHE_LIMIT = 4096
+
+# One stat row: (relative name, device, inode, size, mtime_ns, ctime_ns).
+StatRow = tuple[str, int, int, int, int, int]
 
 
 def is_ignored(name: str) -> bool:
@@ -33,34 +49,104 @@ class ModelSource:
     def config_path(self) -> Path:
         return self.path / CONFIG_FILENAME
 
+    def config_files(self) -> list[Path]:
+        """config.pbtxt and the model directory's other loose files (labels, ...), sorted."""
+        try:
+            entries = sorted(self.path.iterdir())
+        except OSError:
+            return []
+        return [e for e in entries if e.is_file() and not is_ignored(e.name)]
+
+    def version_files(self, version: int) -> list[Path]:
+        """Every file under a version directory (hidden and temporary ones left out), sorted."""
+        root = self.versions[version]
+        try:
+            found = sorted(root.rglob("*"))
+        except OSError:  # removed while we looked: the watcher brings the next state
+            return []
+        return [
+            path
+            for path in found
+            if not any(is_ignored(part) for part in path.relative_to(root).parts) and path.is_file()
+        ]
+
     def config_hash(self) -> str:
-        """Hash of config.pbtxt and the model directory's loose files (labels, ...)."""
-        digest = hashlib.sha256()
-        if self.path.is_dir():
-            for entry in sorted(self.path.iterdir()):
-                if entry.is_file() and not is_ignored(entry.name):
-                    digest.update(entry.name.encode())
-                    digest.update(_file_hash(entry))
-        return digest.hexdigest()
+        """Hash of config.pbtxt and the model directory's loose files."""
+        return _hash_files(self.path, self.config_files())
 
     def version_hash(self, version: int) -> str:
         """Hash of every file under a version directory, names included."""
-        digest = hashlib.sha256()
-        root = self.versions[version]
-        for path in sorted(root.rglob("*")):
-            rel = path.relative_to(root)
-            if path.is_file() and not any(is_ignored(part) for part in rel.parts):
-                digest.update(str(rel).encode())
-                digest.update(_file_hash(path))
-        return digest.hexdigest()
+        return _hash_files(self.versions[version], self.version_files(version))
+
+    def config_signature(self) -> tuple[StatRow, ...]:
+        """Stat rows of the model directory's loose files; see :meth:`version_signature`."""
+        return _stat_rows(self.path, self.config_files())
+
+    def version_signature(self, version: int) -> tuple[StatRow, ...]:
+        """Stat rows of every file of ``version``, to tell whether it changed while it loaded.
+
+        Equal before hashing and after loading means the bytes that were hashed are the bytes that
+        were loaded (every write moves ``ctime``).
+        """
+        return _stat_rows(self.path, self.version_files(version))
 
 
-def _file_hash(path: Path) -> bytes:
+def _stat_rows(root: Path, files: list[Path]) -> tuple[StatRow, ...]:
+    rows = []
+    for path in files:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        rows.append(
+            (str(path.relative_to(root)), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        )
+    return tuple(rows)
+
+
+def _hash_files(root: Path, files: list[Path]) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.digest()
+    for path in files:
+        try:
+            content = _HASHES.file_hash(path)
+        except OSError:  # vanished between listing and reading: a later event brings the new state
+            continue
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(b"\0")
+        digest.update(content)
+    return digest.hexdigest()
+
+
+class _HashCache:
+    """SHA-256 of files, remembered while their stat fields stay the same (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[tuple[int, int, int, int, int], bytes]] = {}
+
+    def file_hash(self, path: Path) -> bytes:
+        with path.open("rb") as f:
+            before = os.fstat(f.fileno())
+            key = (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns, before.st_ctime_ns)
+            with self._lock:
+                cached = self._entries.get(str(path))
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            digest = hashlib.sha256()
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+            after = os.fstat(f.fileno())
+        value = digest.digest()
+        settled = time.time_ns() - after.st_ctime_ns > RACY_WINDOW_NS
+        if settled and after.st_ctime_ns == before.st_ctime_ns:
+            with self._lock:
+                if len(self._entries) >= _CACHE_LIMIT:
+                    self._entries.clear()
+                self._entries[str(path)] = (key, value)
+        return value
+
+
+_HASHES = _HashCache()
 
 
 def scan_model(repository: Path, name: str) -> ModelSource | None:
@@ -69,7 +155,11 @@ def scan_model(repository: Path, name: str) -> ModelSource | None:
     if is_ignored(name) or not path.is_dir():
         return None
     versions: dict[int, Path] = {}
-    for entry in path.iterdir():
+    try:
+        entries = list(path.iterdir())
+    except OSError:  # removed while we looked
+        return None
+    for entry in entries:
         if entry.is_dir() and entry.name.isdigit() and not is_ignored(entry.name):
             versions[int(entry.name)] = entry
     return ModelSource(name=name, path=path, versions=versions)

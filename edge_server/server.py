@@ -23,6 +23,7 @@ from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane, InferRequest
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
 from edge_server.lifecycle import ModelManager, VersionStatus
+from edge_server.watcher import RepositoryWatcher
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class Server:
         load_models: Iterable[str] = (),
         drain_timeout: float = 30.0,
         cpu_count: int | None = None,
+        watch_quiet_s: float = 0.5,
     ) -> None:
+        """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads."""
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
                 f"model_control_mode must be one of {list(CONTROL_MODES)}, got {model_control_mode!r}"
@@ -64,15 +67,28 @@ class Server:
         self._manager = ModelManager(repository, drain_timeout=drain_timeout, cpu_count=cpu_count)
         self._dataplane = DataPlane(self._manager)
         self._closed = threading.Event()
+        self.watcher: RepositoryWatcher | None = None
+        if model_control_mode == "poll":
+            # Watch before the first scan: a file that lands while the repository loads is not missed.
+            self.watcher = RepositoryWatcher(
+                repository,
+                lambda names: self._manager.rescan(names, retry_failed=False),
+                quiet_s=watch_quiet_s,
+            )
+            self.watcher.start()
         names = list(load_models)
-        if model_control_mode == "explicit" and "*" not in names:
-            for name in names:
-                try:
-                    self._manager.load(name)
-                except EdgeServerError as exc:
-                    log.error("model %s failed to load: %s", name, exc.message)
-        else:
-            self._manager.rescan()
+        try:
+            if model_control_mode == "explicit" and "*" not in names:
+                for name in names:
+                    try:
+                        self._manager.load(name)
+                    except EdgeServerError as exc:
+                        log.error("model %s failed to load: %s", name, exc.message)
+            else:
+                self._manager.rescan()
+        except BaseException:
+            self.close()
+            raise
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -192,6 +208,8 @@ class Server:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self.watcher is not None:
+            self.watcher.stop()  # first, so that no rescan starts while the models are unloaded
         self._manager.close()
 
     def __enter__(self) -> Server:

@@ -4,6 +4,7 @@ shared-memory segments (the daemon must clean up after every request, model and 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,11 +27,33 @@ def example_repository() -> Path:
     return EXAMPLES
 
 
+_CLIENT_SEGMENT = re.compile(r"^edge-server-(\d+)-")
+
+
+def _ours(pid: int) -> bool:
+    """Whether ``pid`` is this test process or one of its descendants (walking /proc parents)."""
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True  # gone: it may have been ours, so its segments count
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
+
+
 def _shm_segments() -> set[str]:
+    """Segments in /dev/shm, leaving out client segments of live processes that are not ours
+    (another test run on the same machine)."""
     try:
-        return set(os.listdir("/dev/shm"))
+        names = os.listdir("/dev/shm")
     except FileNotFoundError:
         return set()
+    return {
+        name for name in names if not (match := _CLIENT_SEGMENT.match(name)) or _ours(int(match.group(1)))
+    }
 
 
 @pytest.fixture(autouse=True)

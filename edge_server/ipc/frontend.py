@@ -150,6 +150,8 @@ class IpcFrontend:
     # -- the frontend thread --------------------------------------------------------------------
 
     def _wake(self) -> None:
+        if threading.current_thread() is self._thread:
+            return  # a request that ran inline on this thread: its reply goes out in this loop turn
         # Under the lock so that a callback finishing after shutdown never writes to a reused fd number.
         with self._wake_lock:
             if self._wake_fd >= 0:

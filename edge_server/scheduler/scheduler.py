@@ -5,6 +5,11 @@ on its own backend instance, so a request passes through exactly one thread hand
 one future on its way out.  Because only idle instances form batches, a freed instance takes the
 largest batch the queue holds at that moment, as Triton's dynamic batcher does.
 
+A model without dynamic batching whose executions are cheap (a moving average under
+``INLINE_BUDGET_NS``) runs a request in the caller's own thread when an instance is idle and nothing is
+queued: a thread hand-off costs more than such a model, and the caller would only wait for it anyway.
+The idle instance is lent for that one request; its worker does not touch it meanwhile.
+
 Lock order: the condition's lock is never held while a backend runs or a future is completed.
 """
 
@@ -16,7 +21,7 @@ import time
 from collections.abc import Hashable
 from concurrent.futures import Future
 
-from edge_server.backends.base import Backend, BatchItem, Result, Timing
+from edge_server.backends.base import Backend, BatchItem, Result, TensorBackend, Timing
 from edge_server.config.model import ModelConfig, QueuePolicy
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelExecutionError, ServerShuttingDown
 from edge_server.scheduler.policy import BatchSettings, next_batch
@@ -24,6 +29,11 @@ from edge_server.scheduler.queue import QueuedRequest, RequestQueue
 from edge_server.scheduler.stats import ModelStats
 
 log = logging.getLogger(__name__)
+
+# A request runs in the caller's thread only for models whose executions average less than this:
+# about what two thread hand-offs cost in CPython, and short enough not to stall an IPC frontend.
+INLINE_BUDGET_NS = 100_000
+_EMA_WEIGHT = 0.2
 
 
 class SchedulerClosed(ServerShuttingDown):
@@ -67,6 +77,12 @@ class ModelScheduler:
         self._next_seq = 0
         self._delivered_seq = 0
         self._instances = instances
+        self._inline_capable = not self._settings.batching and all(
+            isinstance(backend, TensorBackend) for _, backend in instances
+        )
+        self._compute_ema_ns = float("inf")  # moving average of one request's execution
+        self._waiting: set[Backend] = set()  # instances whose worker is idle, waiting for work
+        self._borrowed: set[Backend] = set()  # idle instances lent to a caller's thread
         self._threads = [
             threading.Thread(target=self._worker, args=(backend,), name=f"edge-{name}", daemon=True)
             for name, backend in instances
@@ -99,9 +115,31 @@ class ModelScheduler:
         with self._cond:
             if not self._accepting:
                 raise SchedulerClosed(f"model {self._config.name!r} is unloading")
-            self._queue.push(request)
-            self._cond.notify()
+            lent = self._lend()
+            if lent is None:
+                self._queue.push(request)
+                self._cond.notify()
+                return future
+            self._in_flight += 1
+        try:
+            self._execute(lent, [request], seq=None)
+        finally:
+            with self._cond:
+                self._borrowed.discard(lent)
+                self._in_flight -= 1
+                if len(self._queue) or not self._accepting:
+                    self._cond.notify_all()  # the instance's worker may be waiting for it
         return future
+
+    def _lend(self) -> Backend | None:
+        """An idle instance for the caller's thread, when inline execution pays (lock held)."""
+        if not self._inline_capable or self._compute_ema_ns >= INLINE_BUDGET_NS or len(self._queue):
+            return None
+        for backend in self._waiting:
+            if backend not in self._borrowed:
+                self._borrowed.add(backend)
+                return backend
+        return None
 
     def _level(self, priority: int) -> int:
         if priority < 0:
@@ -161,7 +199,7 @@ class ModelScheduler:
     def _worker(self, backend: Backend) -> None:
         while True:
             try:
-                taken = self._take_batch()
+                taken = self._take_batch(backend)
                 if taken is None:
                     return
                 self._run(backend, *taken)
@@ -171,24 +209,43 @@ class ModelScheduler:
             except Exception:  # the loop never dies: log it and serve the next batch
                 log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
 
-    def _take_batch(self) -> tuple[list[QueuedRequest], int] | None:
+    def _take_batch(self, backend: Backend) -> tuple[list[QueuedRequest], int] | None:
         with self._cond:
-            while not self._stopping:
-                now = time.monotonic_ns()
-                for request in self._queue.expire(now):
-                    self._stats.record_failure(now - request.enqueue_ns, now - request.enqueue_ns)
-                settings = self._settings if self._accepting else self._flush
-                decision = next_batch(self._queue.head(settings.max_batch_size + 1), now, settings)
-                if decision.count:
-                    batch = self._queue.pop(decision.count)
-                    seq = self._next_seq
-                    self._next_seq += 1
-                    self._in_flight += len(batch)
-                    return batch, seq
-                self._cond.wait(decision.wait_ns / 1e9 if decision.wait_ns else None)
+            self._waiting.add(backend)
+            try:
+                return self._next_batch_locked(backend)
+            finally:
+                self._waiting.discard(backend)
+
+    def _next_batch_locked(self, backend: Backend) -> tuple[list[QueuedRequest], int] | None:
+        while not self._stopping:
+            if backend in self._borrowed:
+                self._cond.wait()
+                continue
+            now = time.monotonic_ns()
+            for request in self._queue.expire(now):
+                self._stats.record_failure(now - request.enqueue_ns, now - request.enqueue_ns)
+            settings = self._settings if self._accepting else self._flush
+            decision = next_batch(self._queue.head(settings.max_batch_size + 1), now, settings)
+            if decision.count:
+                batch = self._queue.pop(decision.count)
+                seq = self._next_seq
+                self._next_seq += 1
+                self._in_flight += len(batch)
+                return batch, seq
+            self._cond.wait(decision.wait_ns / 1e9 if decision.wait_ns else None)
         return None
 
     def _run(self, backend: Backend, batch: list[QueuedRequest], seq: int) -> None:
+        self._execute(backend, batch, seq=seq if self._preserve_ordering else None)
+        with self._cond:
+            self._in_flight -= len(batch)
+            self._delivered_seq += 1
+            if self._preserve_ordering or not self._accepting:
+                self._cond.notify_all()
+
+    def _execute(self, backend: Backend, batch: list[QueuedRequest], *, seq: int | None) -> None:
+        """Run a batch, deliver each result to its future (in ``seq`` order when given), record stats."""
         start = time.monotonic_ns()
         live = [r for r in batch if r.future.set_running_or_notify_cancel()]
         timing = Timing()
@@ -205,7 +262,11 @@ class ModelScheduler:
             except Exception as exc:
                 log.exception("instance of %r failed a batch of %d", self._config.name, len(live))
                 results = [ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")] * len(live)
-        if self._preserve_ordering:
+            if len(live) == 1:
+                spent = time.monotonic_ns() - start
+                ema = self._compute_ema_ns  # a benign race: only this estimate is at stake
+                self._compute_ema_ns = spent if ema == float("inf") else ema + _EMA_WEIGHT * (spent - ema)
+        if seq is not None:
             with self._cond:
                 while self._delivered_seq != seq:
                     self._cond.wait()
@@ -225,8 +286,3 @@ class ModelScheduler:
                 compute_infer_ns=timing.compute_infer_ns,
                 compute_output_ns=timing.compute_output_ns,
             )
-        with self._cond:
-            self._in_flight -= len(batch)
-            self._delivered_seq += 1
-            if self._preserve_ordering or not self._accepting:
-                self._cond.notify_all()

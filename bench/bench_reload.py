@@ -1,0 +1,289 @@
+"""Hot-reload soak: N OTA drops renamed into a watched repository while clients keep sending requests.
+
+    .venv/bin/python bench/bench_reload.py [--reloads 50] [--clients 4] [--target daemon|inprocess]
+
+A model ``m`` whose version ``k`` answers ``x + k`` is served in poll mode.  For each reload the next
+version is written to a staging directory on the same filesystem and renamed into ``m/<k>`` (the
+recommended OTA procedure); the client threads record every answer with its arrival time.  Measured:
+
+* failed requests (must be 0): any error a client gets during the whole run;
+* the server's resident memory after warm-up traffic and after the last reload (growth under 10%);
+* the time from the rename to the first answer from the new version (median, p90, max).
+
+``--target daemon`` (default) starts the real daemon (``python -m edge_server serve --model-control-mode
+poll --ipc ipc://...``) and drives it with one IPC client per thread; ``inprocess`` uses the in-process
+API and measures this process.  Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.reload_helpers import write_config  # noqa: E402
+
+ZEROS = np.zeros((1, 4), dtype=np.float32)
+
+
+def weighted_model(path: Path, offset: float, weights_mb: float) -> None:
+    """``OUTPUT0 = INPUT0 + offset`` that also carries ``weights_mb`` of weights used on every request.
+
+    The weights (zeros) go through a MatMul whose result is multiplied by 0, so the answer still names
+    the version, while each load allocates and each unload frees as much memory as a real model of
+    that size: that is what makes the RSS measurement mean something.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    columns = max(1, int(weights_mb * 2**20 / 16))
+    nodes = [
+        helper.make_node("MatMul", ["INPUT0", "W"], ["wide"]),
+        helper.make_node("ReduceSum", ["wide", "axis"], ["summed"], keepdims=1),
+        helper.make_node("Mul", ["summed", "zero"], ["nothing"]),
+        helper.make_node("Add", ["INPUT0", "nothing"], ["same"]),
+        helper.make_node("Add", ["same", "offset"], ["OUTPUT0"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.zeros((4, columns), dtype=np.float32), "W"),
+        numpy_helper.from_array(np.array([1], dtype=np.int64), "axis"),
+        numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero"),
+        numpy_helper.from_array(np.array(offset, dtype=np.float32), "offset"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "weighted",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(model.SerializeToString())
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+class Target:
+    """What the clients talk to: infer() from many threads, models(), the PID whose memory counts."""
+
+    pid: int
+
+    def client(self) -> Callable[[], float]:
+        raise NotImplementedError
+
+    def states(self) -> list[tuple[int | None, str]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class InProcess(Target):
+    def __init__(self, repo: Path, quiet: float) -> None:
+        from edge_server import Server
+
+        self.server = Server(repo, model_control_mode="poll", watch_quiet_s=quiet)
+        self.pid = os.getpid()
+
+    def client(self) -> Callable[[], float]:
+        return lambda: float(self.server.infer("m", {"INPUT0": ZEROS})["OUTPUT0"][0, 0])
+
+    def states(self) -> list[tuple[int | None, str]]:
+        return [(s.version, s.state.value) for s in self.server.models()]
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class DaemonTarget(Target):
+    """The real daemon (``tests/daemon.py`` starts it and waits for readiness over IPC)."""
+
+    def __init__(self, repo: Path, work: Path) -> None:
+        from edge_server.client import Client
+        from tests.daemon import Daemon
+
+        self._client_cls = Client
+        self._daemon = Daemon(
+            repo, f"ipc://{work}/edge.sock", work / "daemon.log", "--model-control-mode", "poll"
+        ).start()
+        self.pid = self._daemon.pid
+        self._clients: list[Any] = []
+        self._control = self._new_client()
+
+    def _new_client(self) -> Any:
+        client = self._client_cls(self._daemon.address, timeout=30.0)
+        self._clients.append(client)
+        return client
+
+    def client(self) -> Callable[[], float]:
+        client = self._new_client()
+        return lambda: float(client.infer("m", {"INPUT0": ZEROS})["OUTPUT0"][0, 0])
+
+    def states(self) -> list[tuple[int | None, str]]:
+        return [(row["version"], row["state"]) for row in self._control.models()]
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.close()
+        status = self._daemon.stop()
+        if status != 0:
+            raise RuntimeError(f"the daemon exited with {status}:\n{self._daemon.log()}")
+
+
+class Clients:
+    """Threads sending requests back to back; for each answer value, when it was first seen.
+
+    Only counters and first arrivals are kept, so the in-process target's memory is the server's.
+    """
+
+    def __init__(self, target: Target, n: int) -> None:
+        self._calls = [target.client() for _ in range(n)]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._first: dict[float, float] = {}
+        self._count = 0
+        self.errors: list[str] = []
+        self._threads = [threading.Thread(target=self._run, args=(c,), daemon=True) for c in self._calls]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    def _run(self, call: Callable[[], float]) -> None:
+        while not self._stop.is_set():
+            try:
+                value = call()
+            except Exception as exc:  # every failure counts; keep the first few for the report
+                with self._lock:
+                    self.errors.append(repr(exc))
+                continue
+            now = time.monotonic()
+            with self._lock:
+                self._count += 1
+                self._first.setdefault(value, now)
+
+    def first_answer(self, value: float) -> float | None:
+        with self._lock:
+            return self._first.get(value)
+
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--reloads", type=int, default=50)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--target", choices=["daemon", "inprocess"], default="daemon")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of traffic before the first RSS")
+    parser.add_argument("--weights-mb", type=float, default=16.0, help="size of each version's weights")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-reload-"))
+    repo, staging = work / "repo", work / "staging"
+    staging.mkdir(parents=True)
+    write_config(repo / "m")
+    weighted_model(repo / "m" / "1" / "model.onnx", 1.0, args.weights_mb)
+    quiet = 0.5  # the daemon's default quiet period
+    target: Target = DaemonTarget(repo, work) if args.target == "daemon" else InProcess(repo, quiet)
+    clients = Clients(target, args.clients)
+    latencies: list[float] = []
+    trail: list[int] = []  # RSS every 10 reloads: growth that goes on would show here
+    try:
+        clients.start()
+        time.sleep(args.warmup)  # traffic only: nothing to synchronise with
+        rss_before = rss_bytes(target.pid)
+        count_before = clients.count()
+        started = time.monotonic()
+        for version in range(2, args.reloads + 2):
+            staged = staging / f"{version}"
+            weighted_model(staged / "model.onnx", float(version), args.weights_mb)
+            renamed = time.monotonic()
+            os.rename(staged, repo / "m" / str(version))
+            first = wait_for(lambda v=version: clients.first_answer(float(v)), 10.0, f"v{version}")
+            latencies.append(first - renamed)
+            # the old version is drained and unloaded before the next drop
+            wait_for(lambda v=version: target.states() == [(v, "READY")], 10.0, f"v{version - 1} unloaded")
+            shutil.rmtree(repo / "m" / str(version - 1))  # keep the disk use flat; v{version} serves on
+            if (version - 1) % 10 == 0:
+                trail.append(rss_bytes(target.pid))
+        elapsed = time.monotonic() - started
+        requests = clients.count() - count_before
+        time.sleep(1.0)  # let the allocator settle after the last unload before reading RSS
+        rss_after = rss_bytes(target.pid)
+    finally:
+        clients.stop()
+        target.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    growth = (rss_after - rss_before) / rss_before * 100
+    ms = sorted(x * 1000 for x in latencies)
+    rows = [
+        ("target", args.target),
+        ("reloads (renamed into the watched repository)", str(len(latencies))),
+        ("client threads", str(args.clients)),
+        ("weights per version (MB)", f"{args.weights_mb:g}"),
+        ("requests answered during the reloads", f"{requests} ({requests / elapsed:.0f}/s)"),
+        ("failed requests", str(len(clients.errors))),
+        ("server RSS after warm-up (MiB)", f"{rss_before / 2**20:.1f}"),
+        (f"server RSS after {len(latencies)} reloads (MiB)", f"{rss_after / 2**20:.1f}"),
+        ("RSS growth", f"{growth:+.1f}%"),
+        ("RSS every 10 reloads (MiB)", " ".join(f"{r / 2**20:.0f}" for r in trail)),
+        ("rename -> first answer from new version, median (ms)", f"{statistics.median(ms):.0f}"),
+        ("rename -> first answer from new version, p90 (ms)", f"{ms[int(0.9 * (len(ms) - 1))]:.0f}"),
+        ("rename -> first answer from new version, max (ms)", f"{ms[-1]:.0f}"),
+        ("quiet period before a change loads (ms)", f"{quiet * 1000:.0f}"),
+    ]
+    print("| measure | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    if clients.errors:
+        print("\nfirst errors:", *clients.errors[:5], sep="\n  ")
+    ok = not clients.errors and growth < 10.0
+    print(f"\n{'PASS' if ok else 'FAIL'}: 0 failed requests and RSS growth under 10% required")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
