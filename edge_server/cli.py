@@ -177,7 +177,14 @@ def _infer(args: argparse.Namespace) -> int:
         metadata = target.model_metadata(args.model)
         inputs = _read_inputs(args, metadata)
         outputs = target.infer(args.model, inputs, version=args.model_version, outputs=args.output)
-        labels = {} if remote else _labels(target, args.model)
+        if remote:
+            from edge_server.server import default_repository
+
+            config = target.model_config(args.model)
+            repository = args.model_repository or default_repository()
+        else:
+            config, repository = target.model_config(args.model).to_triton_dict(), target.repository
+        labels = _labels(config, repository / args.model)
     finally:
         target.close()
     for name, array in outputs.items():
@@ -250,14 +257,13 @@ def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
     return array[None] if batched else array
 
 
-def _labels(server: Any, model: str) -> dict[str, list[str]]:
-    config = server.model_config(model)
+def _labels(config: dict[str, Any], model_dir: Path) -> dict[str, list[str]]:
+    """Class names of outputs with a ``label_filename``, read from the model's directory on this box."""
     labels: dict[str, list[str]] = {}
-    for spec in config.outputs:
-        if spec.label_filename:
-            path = server.repository / model / spec.label_filename
-            if path.is_file():
-                labels[spec.name] = path.read_text().split("\n")
+    for spec in config.get("output", []):
+        path = model_dir / spec.get("label_filename", "")
+        if spec.get("label_filename") and path.is_file():
+            labels[spec["name"]] = path.read_text().split("\n")
     return labels
 
 

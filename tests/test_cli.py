@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.daemon import Daemon
+
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -64,3 +66,28 @@ def test_infer_bad_input_is_a_clear_error(example_repository: Path, tmp_path: Pa
     result = cli("infer", "nope", "--input", "x=y.npy", "--model-repository", str(example_repository))
     assert result.returncode == 1
     assert "error [MODEL_NOT_FOUND]: unknown model 'nope'" in result.stderr
+
+
+def test_models_and_infer_through_a_running_daemon(daemon: Daemon, example_repository: Path) -> None:
+    result = cli("models", "--ipc", daemon.address)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split()[1:3] for line in result.stdout.splitlines()[1:]}
+    assert rows["digits"] == ["1", "READY"] and rows["frame"] == ["1", "READY"]
+    image = example_repository / "digits" / "samples" / "digit_5.png"
+    result = cli(
+        "infer",
+        "digits",
+        "--image",
+        str(image),
+        "--ipc",
+        daemon.address,
+        "--model-repository",
+        str(daemon.repository),
+        "--top",
+        "1",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "#1: 5 (" in result.stdout  # labels.txt read from the repository on this box
+    result = cli("infer", "nope", "--image", str(image), "--ipc", daemon.address)
+    assert result.returncode == 1
+    assert "error [MODEL_NOT_FOUND]" in result.stderr

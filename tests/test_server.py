@@ -325,3 +325,15 @@ def test_example_repository_digits_are_classified(example_repository: Path) -> N
         for label in (0, 3, 7):
             x = np.load(example_repository / "digits" / "samples" / f"digit_{label}.npy")[None]
             assert int(server.infer("digits", {"image": x})["probabilities"].argmax()) == label
+
+
+def test_cheap_unbatched_model_runs_in_the_callers_thread(server: Server) -> None:
+    x = np.ones(2, np.float32)
+    for _ in range(20):  # the scheduler learns the model's execution time from the first requests
+        server.infer("renamed", {"INPUT0": x})
+    future = server.submit("renamed", {"INPUT0": x})
+    assert future.done()  # no hand-off: it ran before submit() returned
+    np.testing.assert_array_equal(future.result()["OUTPUT0"], x + 7.0)
+    # Inline runs count in the statistics like queued ones.
+    (stats,) = server.statistics("renamed")
+    assert stats["inference_stats"]["success"]["count"] == 21
