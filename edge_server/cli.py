@@ -36,7 +36,7 @@ def configure_logging(verbose: int, fmt: str) -> None:
     if fmt == "json":
         formatter: logging.Formatter = _JsonFormatter()
     elif os.environ.get("JOURNAL_STREAM") and fmt == "default":
-        formatter = logging.Formatter("<%(levelno)s>%(name)s: %(message)s")
+        formatter = _JournalFormatter("%(name)s: %(message)s")
     else:
         datefmt = "%Y-%m-%dT%H:%M:%S" if fmt == "ISO8601" else None
         formatter = logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt)
@@ -45,6 +45,15 @@ def configure_logging(verbose: int, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class _JournalFormatter(logging.Formatter):
+    """journald reads a syslog priority from a ``<N>`` prefix on each stdout line and adds the time."""
+
+    _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self._PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
 
 
 class _JsonFormatter(logging.Formatter):

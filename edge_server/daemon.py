@@ -15,6 +15,7 @@ from types import FrameType
 
 from edge_server.errors import EdgeServerError
 from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.lifecycle import ModelState
 from edge_server.server import ControlMode, Server
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Daemon:
                 )
                 frontend.start()
                 log.info("serving on %s", address)
-            ready = [s for s in server.models() if s.state.value == "READY"]
+            ready = [s for s in server.models() if s.state is ModelState.READY]
             log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
             self._loop(server)
         finally:

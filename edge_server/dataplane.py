@@ -108,7 +108,7 @@ def validate(config: ModelConfig, request: InferRequest) -> tuple[BatchItem, Has
 
 def _requested_outputs(config: ModelConfig, requested: Sequence[str] | None) -> tuple[str, ...]:
     names = tuple(spec.name for spec in config.outputs)
-    if requested is None:
+    if not requested:  # None or empty: every output, as in KServe v2
         return names
     for name in requested:
         if name not in names:
@@ -116,17 +116,6 @@ def _requested_outputs(config: ModelConfig, requested: Sequence[str] | None) -> 
                 f"model {config.name!r} has no output {name!r}; its outputs are {list(names)}"
             )
     return tuple(dict.fromkeys(requested))
-
-
-def _restore_output_shapes(config: ModelConfig, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Undo ``reshape`` on outputs: the backend produced the reshape shape, clients expect ``dims``."""
-    batched = config.max_batch_size > 0
-    for name, array in outputs.items():
-        spec = config.output(name)
-        if spec is not None and spec.reshape is not None:
-            dims = tuple(-1 if d < 0 else d for d in spec.dims)
-            outputs[name] = array.reshape((array.shape[0], *dims) if batched else dims)
-    return outputs
 
 
 class DataPlane:
@@ -149,8 +138,6 @@ class DataPlane:
                 if request.version is not None:
                     raise
                 continue
-            if any(spec.reshape is not None for spec in loaded.config.outputs):
-                return _chain(future, lambda out, c=loaded.config: _restore_output_shapes(c, out))
             return future
         raise SchedulerClosed(f"model {request.model!r} is being unloaded")
 
@@ -191,19 +178,3 @@ class DataPlane:
         return [
             loaded.stats.as_dict() for versions in chosen.values() for _, loaded in sorted(versions.items())
         ]
-
-
-def _chain(future: Future[dict[str, np.ndarray]], transform: Any) -> Future[dict[str, np.ndarray]]:
-    chained: Future[dict[str, np.ndarray]] = Future()
-
-    def done(source: Future[dict[str, np.ndarray]]) -> None:
-        if not chained.set_running_or_notify_cancel():
-            return
-        exc = source.exception()
-        if exc is not None:
-            chained.set_exception(exc)
-        else:
-            chained.set_result(transform(source.result()))
-
-    future.add_done_callback(done)
-    return chained

@@ -23,12 +23,13 @@ import ctypes.util
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge_server.config import ModelConfig
-from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady
+from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.repository import ModelSource, scan, scan_model
 
@@ -207,12 +208,13 @@ class ModelManager:
         """Unload everything (each version drained up to the deadline); later control calls fail."""
         with self._control:
             self._closed = True
-            for name in list(self._serving):
-                self._unload(name)
+            retiring = [loaded for versions in self._serving.values() for loaded in versions.values()]
+            self._serving = {}
+            self._retire(retiring)
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ModelNotReady("the server is shutting down")
+            raise ServerShuttingDown("the server is shutting down")
 
     def _unload(self, name: str) -> None:
         old = self._serving.get(name, {})
@@ -228,8 +230,11 @@ class ModelManager:
         shown = [v for v in versions if v.version not in self._serving.get(v.name, {})]
         for loaded in shown:
             self._set(loaded.name, loaded.version, ModelState.UNLOADING)
+        for loaded in versions:  # all stop taking requests first, then they share one drain deadline
+            loaded.scheduler.close_intake()
+        deadline = time.monotonic() + self._drain_timeout
         for loaded in versions:
-            loaded.retire(self._drain_timeout)
+            loaded.retire(deadline)
             log.info("%s v%d unloaded", loaded.name, loaded.version)
         for loaded in shown:
             with self._status_lock:
@@ -288,7 +293,7 @@ class ModelManager:
             log.warning("model %s: %s", name, reason)
             for version, loaded in ready.items():
                 if current.get(version) is not loaded:
-                    loaded.retire(0.0)
+                    loaded.retire(time.monotonic())
                     failed[version] = reason
             ready = dict(current)
         removed_but_serving = not ready and bool(current)
@@ -356,7 +361,8 @@ class ModelManager:
                 log.exception("%s v%d failed to load", name, version)
             return reason
         if source.version_signature(version) != signature:
-            loaded.retire(0.0)  # it never took traffic; what it loaded may be a half-written file
+            # It never took traffic; what it loaded may be a half-written file.
+            loaded.retire(time.monotonic())
             reason = "the files changed while loading; loading again when they settle"
             log.warning("%s v%d: %s", name, version, reason)
             return reason

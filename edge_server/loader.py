@@ -17,7 +17,7 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, BatchItem, InstanceSpec, LoadContext, Timing
-from edge_server.config import ModelConfig, load_config_file
+from edge_server.config import ModelConfig, load_config_file, validate_config
 from edge_server.config.model import InstanceGroup, TensorSpec, Warmup
 from edge_server.errors import ConfigError, EdgeServerError
 from edge_server.repository import ModelSource
@@ -39,9 +39,9 @@ class LoadedVersion:
     content_hash: str
     devices: tuple[str, ...]
 
-    def retire(self, drain_timeout: float) -> None:
-        """Let queued and running requests finish (up to the deadline), then free everything."""
-        if not self.scheduler.drain(drain_timeout):
+    def retire(self, deadline: float) -> None:
+        """Let queued and running requests finish (until ``deadline``, monotonic), then free everything."""
+        if not self.scheduler.drain(deadline):
             log.warning(
                 "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
             )
@@ -77,6 +77,7 @@ def load_version(
         )
     backend_cls = backend_class(config.backend)
     config = backend_cls.complete_config(config, model_path)
+    validate_config(config)  # what the backend filled in obeys the same rules as what was written
     _check_io(config)
     specs = instance_specs(config, backend_cls, cpu_count=cpu_count or os.cpu_count() or 1)
     instances: list[tuple[str, Backend]] = []
@@ -158,6 +159,10 @@ def _warmup_samples(config: ModelConfig) -> list[Warmup]:
     if config.model_warmup:
         return list(config.model_warmup)
     if config.backend == "python":  # user code may rightly reject made-up zeros: only explicit samples
+        return []
+    if any(d < 0 for spec in config.inputs for d in (spec.reshape or spec.dims)):
+        # A variable dim has no safe made-up size (a conv net on 1x1 images fails): as in Triton, such a
+        # model is warmed up only by its own model_warmup samples.
         return []
     return [Warmup(name="generated_zero_input")]
 

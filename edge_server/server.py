@@ -67,6 +67,7 @@ class Server:
         self._manager = ModelManager(repository, drain_timeout=drain_timeout, cpu_count=cpu_count)
         self._dataplane = DataPlane(self._manager)
         self._closed = threading.Event()
+        self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None
         if model_control_mode == "poll":
             # Watch before the first scan: a file that lands while the repository loads is not missed.
@@ -205,9 +206,10 @@ class Server:
 
     def close(self) -> None:
         """Drain every model (each up to its drain deadline) and unload it.  Idempotent."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
+        with self._close_lock:  # two threads closing at once must not both stop the watcher
+            if self._closed.is_set():
+                return
+            self._closed.set()
         if self.watcher is not None:
             self.watcher.stop()  # first, so that no rescan starts while the models are unloaded
         self._manager.close()

@@ -110,3 +110,31 @@ def test_timeouts_reject_or_delay() -> None:
     assert queue.head(10) == [fresh, delayed]  # delayed goes behind what has not expired
     assert queue.pop(2) == [fresh, delayed]
     assert queue.expire(10**9) == []
+
+
+def test_after_the_delay_everything_pending_goes_not_just_the_preferred_prefix() -> None:
+    settings = BatchSettings(max_batch_size=8, preferred_batch_sizes=frozenset({2}), max_queue_delay_ns=1000)
+    queue = [R(1, enqueue_ns=0) for _ in range(7)]
+    assert next_batch(queue, 500, settings) == Decision(2)  # preferred size reached, delay not yet
+    assert next_batch(queue, 1000, settings) == Decision(7)  # Triton: one batch of 7, not 2, 2, 2, 1
+
+
+def test_prefix_before_overflowing_the_largest_preferred_size_is_sent() -> None:
+    settings = BatchSettings(
+        max_batch_size=16, preferred_batch_sizes=frozenset({4}), max_queue_delay_ns=10**9
+    )
+    assert next_batch([R(3), R(3)], 0, settings) == Decision(1)  # 3 + 3 would pass 4: send the 3
+    assert next_batch([R(3)], 0, settings) == Decision(0, 10**9)
+
+
+def test_delayed_requests_stay_within_their_priority_level() -> None:
+    queue = RequestQueue(2, {1: QueuePolicy(max_queue_size=2), 2: QueuePolicy()})
+    high_late = _request(1, 0, deadline=100, action="DELAY")
+    high_fresh = _request(1, 1)
+    low = _request(2, 2)
+    for r in (high_late, high_fresh, low):
+        queue.push(r)
+    queue.expire(200)
+    assert queue.head(10) == [high_fresh, high_late, low]  # Triton: behind its level, ahead of level 2
+    with pytest.raises(QueueFull):  # the delayed request still counts against max_queue_size
+        queue.push(_request(1, 3))

@@ -259,3 +259,51 @@ def test_batch_statistics(tmp_path: Path) -> None:
     assert stats["execution_count"] == 2
     assert [b["batch_size"] for b in stats["batch_stats"]] == [8]
     assert stats["batch_stats"][0]["compute_infer"]["count"] == 2
+
+
+def test_priority_beyond_the_levels_means_the_default_level(tmp_path: Path) -> None:
+    repo = probe_repo(
+        tmp_path,
+        max_batch_size=1,
+        extra="dynamic_batching { priority_levels: 2 default_priority_level: 2 }",
+    )
+    with Server(repo) as server:
+        blocker = server.submit("probe", {"X": rows(1, 0, sleep_ms=300)})
+        wait_running(blocker)
+        beyond = server.submit("probe", {"X": rows(1, 1)}, priority=7)  # Triton: the default level, 2
+        high = server.submit("probe", {"X": rows(1, 2)}, priority=1)
+        assert int(high.result(timeout=30)["CALL"][0, 0]) < int(beyond.result(timeout=30)["CALL"][0, 0])
+        blocker.result(timeout=30)
+
+
+def test_expired_delay_request_goes_behind_one_that_has_not_expired(tmp_path: Path) -> None:
+    repo = probe_repo(
+        tmp_path,
+        max_batch_size=1,
+        extra="""
+        dynamic_batching {
+          default_queue_policy {
+            timeout_action: DELAY default_timeout_microseconds: 20000 allow_timeout_override: true
+          }
+        }
+        """,
+    )
+    with Server(repo) as server:
+        blocker = server.submit("probe", {"X": rows(1, 0, sleep_ms=300)})
+        wait_running(blocker)
+        expired = server.submit("probe", {"X": rows(1, 1)})  # its 20 ms pass while the blocker runs
+        patient = server.submit("probe", {"X": rows(1, 2)}, timeout_us=30_000_000)
+        expired_call = int(expired.result(timeout=30)["CALL"][0, 0])  # delayed, not rejected
+        assert int(patient.result(timeout=30)["CALL"][0, 0]) < expired_call
+        blocker.result(timeout=30)
+
+
+def test_unload_of_a_stuck_model_is_bounded_and_loses_nothing(tmp_path: Path) -> None:
+    repo = probe_repo(tmp_path, max_batch_size=1)
+    with Server(repo, model_control_mode="explicit", load_models=["probe"], drain_timeout=0.2) as server:
+        stuck = server.submit("probe", {"X": rows(1, 0, sleep_ms=4000)})
+        wait_running(stuck)
+        started = time.monotonic()
+        server.unload_model("probe")  # drain deadline 0.2 s, then 2 s grace for the worker
+        assert time.monotonic() - started < 3.5
+        np.testing.assert_array_equal(stuck.result(timeout=30)["Y"], rows(1, 0, sleep_ms=4000))

@@ -337,3 +337,92 @@ def test_cheap_unbatched_model_runs_in_the_callers_thread(server: Server) -> Non
     # Inline runs count in the statistics like queued ones.
     (stats,) = server.statistics("renamed")
     assert stats["inference_stats"]["success"]["count"] == 21
+
+
+RESHAPE_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ -1 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 2, 2 ], reshape: { shape: [ 4 ] } } ]
+"""
+
+RESHAPE_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
+        return responses
+"""
+
+AUTO_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [2]})
+        config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [2]})
+        config.set_max_batch_size(4)
+        config.set_dynamic_batching()
+        return config
+
+    def execute(self, requests):
+        return [{"OUT": pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() * 2} for r in requests]
+"""
+
+
+def test_output_reshape_is_undone_and_a_wrong_size_fails_alone(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write(repo / "reshaper" / "config.pbtxt", RESHAPE_CONFIG)
+    write(repo / "reshaper" / "1" / "model.py", RESHAPE_MODEL)
+    with Server(repo) as server:
+        out = server.infer("reshaper", {"IN": np.arange(4, dtype=np.float32)})["OUT"]
+        np.testing.assert_array_equal(out, np.arange(4, dtype=np.float32).reshape(2, 2))
+        with pytest.raises(ModelExecutionError, match=r"cannot be reshaped to its config dims \[2, 2\]"):
+            server.infer("reshaper", {"IN": np.arange(3, dtype=np.float32)})
+
+
+def test_python_auto_complete_config_with_dynamic_batching(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write(repo / "auto" / "config.pbtxt", 'backend: "python"\n')
+    write(repo / "auto" / "1" / "model.py", AUTO_MODEL)
+    with Server(repo) as server:
+        config = server.model_config("auto")
+        assert config.max_batch_size == 4 and config.dynamic_batching is not None
+        out = server.infer("auto", {"IN": np.ones((3, 2), np.float32)})["OUT"]
+        np.testing.assert_array_equal(out, np.full((3, 2), 2.0, np.float32))
+
+
+def test_empty_output_list_means_every_output(server: Server) -> None:
+    out = server.infer("adder", {"INPUT0": np.zeros((1, 4), np.float32)}, outputs=[])
+    assert list(out) == ["OUTPUT0"]
+
+
+def test_variable_spatial_dims_load_without_a_config(tmp_path: Path) -> None:
+    """A conv net on any image size: nothing made-up is run at load (Triton does not either)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = numpy_helper.from_array(np.ones((2, 3, 3, 3), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["image", "w"], ["features"], pads=[1, 1, 1, 1])],
+        "conv",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["n", 3, "h", "w"])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["n", 2, "h", "w"])],
+        [weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "repo" / "conv" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(model.SerializeToString())
+    with Server(tmp_path / "repo") as server:
+        for h, w in ((5, 7), (16, 9)):
+            out = server.infer("conv", {"image": np.ones((1, 3, h, w), np.float32)})["features"]
+            assert out.shape == (1, 2, h, w)
+            assert out[0, 0, 2, 2] == 27.0  # 3 channels x 3 x 3 ones, away from the border

@@ -147,7 +147,19 @@ class OnnxRuntimeBackend(TensorBackend):
     @staticmethod
     def _providers(ctx: LoadContext) -> list[Any]:
         available = set(ort.get_available_providers())
+        for accel in ctx.config.cpu_accelerators:
+            log.warning(
+                "%s: cpu_execution_accelerator %r is not supported; running on onnxruntime's CPU provider",
+                ctx.instance.name,
+                accel.name,
+            )
         if ctx.instance.kind == "KIND_CPU":
+            for accel in ctx.config.gpu_accelerators:
+                log.warning(
+                    "%s: gpu_execution_accelerator %r ignored: the instance is KIND_CPU",
+                    ctx.instance.name,
+                    accel.name,
+                )
             return ["CPUExecutionProvider"]
         if "CUDAExecutionProvider" not in available:
             raise BackendUnavailable(
@@ -158,13 +170,20 @@ class OnnxRuntimeBackend(TensorBackend):
         device = {"device_id": str(ctx.instance.device_id)}
         providers: list[Any] = []
         for accel in ctx.config.gpu_accelerators:
-            if accel.name == "tensorrt" and "TensorrtExecutionProvider" in available:
-                trt = dict(device)
-                if accel.parameters.get("precision_mode") == "FP16":
-                    trt["trt_fp16_enable"] = "True"
-                if "max_workspace_size_bytes" in accel.parameters:
-                    trt["trt_max_workspace_size"] = accel.parameters["max_workspace_size_bytes"]
-                providers.append(("TensorrtExecutionProvider", trt))
+            if accel.name != "tensorrt" or "TensorrtExecutionProvider" not in available:
+                log.warning(
+                    "%s: gpu_execution_accelerator %r is not available here (providers: %s); using CUDA",
+                    ctx.instance.name,
+                    accel.name,
+                    sorted(available),
+                )
+                continue
+            trt = dict(device)
+            if accel.parameters.get("precision_mode") == "FP16":
+                trt["trt_fp16_enable"] = "True"
+            if "max_workspace_size_bytes" in accel.parameters:
+                trt["trt_max_workspace_size"] = accel.parameters["max_workspace_size_bytes"]
+            providers.append(("TensorrtExecutionProvider", trt))
         providers.append(("CUDAExecutionProvider", device))
         providers.append("CPUExecutionProvider")
         return providers

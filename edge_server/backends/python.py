@@ -25,7 +25,7 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.backends import pb_utils
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
-from edge_server.config.model import ModelConfig, TensorSpec
+from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import ConfigError, ModelExecutionError
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,15 @@ class PythonBackend(Backend):
             except Exception as exc:
                 raise ConfigError(f"{model_path}: auto_complete_config failed: {exc!r}") from exc
             completed = (result or holder).as_dict()
+            max_batch_size = int(completed.get("max_batch_size", config.max_batch_size))
+            batching = config.dynamic_batching
+            if batching is None and "dynamic_batching" in completed and max_batch_size > 0:
+                batching = DynamicBatching()  # set_dynamic_batching(): Triton's defaults
             config = config.replace(
-                max_batch_size=int(completed.get("max_batch_size", config.max_batch_size)),
+                max_batch_size=max_batch_size,
                 inputs=tuple(_tensor_from_dict(t) for t in completed.get("input", [])),
                 outputs=tuple(_tensor_from_dict(t) for t in completed.get("output", [])),
+                dynamic_batching=batching,
             )
         if not config.outputs:
             raise ConfigError(f"{config.source or model_path}: a Python model must declare its outputs")

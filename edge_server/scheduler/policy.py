@@ -1,13 +1,16 @@
 """The dynamic batching decision, as a pure function of the queue and the clock.
 
 Kept free of threads and locks so that every rule can be unit-tested with made-up timestamps.  The
-decision order is Triton's:
+rules are Triton's (``DynamicBatchScheduler::GetDynamicBatch``):
 
 1. Take requests in queue order while they fit: the summed batch size stays within ``max_batch_size``
-   and every request has the same non-batch shapes as the first.  Requests are never split.
-2. If a prefix of that reaches a preferred batch size, send the largest such prefix at once.
-3. If the batch cannot grow (it is full, or the next request does not fit), send it.
-4. If the oldest request in it has waited ``max_queue_delay`` (or the delay is 0), send it.
+   and every request has the same non-batch shapes as the first.  Requests are never split.  Where
+   the next request would take the batch past the largest preferred size, the prefix so far is marked.
+2. A prefix that reaches a preferred batch size is marked too; the largest mark wins.  If there is a
+   mark and the oldest request has not yet waited ``max_queue_delay``, the marked prefix goes at once.
+3. If the batch cannot grow (the next request does not fit) or has reached the largest preferred size
+   (``max_batch_size`` when none is given), everything taken goes now.
+4. If the oldest request has waited the delay (or the delay is 0), everything taken goes now.
 5. Otherwise wait until the oldest request's delay runs out, or until something new arrives.
 """
 
@@ -52,27 +55,29 @@ def next_batch(pending: Sequence[Queued], now_ns: int, settings: BatchSettings) 
     if not settings.batching:
         return Decision(1)
     key = pending[0].shape_key
+    largest_preferred = max(settings.preferred_batch_sizes, default=settings.max_batch_size)
     total = 0
     count = 0
     oldest = pending[0].enqueue_ns
-    best_preferred = 0
+    marked = 0
     blocked = False
     for request in pending:
-        if total + request.batch_size > settings.max_batch_size or request.shape_key != key:
-            blocked = count > 0
-            if count == 0:  # validated requests always fit alone; guard against a broken caller
-                return Decision(1)
-            break
+        if count:
+            grown = total + request.batch_size
+            if grown > largest_preferred and not marked:
+                marked = count
+            if grown > settings.max_batch_size or request.shape_key != key:
+                blocked = True
+                break
         total += request.batch_size
         count += 1
         oldest = min(oldest, request.enqueue_ns)
         if total in settings.preferred_batch_sizes:
-            best_preferred = count
-    if best_preferred:
-        return Decision(best_preferred)
-    if blocked or total >= settings.max_batch_size:
-        return Decision(count)
+            marked = count
     waited = now_ns - oldest
-    if waited >= settings.max_queue_delay_ns:
+    delay_exceeded = settings.max_queue_delay_ns > 0 and waited >= settings.max_queue_delay_ns
+    if marked and not delay_exceeded:
+        return Decision(marked)
+    if blocked or total >= largest_preferred or delay_exceeded or settings.max_queue_delay_ns == 0:
         return Decision(count)
     return Decision(0, settings.max_queue_delay_ns - waited)

@@ -9,7 +9,7 @@ import itertools
 from collections import deque
 from collections.abc import Hashable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from edge_server.backends.base import BatchItem
 from edge_server.config.model import QueuePolicy
@@ -27,7 +27,6 @@ class QueuedRequest:
     future: Future[dict]
     deadline_ns: int = 0  # 0: no timeout
     timeout_action: str = "REJECT"
-    delayed: bool = field(default=False)
 
     @property
     def batch_size(self) -> int:
@@ -37,28 +36,31 @@ class QueuedRequest:
 class RequestQueue:
     """Requests by priority level (1 is the highest, as in Triton), FIFO within a level.
 
-    Requests whose timeout expired under the DELAY action move behind every request that has not
-    expired; under REJECT they leave the queue with a timeout error.
+    As in Triton's policy queues, every level has a main queue and a delayed queue: a request whose
+    timeout expired under the DELAY action moves to its level's delayed queue, served after that
+    level's other requests and before the next level; under REJECT it leaves with a timeout error.
+    ``max_queue_size`` counts both queues of a level.
     """
 
     def __init__(self, levels: int, policies: dict[int, QueuePolicy]) -> None:
-        self._levels = [deque[QueuedRequest]() for _ in range(max(levels, 1))]
-        self._delayed: deque[QueuedRequest] = deque()
+        count = max(levels, 1)
+        self._main = [deque[QueuedRequest]() for _ in range(count)]
+        self._delayed = [deque[QueuedRequest]() for _ in range(count)]
         self._policies = policies
-        self._with_deadline = 0
+        self._with_deadline = 0  # requests in main queues with a deadline: skip expiry scans without
 
     def __len__(self) -> int:
-        return sum(len(level) for level in self._levels) + len(self._delayed)
+        return sum(len(q) for q in self._main) + sum(len(q) for q in self._delayed)
 
     def push(self, request: QueuedRequest) -> None:
-        level = self._levels[request.level - 1]
+        index = request.level - 1
         limit = self._policies[request.level].max_queue_size
-        if limit and len(level) >= limit:
+        if limit and len(self._main[index]) + len(self._delayed[index]) >= limit:
             raise QueueFull(
                 f"queue for priority level {request.level} is full ({limit} requests, max_queue_size); "
                 "retry later"
             )
-        level.append(request)
+        self._main[index].append(request)
         if request.deadline_ns:
             self._with_deadline += 1
 
@@ -67,42 +69,49 @@ class RequestQueue:
         if not self._with_deadline:
             return []
         rejected: list[QueuedRequest] = []
-        for index, level in enumerate(self._levels):
-            if not any(r.deadline_ns and r.deadline_ns <= now_ns for r in level):
+        for index, main in enumerate(self._main):
+            if not any(r.deadline_ns and r.deadline_ns <= now_ns for r in main):
                 continue
             keep: deque[QueuedRequest] = deque()
-            for request in level:
+            for request in main:
                 if not request.deadline_ns or request.deadline_ns > now_ns:
                     keep.append(request)
                     continue
                 self._with_deadline -= 1
                 if request.timeout_action == "DELAY":
-                    request.delayed = True
-                    self._delayed.append(request)
-                else:
-                    waited_us = (now_ns - request.enqueue_ns) // 1000
-                    if request.future.set_running_or_notify_cancel():
-                        request.future.set_exception(
-                            RequestTimeout(f"request timed out after {waited_us} us in the queue")
-                        )
-                    rejected.append(request)
-            self._levels[index] = keep
+                    self._delayed[index].append(request)
+                    continue
+                waited_us = (now_ns - request.enqueue_ns) // 1000
+                if request.future.set_running_or_notify_cancel():
+                    request.future.set_exception(
+                        RequestTimeout(f"request timed out after {waited_us} us in the queue")
+                    )
+                rejected.append(request)
+            self._main[index] = keep
         return rejected
+
+    def _ordered(self) -> Iterator[deque[QueuedRequest]]:
+        for main, delayed in zip(self._main, self._delayed, strict=True):
+            yield main
+            yield delayed
 
     def head(self, limit: int) -> list[QueuedRequest]:
         """The first ``limit`` requests in the order they will be served."""
-        ordered: Iterator[QueuedRequest] = itertools.chain(*self._levels, self._delayed)
-        return list(itertools.islice(ordered, limit))
+        return list(itertools.islice(itertools.chain.from_iterable(self._ordered()), limit))
 
     def pop(self, count: int) -> list[QueuedRequest]:
         """Remove the first ``count`` requests (in :meth:`head` order)."""
         taken: list[QueuedRequest] = []
-        for level in (*self._levels, self._delayed):
-            while level and len(taken) < count:
-                request = level.popleft()
-                if request.deadline_ns and not request.delayed:
+        for main, delayed in zip(self._main, self._delayed, strict=True):
+            while main and len(taken) < count:
+                request = main.popleft()
+                if request.deadline_ns:
                     self._with_deadline -= 1
                 taken.append(request)
+            while delayed and len(taken) < count:
+                taken.append(delayed.popleft())
+            if len(taken) == count:
+                break
         return taken
 
     def drain(self) -> list[QueuedRequest]:

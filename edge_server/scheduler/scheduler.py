@@ -21,6 +21,8 @@ import time
 from collections.abc import Hashable
 from concurrent.futures import Future
 
+import numpy as np
+
 from edge_server.backends.base import Backend, BatchItem, Result, TensorBackend, Timing
 from edge_server.config.model import ModelConfig, QueuePolicy
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelExecutionError, ServerShuttingDown
@@ -69,6 +71,7 @@ class ModelScheduler:
         }
         self._override_allowed = db is None
         self._preserve_ordering = bool(db and db.preserve_ordering)
+        self._output_dims = {t.name: t.dims for t in config.outputs if t.reshape is not None}
         self._cond = threading.Condition()
         self._queue = RequestQueue(self._levels, self._policies)
         self._accepting = True
@@ -118,7 +121,9 @@ class ModelScheduler:
             lent = self._lend()
             if lent is None:
                 self._queue.push(request)
-                self._cond.notify()
+                # Every waiter: one woken at random may be a worker whose instance is lent out, or one
+                # waiting for its turn to deliver (preserve_ordering), and could not take the request.
+                self._cond.notify_all()
                 return future
             self._in_flight += 1
         try:
@@ -148,11 +153,8 @@ class ModelScheduler:
             return 1
         if priority == 0:
             return self._default_level
-        if priority > self._levels:
-            raise InvalidArgument(
-                f"priority {priority} is out of range: model {self._config.name!r} has priority_levels "
-                f"{self._levels} (1 is the highest, 0 means the default level {self._default_level})"
-            )
+        if priority > self._levels:  # Triton's rule: out of range means the default level
+            return self._default_level
         return priority
 
     def queue_size(self) -> int:
@@ -161,12 +163,19 @@ class ModelScheduler:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def drain(self, timeout: float) -> bool:
-        """Stop taking requests and wait for the queued and running ones; False if the deadline passed."""
-        deadline = time.monotonic() + timeout
+    def close_intake(self) -> None:
+        """Take no new requests; queued ones are sent without waiting for a batching delay."""
         with self._cond:
             self._accepting = False
-            self._cond.notify_all()  # a worker waiting out a batching delay flushes now
+            self._cond.notify_all()
+
+    def drain(self, deadline: float) -> bool:
+        """Close intake and wait, until ``deadline`` (monotonic), for queued and running requests.
+
+        Returns False if the deadline passed first.
+        """
+        self.close_intake()
+        with self._cond:
             while len(self._queue) or self._in_flight:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -174,8 +183,12 @@ class ModelScheduler:
                 self._cond.wait(remaining)
         return True
 
-    def stop(self) -> None:
-        """Stop the workers, fail whatever is still queued, and close every instance."""
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop the workers, fail whatever is still queued, and close every instance.
+
+        A worker still inside its backend after ``grace`` seconds (a stuck user model) is left behind,
+        logged, and its instance is not closed under it; the caller is never held longer than that.
+        """
         with self._cond:
             self._accepting = False
             self._stopping = True
@@ -186,9 +199,14 @@ class ModelScheduler:
                 request.future.set_exception(
                     ServerShuttingDown(f"model {self._config.name!r} was unloaded before the request ran")
                 )
-        for thread in self._threads:
-            thread.join()
-        for name, backend in self._instances:
+        deadline = time.monotonic() + grace
+        for thread, (name, backend) in zip(self._threads, self._instances, strict=True):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            with self._cond:
+                busy = thread.is_alive() or backend in self._borrowed
+            if busy:
+                log.error("instance %s is still executing after the drain deadline; left running", name)
+                continue
             try:
                 backend.close()
             except Exception:
@@ -237,12 +255,29 @@ class ModelScheduler:
         return None
 
     def _run(self, backend: Backend, batch: list[QueuedRequest], seq: int) -> None:
-        self._execute(backend, batch, seq=seq if self._preserve_ordering else None)
-        with self._cond:
-            self._in_flight -= len(batch)
-            self._delivered_seq += 1
-            if self._preserve_ordering or not self._accepting:
-                self._cond.notify_all()
+        try:
+            self._execute(backend, batch, seq=seq if self._preserve_ordering else None)
+        finally:
+            with self._cond:
+                self._in_flight -= len(batch)
+                self._delivered_seq += 1
+                if self._preserve_ordering or not self._accepting:
+                    self._cond.notify_all()
+
+    def _restore_output_shapes(self, outputs: dict[str, np.ndarray]) -> Result:
+        """Undo ``reshape`` on outputs: the backend produced the reshape shape, clients expect ``dims``."""
+        batched = self._config.max_batch_size > 0
+        for name, dims in self._output_dims.items():
+            if name in outputs:
+                array = outputs[name]
+                try:
+                    outputs[name] = array.reshape((array.shape[0], *dims) if batched else dims)
+                except (ValueError, IndexError):
+                    return ModelExecutionError(
+                        f"model {self._config.name!r} output {name!r} has shape {list(array.shape)}, which "
+                        f"cannot be reshaped to its config dims {list(dims)}"
+                    )
+        return outputs
 
     def _execute(self, backend: Backend, batch: list[QueuedRequest], *, seq: int | None) -> None:
         """Run a batch, deliver each result to its future (in ``seq`` order when given), record stats."""
@@ -272,6 +307,8 @@ class ModelScheduler:
                     self._cond.wait()
         end = time.monotonic_ns()
         for request, result in zip(live, results, strict=True):
+            if self._output_dims and not isinstance(result, Exception):
+                result = self._restore_output_shapes(result)
             if isinstance(result, Exception):
                 request.future.set_exception(result)
             else:
