@@ -16,6 +16,7 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.errors import EdgeServerError
 from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.server import CONTROL_MODES
 
 log = logging.getLogger("edge_server")
 
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the server on a model repository")
     serve.add_argument("--model-repository", type=Path, default=None, help="default: the bundled models/")
-    serve.add_argument("--model-control-mode", choices=["none", "explicit", "poll"], default="none")
+    serve.add_argument("--model-control-mode", choices=CONTROL_MODES, default="none")
     serve.add_argument(
         "--load-model",
         action="append",

@@ -70,6 +70,7 @@ class ModelManager:
         self._status: dict[_Key, VersionStatus] = {}
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (hash, reason)
         self._listeners: list[Listener] = []
+        self._unloaded: set[str] = set()  # unloaded through the API: rescans leave them alone
         self._closed = False
 
     # -- request path ---------------------------------------------------------------------------
@@ -137,10 +138,6 @@ class ModelManager:
         for row in changed:
             self._notify(row)
 
-    def _forget(self, name: str, version: int | None) -> None:
-        with self._status_lock:
-            self._status.pop((name, version), None)
-
     def _notify(self, status: VersionStatus) -> None:
         for listener in self._listeners:
             try:
@@ -158,6 +155,7 @@ class ModelManager:
         """
         with self._control:
             self._check_open()
+            self._unloaded.discard(name)
             source = scan_model(self.repository, name)
             if source is None:
                 if name in self._serving:
@@ -172,6 +170,7 @@ class ModelManager:
             if name not in self._serving and not any(s.name == name for s in self.index()):
                 raise ModelNotFound(f"unknown model {name!r}")
             self._unload(name)
+            self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
             self._publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
 
     def rescan(self, names: Iterable[str] | None = None, *, retry_failed: bool = True) -> None:
@@ -190,7 +189,7 @@ class ModelManager:
             else:
                 wanted = set(names)
                 on_disk = {name: scan_model(self.repository, name) for name in wanted}
-            for name in sorted(wanted):
+            for name in sorted(wanted - self._unloaded):
                 source = on_disk.get(name)
                 try:
                     if source is None:

@@ -119,6 +119,10 @@ def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count
     gpu = backend_cls.gpu_available()
     resolved: list[tuple[str, int]] = []
     for group in groups:
+        if group.passive:
+            log.warning(
+                "%s: passive instance group %r takes traffic like any other here", config.name, group.name
+            )
         kind = group.kind
         if kind in ("KIND_AUTO", "KIND_MODEL"):
             kind = "KIND_GPU" if gpu and kind == "KIND_AUTO" else "KIND_CPU"

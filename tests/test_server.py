@@ -426,3 +426,16 @@ def test_variable_spatial_dims_load_without_a_config(tmp_path: Path) -> None:
             out = server.infer("conv", {"image": np.ones((1, 3, h, w), np.float32)})["features"]
             assert out.shape == (1, 2, h, w)
             assert out[0, 0, 2, 2] == 27.0  # 3 channels x 3 x 3 ones, away from the border
+
+
+def test_unloaded_model_stays_unloaded_across_rescans_until_loaded(repo: Path) -> None:
+    with Server(repo, model_control_mode="poll", watch_quiet_s=0.2) as server:
+        server.unload_model("pyscale")
+        affine_model(repo / "pyscale_extra" / "1" / "model.onnx")  # other changes are still picked up
+        server.rescan()
+        states = {s.name: s.state for s in server.models()}
+        assert states["pyscale"] == ModelState.UNAVAILABLE and states["pyscale_extra"] == ModelState.READY
+        with pytest.raises(ModelNotReady, match="unloaded"):
+            server.infer("pyscale", {"IN": np.ones(1, np.float32)})
+        server.load_model("pyscale")
+        assert server.infer("pyscale", {"IN": np.ones(1, np.float32)})["OUT"][0] == 3.0

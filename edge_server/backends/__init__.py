@@ -9,6 +9,7 @@ import importlib
 from pathlib import Path
 
 from edge_server.backends.base import Backend
+from edge_server.config.model import DEFAULT_MODEL_FILENAME
 from edge_server.errors import BackendUnavailable
 
 _REGISTRY: dict[str, str] = {
@@ -17,11 +18,7 @@ _REGISTRY: dict[str, str] = {
 }
 
 # The file names that tell which backend a version directory holds when config.pbtxt names none.
-_BY_FILENAME: dict[str, str] = {
-    "model.onnx": "onnxruntime",
-    "model.plan": "tensorrt",
-    "model.py": "python",
-}
+_BY_FILENAME: dict[str, str] = {filename: backend for backend, filename in DEFAULT_MODEL_FILENAME.items()}
 
 
 def backend_class(name: str) -> type[Backend]:

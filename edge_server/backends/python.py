@@ -11,6 +11,7 @@ A model may also return a plain ``{name: ndarray}`` dict per request instead of 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import sys
 import time
@@ -34,13 +35,13 @@ log = logging.getLogger(__name__)
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 
 _CLASS_NAME = "TritonPythonModel"
-_module_counter = 0
+# A fresh module name per instance and per reload, so no state leaks between them (next() is atomic).
+_module_numbers = itertools.count(1)
 
 
 def _import_model(path: Path) -> ModuleType:
-    global _module_counter
-    _module_counter += 1  # a fresh module per instance and per reload: no state leaks between them
-    module_name = f"_edge_server_model_{path.parent.parent.name}_{path.parent.name}_{_module_counter}"
+    number = next(_module_numbers)
+    module_name = f"_edge_server_model_{path.parent.parent.name}_{path.parent.name}_{number}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{path}: cannot be imported as a Python module")

@@ -17,16 +17,17 @@ import math
 import pathlib
 import re
 from collections.abc import Mapping
+from typing import get_args
 
 from google.protobuf import text_format
 
 from edge_server import dtypes
 from edge_server.config import schema
 from edge_server.config.convert import Proto, to_model_config
-from edge_server.config.model import PLATFORM_TO_BACKEND, ModelConfig, TensorSpec
+from edge_server.config.model import PLATFORM_TO_BACKEND, BackendName, ModelConfig, TensorSpec
 from edge_server.errors import ConfigError
 
-BACKENDS = ("onnxruntime", "tensorrt", "python", "ensemble")
+BACKENDS: tuple[str, ...] = get_args(BackendName)
 
 # The fields edge-server acts on.  True: the whole subtree; a mapping: only the fields it names.
 _SUPPORTED: Mapping[str, object] = {

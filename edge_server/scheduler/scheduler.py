@@ -15,6 +15,7 @@ Lock order: the condition's lock is never held while a backend runs or a future 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -58,9 +59,9 @@ class ModelScheduler:
         self._config = config
         self._stats = stats
         self._settings = batch_settings(config)
-        self._flush = BatchSettings(
-            max_batch_size=self._settings.max_batch_size,
-            batching=self._settings.batching,
+        # While draining, queued requests go at once: no batching delay, no preferred sizes.
+        self._flush = dataclasses.replace(
+            self._settings, preferred_batch_sizes=frozenset(), max_queue_delay_ns=0
         )
         db = config.dynamic_batching
         self._levels = db.priority_levels if db and db.priority_levels else 0

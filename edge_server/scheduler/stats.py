@@ -81,10 +81,6 @@ class ModelStats:
             self._fail.add(request_ns)
             self._queue.add(queue_ns)
 
-    def batch_histogram(self) -> dict[int, int]:
-        with self._lock:
-            return {size: s.compute_infer.count for size, s in sorted(self._batches.items())}
-
     def as_dict(self) -> dict[str, Any]:
         """Triton's statistics JSON for this version."""
         with self._lock:
