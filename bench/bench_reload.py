@@ -10,6 +10,10 @@ recommended OTA procedure); the client threads record every answer with its arri
 * the server's resident memory after warm-up traffic and after the last reload (growth under 10%);
 * the time from the rename to the first answer from the new version (median, p90, max).
 
+Each version carries ``--weights-mb`` of weights that every request uses (``pad_bytes`` of
+``tests/onnx_factory.py``), so each load allocates and each unload frees as much memory as a real model
+of that size: that is what makes the RSS measurement mean something.
+
 ``--target daemon`` (default) starts the real daemon (``python -m edge_server serve --model-control-mode
 poll --ipc ipc://...``) and drives it with one IPC client per thread; ``inprocess`` uses the in-process
 API and measures this process.  Prints a Markdown table.
@@ -26,55 +30,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.reload_helpers import write_config  # noqa: E402
-
-ZEROS = np.zeros((1, 4), dtype=np.float32)
-
-
-def weighted_model(path: Path, offset: float, weights_mb: float) -> None:
-    """``OUTPUT0 = INPUT0 + offset`` that also carries ``weights_mb`` of weights used on every request.
-
-    The weights (zeros) go through a MatMul whose result is multiplied by 0, so the answer still names
-    the version, while each load allocates and each unload frees as much memory as a real model of
-    that size: that is what makes the RSS measurement mean something.
-    """
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    columns = max(1, int(weights_mb * 2**20 / 16))
-    nodes = [
-        helper.make_node("MatMul", ["INPUT0", "W"], ["wide"]),
-        helper.make_node("ReduceSum", ["wide", "axis"], ["summed"], keepdims=1),
-        helper.make_node("Mul", ["summed", "zero"], ["nothing"]),
-        helper.make_node("Add", ["INPUT0", "nothing"], ["same"]),
-        helper.make_node("Add", ["same", "offset"], ["OUTPUT0"]),
-    ]
-    inits = [
-        numpy_helper.from_array(np.zeros((4, columns), dtype=np.float32), "W"),
-        numpy_helper.from_array(np.array([1], dtype=np.int64), "axis"),
-        numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero"),
-        numpy_helper.from_array(np.array(offset, dtype=np.float32), "offset"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "weighted",
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(model.SerializeToString())
+from tests.onnx_factory import affine_model  # noqa: E402
+from tests.reload_helpers import answer, ipc_answer, wait_until, write_config  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:
@@ -96,6 +60,10 @@ class Target:
     def states(self) -> list[tuple[int | None, str]]:
         raise NotImplementedError
 
+    def serves_only(self, version: int) -> bool:
+        """Whether ``version`` is the one version left: the one before it is drained and unloaded."""
+        return self.states() == [(version, "READY")]
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -108,7 +76,7 @@ class InProcess(Target):
         self.pid = os.getpid()
 
     def client(self) -> Callable[[], float]:
-        return lambda: float(self.server.infer("m", {"INPUT0": ZEROS})["OUTPUT0"][0, 0])
+        return lambda: answer(self.server)
 
     def states(self) -> list[tuple[int | None, str]]:
         return [(s.version, s.state.value) for s in self.server.models()]
@@ -139,7 +107,7 @@ class DaemonTarget(Target):
 
     def client(self) -> Callable[[], float]:
         client = self._new_client()
-        return lambda: float(client.infer("m", {"INPUT0": ZEROS})["OUTPUT0"][0, 0])
+        return lambda: ipc_answer(client)
 
     def states(self) -> list[tuple[int | None, str]]:
         return [(row["version"], row["state"]) for row in self._control.models()]
@@ -198,17 +166,6 @@ class Clients:
             return self._count
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -224,7 +181,8 @@ def main() -> int:
     repo, staging = work / "repo", work / "staging"
     staging.mkdir(parents=True)
     write_config(repo / "m")
-    weighted_model(repo / "m" / "1" / "model.onnx", 1.0, args.weights_mb)
+    pad_bytes = int(args.weights_mb * 2**20)
+    affine_model(repo / "m" / "1" / "model.onnx", offset=1.0, pad_bytes=pad_bytes)
     quiet = 0.5  # the daemon's default quiet period
     target: Target = DaemonTarget(repo, work) if args.target == "daemon" else InProcess(repo, quiet)
     clients = Clients(target, args.clients)
@@ -238,13 +196,13 @@ def main() -> int:
         started = time.monotonic()
         for version in range(2, args.reloads + 2):
             staged = staging / f"{version}"
-            weighted_model(staged / "model.onnx", float(version), args.weights_mb)
+            affine_model(staged / "model.onnx", offset=float(version), pad_bytes=pad_bytes)
             renamed = time.monotonic()
             os.rename(staged, repo / "m" / str(version))
-            first = wait_for(lambda v=version: clients.first_answer(float(v)), 10.0, f"v{version}")
+            first = wait_until(partial(clients.first_answer, float(version)), 10.0, f"v{version}")
             latencies.append(first - renamed)
             # the old version is drained and unloaded before the next drop
-            wait_for(lambda v=version: target.states() == [(v, "READY")], 10.0, f"v{version - 1} unloaded")
+            wait_until(partial(target.serves_only, version), 10.0, f"v{version - 1} unloaded")
             shutil.rmtree(repo / "m" / str(version - 1))  # keep the disk use flat; v{version} serves on
             if (version - 1) % 10 == 0:
                 trail.append(rss_bytes(target.pid))

@@ -12,12 +12,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from edge_server import Server
-from tests.onnx_factory import affine_model
+from tests.onnx_factory import affine_bytes, affine_model
 
 CONFIG = """
 name: "{name}"
@@ -32,6 +32,7 @@ dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}
 LATEST_1 = "{ latest: { num_versions: 1 } }"
 ALL = "{ all: { } }"
 ZEROS = np.zeros((1, 4), dtype=np.float32)
+T = TypeVar("T")
 
 
 def write_config(model_dir: Path, *, policy: str = LATEST_1, dims: int = 4, delay_us: int = 200) -> None:
@@ -40,13 +41,9 @@ def write_config(model_dir: Path, *, policy: str = LATEST_1, dims: int = 4, dela
     (model_dir / "config.pbtxt").write_text(text)
 
 
-def model_bytes(tmp: Path, offset: float, *, dims: int = 4) -> bytes:
-    """The serialized ``x + offset`` model (built through a scratch file outside the repository)."""
-    scratch = tmp / f".scratch-{offset}-{dims}-{threading.get_ident()}.onnx"
-    affine_model(scratch, offset=offset, dims=("batch", dims))
-    data = scratch.read_bytes()
-    scratch.unlink()
-    return data
+def model_bytes(offset: float, *, dims: int = 4) -> bytes:
+    """The serialized ``x + offset`` model; ``dims`` other than the config's 4 makes it disagree."""
+    return affine_bytes(offset=offset, dims=("batch", dims))
 
 
 def write_model(
@@ -77,14 +74,18 @@ def answer(server: Server, name: str = "m", version: int | None = None) -> float
     return float(server.infer(name, {"INPUT0": ZEROS}, version=version)["OUTPUT0"][0, 0])
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> float:
-    """Poll ``predicate`` until it holds; returns the seconds it took, fails the test on the deadline."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
+def wait_until(predicate: Callable[[], T | None], timeout: float = 10.0, what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy and return that; fails on the deadline.
+
+    The one polling helper of the reload tests and ``bench/bench_reload.py``: the predicate asks the
+    server (or a client's record), so nothing sleeps to synchronise.
+    """
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
-    return time.monotonic() - start
+    return result
 
 
 def state_of(server: Server, name: str, version: int | None) -> tuple[str, str] | None:

@@ -172,12 +172,10 @@ def _empty_version_dir(server: Server, path: Path) -> None:
     )
 
 
-def test_slow_copy_into_the_live_directory_is_loaded_only_when_complete(
-    server: Server, repo: Path, tmp_path: Path
-) -> None:
+def test_slow_copy_into_the_live_directory_is_loaded_only_when_complete(server: Server, repo: Path) -> None:
     """One writer holding the file open with pauses longer than the quiet period: held until closed."""
     attempts = loads_of(server)
-    data = model_bytes(tmp_path, 2.0)
+    data = model_bytes(2.0)
     chunks = [data[i : i + 64] for i in range(0, 192, 64)] + [data[192:]]
     with Load(lambda: answer(server)) as load:
         _empty_version_dir(server, repo / "m" / "2")
@@ -195,12 +193,10 @@ def test_slow_copy_into_the_live_directory_is_loaded_only_when_complete(
     assert len(attempts) == tried + 1  # the half-written file was never even tried
 
 
-def test_chunked_copy_reopened_per_chunk_retries_until_the_file_is_whole(
-    server: Server, repo: Path, tmp_path: Path
-) -> None:
+def test_chunked_copy_reopened_per_chunk_retries_until_the_file_is_whole(server: Server, repo: Path) -> None:
     """A writer that closes after every chunk looks settled between chunks; half loads fail, later
     writes retry, and no answer ever comes from a half-loaded model."""
-    data = model_bytes(tmp_path, 2.0)
+    data = model_bytes(2.0)
     cut = len(data) // 2
     with Load(lambda: answer(server)) as load:
         _empty_version_dir(server, repo / "m" / "2")
@@ -215,7 +211,7 @@ def test_chunked_copy_reopened_per_chunk_retries_until_the_file_is_whole(
 
 
 def test_broken_drops_keep_the_good_version_and_never_wedge_the_watcher(
-    server: Server, repo: Path, staging: Path, tmp_path: Path
+    server: Server, repo: Path, staging: Path
 ) -> None:
     with Load(lambda: answer(server)) as load:
         rename_into_place(stage_version(staging, 2), repo / "m" / "2")
@@ -227,9 +223,7 @@ def test_broken_drops_keep_the_good_version_and_never_wedge_the_watcher(
         assert answer(server) == 2.0 and state_of(server, "m", 2) == ("READY", "")
         # version 3 whose model disagrees with the config (5 values where config.pbtxt says 4)
         os.rename(repo / "m" / "3", staging / "broken-3")
-        rename_into_place(
-            stage_version(staging, 3, data=model_bytes(tmp_path, 3.0, dims=5)), repo / "m" / "3"
-        )
+        rename_into_place(stage_version(staging, 3, data=model_bytes(3.0, dims=5)), repo / "m" / "3")
         wait_until(lambda: "dims" in (state_of(server, "m", 3) or ("", ""))[1], what="v3 mismatch reported")
         assert answer(server) == 2.0
         # the next good drop of that model is picked up
@@ -251,14 +245,14 @@ def test_removed_version_hands_over_to_the_previous_one(server: Server, repo: Pa
     assert [(s.version, s.state.value) for s in server.models()] == [(1, "READY")]
 
 
-def test_replaced_model_file_and_changed_config(server: Server, repo: Path, tmp_path: Path) -> None:
+def test_replaced_model_file_and_changed_config(server: Server, repo: Path) -> None:
     with Load(lambda: answer(server)) as load:
         temp = repo / "m" / "1" / ".model.onnx.tmp"
-        temp.write_bytes(model_bytes(tmp_path, 5.0))
+        temp.write_bytes(model_bytes(5.0))
         os.replace(temp, repo / "m" / "1" / "model.onnx")
         wait_until(lambda: answer(server) == 5.0, what="the replaced file")
         (repo / "m" / "2").mkdir()
-        (repo / "m" / "2" / "model.onnx").write_bytes(model_bytes(tmp_path, 2.0))
+        (repo / "m" / "2" / "model.onnx").write_bytes(model_bytes(2.0))
         wait_until(lambda: answer(server) == 2.0, what="version 2")
         write_config(repo / "m", policy=ALL)
         wait_until(
@@ -281,7 +275,7 @@ def test_new_and_removed_model_directories(server: Server, repo: Path, staging: 
     assert [s.name for s in server.models()] == ["m"]
 
 
-def test_hidden_and_temporary_files_are_ignored(server: Server, repo: Path, tmp_path: Path) -> None:
+def test_hidden_and_temporary_files_are_ignored(server: Server, repo: Path) -> None:
     write_model(repo, "other")
     watcher = _watcher(server)
     wait_until(lambda: server.is_ready("other") and watcher.idle(), what="other model")
@@ -289,7 +283,7 @@ def test_hidden_and_temporary_files_are_ignored(server: Server, repo: Path, tmp_
     (repo / "m" / "1" / "model.onnx.part").write_bytes(b"partial")
     (repo / "m" / ".notes").write_text("hidden")
     (repo / ".staging").mkdir()
-    (repo / ".staging" / "model.onnx").write_bytes(model_bytes(tmp_path, 9.0))
+    (repo / ".staging" / "model.onnx").write_bytes(model_bytes(9.0))
     # a later change elsewhere: once it is handled, the events before it were seen (and ignored)
     other_rounds = watcher.rounds("other")
     os.utime(repo / "other" / "config.pbtxt")
@@ -309,7 +303,7 @@ def test_touched_file_does_not_reload_but_a_timestamp_preserving_copy_does(
     wait_until(lambda: watcher.rounds("m") > rounds, what="the touch to be handled")
     assert server.manager.serving()["m"][1] is first
     source = tmp_path / "copy-source.onnx"
-    source.write_bytes(model_bytes(tmp_path, 6.0))
+    source.write_bytes(model_bytes(6.0))
     stat = model.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     shutil.copy2(source, model)  # new bytes, same size and same mtime as before
@@ -425,7 +419,7 @@ def test_daemon_swaps_under_load_from_several_ipc_clients(
             wait_until(lambda: bool(load.values_since(cutoff)), what="answers after the swap")
             assert set(load.values_since(cutoff)) == {2.0}
             # a slow chunked copy straight into the live directory: never loaded half-way
-            data = model_bytes(tmp_path, 3.0)
+            data = model_bytes(3.0)
             (daemon_repo / "m" / "3").mkdir()
             with open(daemon_repo / "m" / "3" / "model.onnx", "wb") as f:
                 for start in range(0, len(data), 100):
@@ -439,7 +433,7 @@ def test_daemon_swaps_under_load_from_several_ipc_clients(
             wait_until(lambda: (ipc_state(control, "m", 4) or ("",))[0] == "UNAVAILABLE", what="v4 refused")
             assert "not a loadable ONNX model" in ipc_state(control, "m", 4)[1]  # type: ignore[index]
             os.rename(daemon_repo / "m" / "4", staging / "bad-4")
-            bad = stage_version(staging, 4, data=model_bytes(tmp_path, 4.0, dims=5))
+            bad = stage_version(staging, 4, data=model_bytes(4.0, dims=5))
             rename_into_place(bad, daemon_repo / "m" / "4")
             wait_until(lambda: "dims" in (ipc_state(control, "m", 4) or ("", ""))[1], what="v4 mismatch")
             assert ipc_answer(control) == 3.0 and ipc_state(control, "m", 3) == ("READY", "")

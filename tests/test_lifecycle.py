@@ -65,11 +65,11 @@ def test_corrupt_version_never_takes_traffic(repo: Path) -> None:
         assert state_of(server, "m", 2) == ("READY", "")
 
 
-def test_version_whose_model_disagrees_with_the_config_is_unavailable(repo: Path, tmp_path: Path) -> None:
+def test_version_whose_model_disagrees_with_the_config_is_unavailable(repo: Path) -> None:
     write_model(repo, versions=(2,))
     with Server(repo, model_control_mode="explicit", load_models=["m"]) as server:
         (repo / "m" / "3").mkdir()
-        (repo / "m" / "3" / "model.onnx").write_bytes(model_bytes(tmp_path, 3.0, dims=5))
+        (repo / "m" / "3" / "model.onnx").write_bytes(model_bytes(3.0, dims=5))
         server.rescan()
         assert answer(server) == 2.0
         state, reason = state_of(server, "m", 3) or ("", "")
@@ -115,7 +115,7 @@ def test_broken_latest_version_at_startup_falls_back_to_the_next(repo: Path) -> 
         assert state_of(server, "m", 1) == ("READY", "")
 
 
-def test_decisions_follow_content_not_timestamps(repo: Path, tmp_path: Path) -> None:
+def test_decisions_follow_content_not_timestamps(repo: Path) -> None:
     write_model(repo, versions=(1,))
     model = repo / "m" / "1" / "model.onnx"
     with Server(repo) as server:
@@ -124,7 +124,7 @@ def test_decisions_follow_content_not_timestamps(repo: Path, tmp_path: Path) -> 
         server.rescan()
         assert server.manager.serving()["m"][1] is first
         stat = model.stat()
-        model.write_bytes(model_bytes(tmp_path, 7.0))  # new content, old timestamps (a cp -p copy)
+        model.write_bytes(model_bytes(7.0))  # new content, old timestamps (a cp -p copy)
         os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         server.rescan()
         assert server.manager.serving()["m"][1] is not first
@@ -219,14 +219,12 @@ def test_no_request_fails_across_repeated_swaps_under_load(repo: Path) -> None:
 
 
 @pytest.mark.parametrize("changed", ["config.pbtxt", "2/model.onnx"])
-def test_files_changing_during_a_load_discard_it(repo: Path, tmp_path: Path, changed: str) -> None:
+def test_files_changing_during_a_load_discard_it(repo: Path, changed: str) -> None:
     """A version whose files (or model config) change while it loads may be half-written: not served."""
     write_model(repo, versions=(1,))
     with Server(repo, model_control_mode="explicit", load_models=["m"]) as server:
         replacement = (
-            CONFIG_CHANGE
-            if changed == "config.pbtxt"
-            else model_bytes(tmp_path, 2.0)  # same bytes, new ctime
+            CONFIG_CHANGE if changed == "config.pbtxt" else model_bytes(2.0)  # same bytes, new ctime
         )
 
         def write_during_load(status: VersionStatus) -> None:

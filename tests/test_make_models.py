@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import re
 import shutil
 import subprocess
 import sys
-import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import cv2
 import numpy as np
 import onnxruntime as ort
 import pytest
+
+from edge_server import EdgeServerError, Server
+from edge_server.errors import InvalidArgument, ModelExecutionError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "models" / "make_models.py"
@@ -55,6 +56,13 @@ def _session(path: Path) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def _read_png(path: Path) -> np.ndarray:
+    """A sample image as stored (8-bit grayscale), failing clearly where OpenCV cannot read it."""
+    image = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    assert image is not None, f"{path}: not readable by OpenCV"
+    return image
 
 
 # --- a minimal reader for the protobuf text format, enough for config.pbtxt -----------------------------
@@ -128,8 +136,9 @@ def test_static_files_copied_verbatim(repo: Path) -> None:
 
 def test_reports_accuracy_and_batch_ratio(built: tuple[Path, str]) -> None:
     out = built[1]
-    accuracy = float(re.search(r"accuracy ([0-9.]+)", out).group(1))
-    assert accuracy >= 0.93
+    accuracy = re.search(r"accuracy ([0-9.]+)", out)
+    assert accuracy, out
+    assert float(accuracy.group(1)) >= 0.93
     assert re.search(r"time\(b8\) / \(8 \* time\(b1\)\) = [0-9.]+", out), out
 
 
@@ -178,7 +187,7 @@ def test_digits_classifies_samples(repo: Path) -> None:
         assert int(probs.argmax()) == label, npy.name
         np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-5)
 
-        png = cv2.imread(str(npy.with_suffix(".png")), cv2.IMREAD_UNCHANGED)
+        png = _read_png(npy.with_suffix(".png"))
         assert png.dtype == np.uint8 and png.shape == (8, 8)
         np.testing.assert_array_equal(png, np.rint(image[0] * 255).astype(np.uint8))
         from_png = (png.astype(np.float32) / 255.0)[None, None]
@@ -248,82 +257,63 @@ def test_configs_batching_fields(repo: Path) -> None:
         assert config["instance_group"] == [{"kind": ["KIND_CPU"], "count": [1]}]
 
 
-# --- the Python-backend model, run against a stand-in for Triton's pb_utils ----------------------------
-
-
-class _Tensor:
-    def __init__(self, name: str, array: np.ndarray) -> None:
-        self._name, self._array = name, array
-
-    def name(self) -> str:
-        return self._name
-
-    def as_numpy(self) -> np.ndarray:
-        return self._array
-
-
-class _Response:
-    def __init__(self, output_tensors: list, error: object = None) -> None:
-        self.output_tensors, self.error = output_tensors, error
-
-
-class _Error:
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-def _fake_pb_utils() -> types.ModuleType:
-    mod = types.ModuleType("triton_python_backend_utils")
-    mod.Tensor = _Tensor
-    mod.InferenceResponse = _Response
-    mod.TritonError = _Error
-    mod.get_input_tensor_by_name = lambda request, name: request.get(name)
-    mod.get_output_config_by_name = lambda config, name: next(
-        (o for o in config["output"] if o["name"] == name), None
-    )
-    mod.triton_string_to_numpy = {"TYPE_FP32": np.float32, "TYPE_UINT8": np.uint8}.__getitem__
-    return mod
+# --- the Python-backend model, served by the real server ------------------------------------------------
 
 
 @pytest.fixture
-def preprocess(repo: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
-    spec = importlib.util.spec_from_file_location("preprocess_model", repo / "preprocess/1/model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = read_config(repo / "preprocess/config.pbtxt")
-    model_config = {
-        "name": "preprocess",
-        "output": [{"name": o["name"][0], "data_type": o["data_type"][0]} for o in config["output"]],
-    }
-    model = module.TritonPythonModel()
-    model.initialize({"model_config": json.dumps(model_config)})
-    yield model
-    model.finalize()
+def server(repo: Path) -> Iterator[Server]:
+    """The built repository's preprocess -> digits pair, served in this process."""
+    with Server(repo, model_control_mode="explicit", load_models=["preprocess", "digits"]) as server:
+        yield server
 
 
-def test_preprocess_feeds_digits(repo: Path, preprocess) -> None:
-    sess = _session(repo / "digits/1/model.onnx")
-    png = cv2.imread(str(repo / "digits/samples/digit_3.png"), cv2.IMREAD_GRAYSCALE)
-    big = cv2.resize(png, (32, 40), interpolation=cv2.INTER_NEAREST)  # any size, not square
-    requests = [
-        {"raw": _Tensor("raw", png)},
-        {"raw": _Tensor("raw", np.zeros((0, 5), np.uint8))},
-        {"raw": _Tensor("raw", np.zeros((4, 4, 3), np.uint8))},
-        {"raw": _Tensor("raw", big)},
-    ]
-    responses = preprocess.execute(requests)
-    assert len(responses) == 4
-    assert responses[1].error is not None and responses[1].output_tensors == []
-    assert responses[2].error is not None and responses[2].output_tensors == []
-    for response in (responses[0], responses[3]):
-        assert response.error is None
-        (tensor,) = response.output_tensors
-        assert tensor.name() == "image"
-        image = tensor.as_numpy()
-        assert image.dtype == np.float32 and image.shape == (1, 8, 8)
-        assert int(sess.run(None, {"image": image[None]})[0].argmax()) == 3
-    np.testing.assert_allclose(responses[0].output_tensors[0].as_numpy()[0], png / 255.0, atol=1e-6)
+def _label(server: Server, repo: Path, image: np.ndarray) -> str:
+    """The digits model's class name for one preprocessed image, from its config's label file."""
+    probabilities = server.infer("digits", {"image": image[None]})["probabilities"]
+    assert probabilities.shape == (1, 10)
+    spec = server.model_config("digits").output("probabilities")
+    assert spec is not None and spec.label_filename
+    labels = (repo / "digits" / spec.label_filename).read_text().split()
+    return labels[int(probabilities.argmax())]
+
+
+def test_preprocess_feeds_digits(server: Server, repo: Path) -> None:
+    pngs = sorted((repo / "digits/samples").glob("digit_*.png"))
+    assert len(pngs) >= 5
+    for png_path in pngs:
+        digit = png_path.stem.split("_")[1]
+        png = _read_png(png_path)
+        big = cv2.resize(png, (32, 40), interpolation=cv2.INTER_NEAREST)  # any size, not square
+        for raw in (png, big):
+            image = server.infer("preprocess", {"raw": raw})["image"]
+            assert image.dtype == np.float32 and image.shape == (1, 8, 8)
+            assert _label(server, repo, image) == digit, (png_path.name, raw.shape)
+            if raw is png:  # already 8x8: only scaled to [0, 1]
+                np.testing.assert_allclose(image[0], png / 255.0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("raw", "error", "message"),
+    [
+        (np.zeros((0, 5), np.uint8), ModelExecutionError, "is empty"),  # the model's own error response
+        (np.zeros((0, 0), np.uint8), ModelExecutionError, "is empty"),
+        (np.zeros((4, 4, 3), np.uint8), InvalidArgument, "expected shape [-1, -1]"),  # refused at the door
+        (np.zeros((4, 4), np.float32), InvalidArgument, "TYPE_UINT8"),
+    ],
+    ids=["empty-rows", "empty", "3-D", "float"],
+)
+def test_bad_image_fails_alone(
+    server: Server, repo: Path, raw: np.ndarray, error: type[EdgeServerError], message: str
+) -> None:
+    png = _read_png(repo / "digits/samples/digit_3.png")
+    # Shape and dtype are checked when the request is submitted, emptiness by the model when it runs:
+    # either way the bad request fails on its own and the good ones in flight around it are answered.
+    before = server.submit("preprocess", {"raw": png})
+    with pytest.raises(error, match=re.escape(message)):
+        server.submit("preprocess", {"raw": raw}).result(timeout=10)
+    after = server.submit("preprocess", {"raw": png})
+    for future in (before, after):
+        assert _label(server, repo, future.result(timeout=10)["image"]) == "3"
 
 
 def test_force_rebuild_is_deterministic(tmp_path: Path, repo: Path) -> None:
