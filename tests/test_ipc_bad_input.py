@@ -13,7 +13,7 @@ import pytest
 
 from edge_server.client import Client, SharedMemoryRegion
 from edge_server.ipc import protocol
-from tests.daemon import Daemon, RawPeer, header, raw_request
+from tests.daemon import Daemon, Gate, RawPeer, header, raw_request
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
@@ -220,6 +220,52 @@ def test_reference_past_the_end_of_a_region(
     # A segment that does not exist.
     reply = peer.ask([header(op="shm_register", name=segment.name + "x", byte_size=1)])
     assert error_of(reply) == "SHM_UNAVAILABLE"
+    still_serving(other)
+
+
+def test_segment_shrunk_by_its_client(daemon: Daemon, peer: RawPeer, other: Client) -> None:
+    """A client registers 64 KiB, then ftruncates the segment to 4 KiB: a reference past the new end
+    gets SHM_OUT_OF_BOUNDS instead of a SIGBUS that would kill the daemon for everyone."""
+    region = SharedMemoryRegion(64 * 1024)
+    try:
+        region.write(X, offset=8192)
+        assert peer.ask([header(op="shm_register", name=region.name)])["ok"]
+        os.truncate(f"/dev/shm/{region.name}", 4096)
+        shm = {"region": region.name, "offset": 8192, "byte_size": 16}
+        desc = {"name": "INPUT0", "datatype": "FP32", "shape": [4], "shm": shm}
+        reply = peer.ask([header(op="infer", model="identity", inputs=[desc])])
+        assert error_of(reply) == "SHM_OUT_OF_BOUNDS" and "shrank" in reply["error"]["message"]
+        # An output reference past the new end is refused before the request runs.
+        out = [{"name": "OUTPUT0", "shm": {"region": region.name, "offset": 16384, "byte_size": 16}}]
+        reply = peer.ask([header(op="infer", model="identity", inputs=[INPUT], outputs=out), X.tobytes()])
+        assert error_of(reply) == "SHM_OUT_OF_BOUNDS"
+        # What is left of the segment still works.
+        desc["shm"] = {"region": region.name, "offset": 0, "byte_size": 16}
+        assert peer.ask([header(op="infer", model="identity", inputs=[desc])])["ok"]
+    finally:
+        region.close()
+    assert daemon.proc is not None and daemon.proc.poll() is None
+    still_serving(other)
+
+
+def test_segment_shrunk_while_the_request_runs(
+    daemon: Daemon, gate: Gate, peer: RawPeer, other: Client
+) -> None:
+    """The output's write checks the segment again: a shrink during the inference is refused too."""
+    region = SharedMemoryRegion(64 * 1024)
+    try:
+        assert peer.ask([header(op="shm_register", name=region.name)])["ok"]
+        out = [{"name": "OUTPUT0", "shm": {"region": region.name, "offset": 32768, "byte_size": 16}}]
+        peer.sock.send_multipart([header(op="infer", model="gate", inputs=[INPUT], outputs=out), X.tobytes()])
+        gate.wait_started()
+        os.truncate(f"/dev/shm/{region.name}", 4096)
+        gate.release()
+        assert peer.sock.poll(10_000), "no answer"
+        reply = protocol.unpack(peer.sock.recv_multipart()[0])
+        assert error_of(reply) == "SHM_OUT_OF_BOUNDS" and "shrank" in reply["error"]["message"]
+    finally:
+        region.close()
+    assert daemon.proc is not None and daemon.proc.poll() is None
     still_serving(other)
 
 

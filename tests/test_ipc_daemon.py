@@ -231,3 +231,24 @@ def test_camera_loop_through_a_ring_of_regions(client: Client) -> None:
             assert future.result(timeout=30)["tail"].tobytes() == frame.tobytes()[-8:]
     finally:
         ring.close()
+
+
+def test_async_ring_close_unregisters_its_region(daemon: Daemon) -> None:
+    async def main() -> str:
+        async with AsyncClient(daemon.address, timeout=30) as aclient:
+            ring = await aclient.create_shm_ring(2, 1024)
+            name = ring.region.name
+            assert name in {r["name"] for r in await aclient.shm_status()}
+            ring.close()  # not awaitable: the unregistration is sent before anything that follows
+            assert name not in {r["name"] for r in await aclient.shm_status()}
+            assert ring.region.closed and not os.path.exists(f"/dev/shm/{name}")
+            assert await aclient.server_live()
+            return name
+
+    name = asyncio.run(main())
+    assert name not in daemon.mapped_segments()
+
+
+def test_live_and_ipc_status_tell_the_message_limit(client: Client) -> None:
+    assert client.server_live()
+    assert client.ipc_status()["max_message_bytes"] == 32 << 20  # the daemon's --max-message-bytes

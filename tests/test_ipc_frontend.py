@@ -10,6 +10,7 @@ import pytest
 
 from edge_server import Server
 from edge_server.client import Client, SharedMemoryRegion
+from edge_server.errors import MessageTooLarge
 from edge_server.ipc.frontend import IpcFrontend
 from tests.daemon import RawPeer, header, start_pyzmq_gc, wait_for
 
@@ -54,3 +55,18 @@ def test_close_is_idempotent_and_removes_the_socket_file(server: Server, tmp_pat
     frontend.close()
     frontend.close()
     assert not (tmp_path / "c.sock").exists()
+
+
+def test_client_refuses_what_zeromq_would_drop_the_connection_for(server: Server, tmp_path: Path) -> None:
+    """One frame over twice --max-message-bytes makes ZeroMQ drop the connection unanswered; the
+    client knows the daemon's limit and raises MessageTooLarge instead of sending it."""
+    with IpcFrontend(server, f"ipc://{tmp_path}/m.sock", max_message_bytes=1 << 20) as frontend:
+        with Client(frontend.address, timeout=10) as c:
+            big = np.zeros(3 << 18, np.float32)  # 3 MiB in one frame: over ZeroMQ's 2 MiB cap
+            with pytest.raises(MessageTooLarge, match="the daemon accepts at most 1048576"):
+                c.infer("identity", {"INPUT0": big})
+            with pytest.raises(MessageTooLarge):  # over the limit, under the cap: refused as well
+                c.infer("identity", {"INPUT0": big[: 3 << 17]})
+            x = np.arange(5, dtype=np.float32)
+            assert c.infer("identity", {"INPUT0": x})["OUTPUT0"].tolist() == x.tolist()
+            assert frontend.status()["max_message_bytes"] == 1 << 20

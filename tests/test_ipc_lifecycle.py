@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from edge_server.client import AsyncClient, Client
-from edge_server.errors import ConnectionLost, ModelNotReady, ReplyTimeout
+from edge_server.errors import ConnectionLost, ModelNotReady, ReplyTimeout, RequestTimeout
 from tests.daemon import (
     ROOT,
     Daemon,
@@ -112,6 +112,33 @@ def test_client_timeout_then_later_requests_succeed(gate: Gate, client: Client) 
     gate.wait_started()
     gate.release()  # its late reply arrives and is ignored
     assert client.infer("identity", {"INPUT0": X}, timeout=10)["OUTPUT0"].tolist() == X.tolist()
+
+
+def test_reply_timeout_does_not_expire_the_request_in_the_queue(gate: Gate, client: Client) -> None:
+    """The gate model has no queue policy, so any timeout_us sent would be honoured: a client that
+    gives up waiting must not also have its request dropped from the model's queue."""
+    count = gate_count(client)
+    first = client.submit("gate", {"INPUT0": X})
+    gate.wait_started()
+    with pytest.raises(ReplyTimeout):
+        client.infer("gate", {"INPUT0": X * 2}, timeout=0.2)  # queued behind the first
+    gate.release()
+    gate.wait_started()  # the second still runs: its reply is ignored, but it was not dropped
+    gate.release()
+    assert first.result(timeout=30)["OUTPUT0"].tolist() == X.tolist()
+    wait_for(lambda: gate_count(client) == count + 2, what="both gated requests to finish")
+
+
+def test_queue_timeout_is_asked_for_explicitly(gate: Gate, client: Client) -> None:
+    first = client.submit("gate", {"INPUT0": X})
+    gate.wait_started()
+    late = client.submit("gate", {"INPUT0": X}, queue_timeout_us=1, timeout=30)
+    assert client.model_ready("gate")  # answered after the daemon queued `late`: it is waiting now
+    gate.release()
+    with pytest.raises(RequestTimeout) as caught:
+        late.result(timeout=30)
+    assert type(caught.value) is RequestTimeout and caught.value.code == "TIMEOUT"  # the daemon's
+    assert first.result(timeout=30)["OUTPUT0"].tolist() == X.tolist()
 
 
 def test_graceful_stop_answers_requests_in_flight(tmp_path: Path) -> None:

@@ -8,10 +8,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from edge_server.client import _wire
+from edge_server import dtypes
+from edge_server.client import _common, _wire
+from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import (
     ConnectionLost,
     EdgeServerError,
+    InvalidArgument,
     MalformedMessage,
     MessageTooLarge,
     ModelNotReady,
@@ -170,7 +173,7 @@ def test_encode_result_orders_outputs_and_keeps_arrays_zero_copy() -> None:
 
 def test_client_message_layout() -> None:
     ref = _wire.ShmTensor("edge-server-r", 64, 16, "FP32", (4,))
-    frames = _wire.infer_message(
+    frames, nbytes = _wire.infer_message(
         3,
         "m",
         {"A": np.ones(2, np.float32), "B": ref},
@@ -178,7 +181,6 @@ def test_client_message_layout() -> None:
         outputs={"Y": _wire.ShmRef("edge-server-r", 128, 32), "Z": None},
         priority=0,
         timeout_us=None,
-        max_message_bytes=1 << 20,
     )
     header = protocol.unpack(frames[0])
     assert header["inputs"][0]["frame"] == 0 and header["inputs"][1]["shm"]["offset"] == 64
@@ -186,15 +188,85 @@ def test_client_message_layout() -> None:
         {"name": "Y", "shm": {"region": "edge-server-r", "offset": 128, "byte_size": 32}},
         {"name": "Z"},
     ]
-    assert "version" not in header and "priority" not in header and len(frames) == 2
-    with pytest.raises(MessageTooLarge):
-        _wire.infer_message(
-            1,
-            "m",
-            {"A": np.ones(1000, np.float32)},
-            version=None,
-            outputs=None,
-            priority=0,
-            timeout_us=None,
-            max_message_bytes=1000,
-        )
+    assert "version" not in header and "priority" not in header and "timeout_us" not in header
+    assert len(frames) == 2 and nbytes == len(frames[0]) + 8
+
+
+def test_queue_timeout_is_sent_only_when_asked_for() -> None:
+    assert _common.queue_timeout_us(None) is None
+    assert _common.queue_timeout_us(2500) == 2500 and _common.queue_timeout_us(np.int64(7)) == 7
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(InvalidArgument, match="queue_timeout_us"):
+            _common.queue_timeout_us(bad)  # type: ignore[arg-type]
+    frames, _ = _wire.infer_message(
+        1, "m", {"A": np.ones(2, np.float32)}, version=None, outputs=None, priority=0, timeout_us=2500
+    )
+    assert protocol.unpack(frames[0])["timeout_us"] == 2500
+
+
+def test_message_limit_is_the_smaller_of_the_clients_and_the_daemons() -> None:
+    limit = _common.MessageLimit(None)
+    limit.check(1 << 40)  # nothing known yet: the daemon still answers MESSAGE_TOO_LARGE itself
+    limit.learned(1000)
+    limit.check(1000)
+    with pytest.raises(MessageTooLarge, match="the daemon accepts at most 1000"):
+        limit.check(1001)
+    own = _common.MessageLimit(500)
+    own.learned(1000)
+    with pytest.raises(MessageTooLarge, match="max_message_bytes is 500"):
+        own.check(501)
+    own.learned(None)  # a new connection: the daemon's limit is asked again
+    assert own.allowed == 500
+    own.learned(True)  # not a size
+    assert own.daemon is None
+
+
+def test_wire_datatype_comes_from_edge_server_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One numpy -> wire mapping: edge_server.dtypes; the protocol only remembers its answers."""
+    asked: list[np.dtype] = []
+    real = dtypes.from_numpy
+
+    def spy(dtype: np.dtype) -> str:
+        asked.append(np.dtype(dtype))
+        return real(dtype)
+
+    monkeypatch.setattr(protocol, "_WIRE_NAMES", {})
+    monkeypatch.setattr(dtypes, "from_numpy", spy)
+    for name in dtypes.config_names():
+        dtype = dtypes.to_numpy(name)
+        assert protocol.wire_datatype(np.empty(0, dtype)) == dtypes.to_wire(name)
+    assert protocol.wire_datatype(np.array(["a\u00e9"])) == "BYTES"  # unicode arrays are BYTES
+    assert protocol.wire_datatype(np.array([b"ab"])) == "BYTES"
+    assert np.dtype(np.float32) in asked and np.dtype("<U2") in asked
+    count = len(asked)
+    protocol.wire_datatype(np.zeros(3, np.float32))
+    assert len(asked) == count  # remembered
+    with pytest.raises(MalformedMessage, match="complex64 has no wire datatype"):
+        protocol.wire_datatype(np.zeros(1, np.complex64))
+
+
+def test_one_bounds_rule_for_daemon_and_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's regions, the client's regions and ring slots all ask protocol.check_span."""
+    calls: list[tuple[int, int, int]] = []
+    real = protocol.check_span
+
+    def spy(offset: int, byte_size: int, size: int, what: str, where: str = "") -> None:
+        calls.append((offset, byte_size, size))
+        real(offset, byte_size, size, what, where)
+
+    monkeypatch.setattr(protocol, "check_span", spy)
+    region = SharedMemoryRegion(4096)
+    registry = ShmRegistry("edge-server-")
+    try:
+        mapped = registry.register(region.name, None)
+        with pytest.raises(ShmOutOfBounds, match=r"input 'A': bytes 4000..4100 lie outside region"):
+            mapped.view(4000, 100, "input 'A'")
+        with pytest.raises(ShmOutOfBounds, match=r"bytes 4000..4100 lie outside region"):
+            region.output(4000, 100)
+        slot = ShmRing(region, 2, 1000).slots[1]
+        with pytest.raises(ShmOutOfBounds, match=r"bytes 990..1010 lie outside the slot at 1024"):
+            slot.output(990, 20)
+        assert calls == [(4000, 100, 4096), (4000, 100, 4096), (990, 20, 1000)]
+    finally:
+        registry.close()
+        region.close()

@@ -67,11 +67,11 @@ def test_registry_maps_without_copying_and_checks_bounds(region: SharedMemoryReg
     mapped = registry.register(region.name, None)
     assert mapped.byte_size == 4096
     region.array(np.uint8, (4,))[...] = [1, 2, 3, 4]
-    assert bytes(mapped.view(0, 4)) == b"\x01\x02\x03\x04"  # the client's memory, live
-    mapped.write(8, np.array([9, 9], np.uint8))
+    assert bytes(mapped.view(0, 4, "t")) == b"\x01\x02\x03\x04"  # the client's memory, live
+    mapped.write(8, np.array([9, 9], np.uint8), "t")
     assert region.array(np.uint8, (2,), offset=8).tolist() == [9, 9]
     assert registry.resolve(region.name, 4000, 96, "t") is mapped
-    with pytest.raises(ShmOutOfBounds, match="past the end"):
+    with pytest.raises(ShmOutOfBounds, match="lie outside region"):
         registry.resolve(region.name, 4000, 97, "t")
     with pytest.raises(ShmNotRegistered):
         registry.resolve("edge-server-other", 0, 1, "t")
@@ -93,12 +93,34 @@ def test_registry_never_unlinks_the_clients_segment(region: SharedMemoryRegion) 
 def test_unmap_waits_for_arrays_still_in_use(region: SharedMemoryRegion) -> None:
     registry = ShmRegistry("edge-server-")
     mapped = registry.register(region.name, None)
-    view = np.frombuffer(mapped.view(0, 16), np.uint8)  # a request's input
+    view = np.frombuffer(mapped.view(0, 16, "t"), np.uint8)  # a request's input
     registry.unregister(region.name)
     assert not mapped.mm.closed  # still mapped: the array reads through it
     del view
     mapped.release()
     assert mapped.mm.closed
+
+
+def test_shrunk_segment_is_refused_before_it_is_touched() -> None:
+    """A client may ftruncate its segment under the daemon's mapping: touching a page past the new end
+    would be SIGBUS.  Every use checks the segment's size first (these checks touch no memory)."""
+    region = SharedMemoryRegion(64 * 1024)
+    registry = ShmRegistry("edge-server-")
+    try:
+        mapped = registry.register(region.name, None)
+        os.truncate(f"/dev/shm/{region.name}", 4096)
+        assert mapped.view(0, 4096, "t").nbytes == 4096  # what is left is still usable
+        with pytest.raises(ShmOutOfBounds, match="after its owner shrank it"):
+            mapped.view(8192, 16, "input 'A'")
+        with pytest.raises(ShmOutOfBounds, match="after its owner shrank it"):
+            registry.resolve(region.name, 4090, 16, "output 'Y'")
+        with pytest.raises(ShmOutOfBounds, match="after its owner shrank it"):
+            mapped.write(32768, np.zeros(16, np.uint8), "output 'Y'")
+        with pytest.raises(ShmOutOfBounds, match="after its owner shrank it"):
+            mapped.write(32768, b"x" * 16, "output 'Y'")
+    finally:
+        registry.close()
+        region.close()
 
 
 @pytest.mark.parametrize(
@@ -150,6 +172,45 @@ def test_default_address(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     os.chmod(tmp_path / f"edge-server-{os.getuid()}", 0o777)
     with pytest.raises(InvalidArgument, match="not a private directory"):
         addresses.default_address()
+
+
+def test_group_access_needs_the_systemd_runtime_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The socket is 0660, but only a directory the group may traverse lets the group connect."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o750)  # RuntimeDirectoryMode=0750, as systemd/edge-server.service sets it
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(run))
+    address = addresses.default_address()
+    bound = bind_socket(address)
+    try:
+        assert stat.S_IMODE(os.stat(run).st_mode) == 0o750  # systemd's directory: left alone
+        assert stat.S_IMODE(os.stat(run / "edge-server.sock").st_mode) == 0o660
+        assert addresses.who_may_connect(address) == "owner and group"
+    finally:
+        bound.close()
+    monkeypatch.delenv("RUNTIME_DIRECTORY")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    address = addresses.default_address()
+    caplog.set_level("INFO", logger=addresses.__name__)
+    bound = bind_socket(address)
+    try:
+        assert stat.S_IMODE(os.stat(tmp_path / "edge-server").st_mode) == 0o700  # per-user fallback
+        assert addresses.who_may_connect(address) == "owner"
+        assert "only its owner may connect" in caplog.text and "RuntimeDirectoryMode=0750" in caplog.text
+    finally:
+        bound.close()
+    assert addresses.who_may_connect("tcp://127.0.0.1:5555") == "anyone"
+
+
+def bind_socket(address: str) -> socket.socket:
+    """Bind a unix socket where the daemon would, with the daemon's before- and after-bind steps."""
+    addresses.prepare_bind(address)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(address[len("ipc://") :])
+    addresses.secure_socket(address)
+    return sock
 
 
 def test_address_checks(tmp_path: Path) -> None:

@@ -7,31 +7,34 @@ so a round trip costs no thread hand-off.  When requests are pending and no call
 ``Client.submit``), a background pump thread leads instead; every release of ``_io`` hands over to it
 when work remains, so no request is ever left without a leader.
 
-Reconnection: ZeroMQ reconnects the socket by itself when the daemon restarts.  The socket monitor
-tells the leader; requests already sent fail with ConnectionLost (their replies died with the old
-daemon), requests not yet sent wait in the outbox for the new connection, and the regions this client
-registered are registered again before anything else is sent.
+Connecting: on every connection (the first, and each reconnection after the daemon restarted) the
+leader first registers this client's regions again (a new daemon knows none of them) and asks ``live``
+for the daemon's message-size limit; queued requests wait until that answer came, and one over the
+limit fails with MessageTooLarge instead of being sent (ZeroMQ would drop the connection for it).
+Requests already sent when a connection drops fail with ConnectionLost: their replies died with the
+old daemon.
 """
 
 from __future__ import annotations
 
 import collections
 import heapq
-import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError, wait
+from functools import partial
 from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from edge_server.client import _wire
+from edge_server.client._common import Decoder, MessageLimit, daemon_limit, dealer
 from edge_server.client.shm import SharedMemoryRegion
-from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, ReplyTimeout
+from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, MessageTooLarge, ReplyTimeout
 from edge_server.ipc import protocol
 
 log = logging.getLogger(__name__)
@@ -41,19 +44,28 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 
-Decoder = Callable[[dict[str, Any], list[Any]], Any]
-
 
 class Call:
-    __slots__ = ("rid", "frames", "decode", "future", "deadline", "sent")
+    __slots__ = ("rid", "frames", "nbytes", "decode", "future", "deadline", "sent", "early")
 
-    def __init__(self, rid: int, frames: list[Any], decode: Decoder, deadline: float | None) -> None:
+    def __init__(
+        self,
+        rid: int,
+        frames: list[Any],
+        decode: Decoder,
+        deadline: float | None,
+        *,
+        nbytes: int = 0,
+        early: bool = False,
+    ) -> None:
         self.rid = rid
         self.frames: list[Any] | None = frames
+        self.nbytes = nbytes
         self.decode = decode
         self.future: Future[Any] = Future()
         self.deadline = deadline
         self.sent = False
+        self.early = early  # sent on connecting, before the daemon's limit is known
 
 
 def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
@@ -69,21 +81,20 @@ def _settle(future: Future[Any], result: Any = None, exc: BaseException | None =
 class Transport:
     """The socket machinery: leader election, outbox, replies, timeouts, reconnection."""
 
-    def __init__(self, address: str, *, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        limit: MessageLimit,
+        regions: dict[str, SharedMemoryRegion],
+        ids: Iterator[int],
+    ) -> None:
         self.address = address
-        self.max_message_bytes = max_message_bytes
+        self.limit = limit
+        self.regions = regions  # the client's registered regions: registered again on reconnect
+        self._ids = ids
         self._ctx = zmq.Context(io_threads=1)
-        sock = self._ctx.socket(zmq.DEALER)
-        # ZMQ_IMMEDIATE stays off: with it on, ZeroMQ discards replies still unread when the connection
-        # drops, and a graceful daemon stop sends its last replies just before closing.  Sends are held
-        # back by the client itself while the monitor says it is disconnected.
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
-        sock.setsockopt(zmq.RECONNECT_IVL, 20)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-        sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        sock.connect(address)
+        sock, self._monitor = dealer(self._ctx, address)
         self._sock = sock
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poll_items: list[tuple[Any, int]] = [
@@ -98,22 +109,21 @@ class Transport:
         self._pending: dict[int, Call] = {}
         self._outbox: collections.deque[Call] = collections.deque()
         self._deadlines: list[tuple[float, int]] = []
-        self._ids = itertools.count(1)
         self._connected = False
         self._was_connected = False
+        self._greeting: Call | None = None  # the `live` asked on connecting, until it is answered
         self._closed = False
         self._pump: threading.Thread | None = None
-        self.regions: dict[str, SharedMemoryRegion] = {}  # registered here: re-registered on reconnect
 
     # -- calls ----------------------------------------------------------------------------------
 
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def enqueue(self, rid: int, frames: list[Any], decode: Decoder, timeout: float | None) -> Call:
+    def enqueue(
+        self, rid: int, frames: list[Any], decode: Decoder, timeout: float | None, nbytes: int = 0
+    ) -> Call:
         if self._closed:
             raise Cancelled("the client is closed")
-        call = Call(rid, frames, decode, None if timeout is None else time.monotonic() + timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        call = Call(rid, frames, decode, deadline, nbytes=nbytes)
         with self._lock:
             self._pending[rid] = call
             self._outbox.append(call)
@@ -218,6 +228,12 @@ class Transport:
             if call.frames is None:  # timed out before it could be sent
                 outbox.popleft()
                 continue
+            if self._greeting is not None and not call.early:
+                return False  # the daemon's limit is not known yet; its answer wakes the poll
+            if call.nbytes > self.limit.allowed:
+                outbox.popleft()
+                self._refuse(call)
+                continue
             try:
                 self._sock.send_multipart(call.frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -276,6 +292,7 @@ class Transport:
                 self._receive()  # replies that arrived before the connection closed still count
                 self._lost()
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._greet()
                 if self._was_connected:
                     self._reregister()
                 self._connected = self._was_connected = True
@@ -293,12 +310,46 @@ class Transport:
     def _reregister(self) -> None:
         """A new daemon knows none of our regions: register them again ahead of everything queued."""
         for region in reversed(list(self.regions.values())):
-            rid = self.next_id()
+            rid = next(self._ids)
             frames = _wire.control_message(rid, "shm_register", name=region.name, byte_size=region.byte_size)
-            call = Call(rid, frames, _log_reregister, None)
-            with self._lock:
-                self._pending[rid] = call
-                self._outbox.appendleft(call)
+            self._send_first(Call(rid, frames, _log_reregister, None, early=True))
+
+    def _greet(self) -> None:
+        """Ask the daemon just connected to for its message-size limit before sending any request."""
+        self.limit.learned(None)
+        rid = next(self._ids)
+        call = Call(rid, _wire.control_message(rid, "live"), daemon_limit, None, early=True)
+        self._greeting = call
+        call.future.add_done_callback(partial(self._greeted, call))
+        self._send_first(call)
+
+    def _greeted(self, call: Call, future: Future[Any]) -> None:
+        # Runs where the future is settled: the leader's _receive or _lost, or close().
+        if call is not self._greeting:
+            return
+        self._greeting = None
+        exc = None if future.cancelled() else future.exception()
+        if future.cancelled() or exc is not None:
+            # Lost with the connection: the next handshake asks again.  An error reply: carry on
+            # with the client's own limit (the daemon still answers MESSAGE_TOO_LARGE itself).
+            log.debug("the daemon's message limit is unknown: %r", exc)
+            return
+        self.limit.learned(future.result())
+
+    def _send_first(self, call: Call) -> None:
+        with self._lock:
+            self._pending[call.rid] = call
+            self._outbox.appendleft(call)
+
+    def _refuse(self, call: Call) -> None:
+        """A queued request over the daemon's limit (learned after it was queued): fail it unsent."""
+        with self._lock:
+            self._pending.pop(call.rid, None)
+        call.frames = None
+        try:
+            self.limit.check(call.nbytes)
+        except MessageTooLarge as exc:
+            _settle(call.future, exc=exc)
 
     # -- shutdown -------------------------------------------------------------------------------
 

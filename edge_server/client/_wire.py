@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_server.errors import MalformedMessage, MessageTooLarge, ShmNotRegistered
+from edge_server.errors import MalformedMessage, ShmNotRegistered
 from edge_server.ipc import protocol
 
 
@@ -45,9 +45,11 @@ def infer_message(
     outputs: Outputs,
     priority: int,
     timeout_us: int | None,
-    max_message_bytes: int,
-) -> list[Any]:
-    """Frames of an infer request; array bytes are referenced, not copied."""
+) -> tuple[list[Any], int]:
+    """Frames of an infer request and their total size; array bytes are referenced, not copied.
+
+    ``timeout_us`` is the queue timeout the daemon is asked to apply (None: the model's own policy).
+    """
     descs: list[dict[str, Any]] = []
     frames: list[Any] = [b""]
     total = 0
@@ -71,13 +73,7 @@ def infer_message(
     if timeout_us is not None:
         header["timeout_us"] = timeout_us
     frames[0] = protocol.pack(header)
-    total += len(frames[0])
-    if total > max_message_bytes:
-        raise MessageTooLarge(
-            f"the request has {total} bytes; the limit is {max_message_bytes} (pass large tensors through "
-            "shared memory: Client.create_shm_region)"
-        )
-    return frames
+    return frames, total + len(frames[0])
 
 
 def _output_descs(outputs: Sequence[str] | Mapping[str, ShmRef | None]) -> list[dict[str, Any]]:

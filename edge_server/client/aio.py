@@ -2,17 +2,20 @@
 
 One reader task owns receiving; sends happen in the calling coroutine (all on the event loop's
 thread, so the socket is never shared between threads).  Many requests are in flight at once with
-``asyncio.gather`` or tasks.  Reconnection works as in the sync client: requests already sent when the
-daemon goes away fail with ConnectionLost, later ones wait for the new connection, and registered
-regions are registered again before anything else is sent.
+``asyncio.gather`` or tasks.  What each call sends and returns is in :mod:`edge_server.client._common`,
+shared with the sync client.
+
+Connecting works as in the sync client: on every connection the regions this client registered are
+registered again and the daemon is asked (``live``) for its message-size limit before any request is
+sent; requests already sent when the daemon goes away fail with ConnectionLost, later ones wait for
+the new connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, cast
 
 import zmq
@@ -20,14 +23,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from edge_server.client import _wire
-from edge_server.client.shm import SharedMemoryRegion, ShmRing, stride
+from edge_server.client._common import ClientBase, Control, Decoder, Steps, T, daemon_limit, dealer
+from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, ReplyTimeout
 from edge_server.ipc import protocol
-from edge_server.ipc.addresses import default_address
 
 log = logging.getLogger(__name__)
-
-Decoder = Callable[[dict[str, Any], list[Any]], Any]
 
 
 class _Pending:
@@ -39,8 +40,12 @@ class _Pending:
         self.sent = False
 
 
-class AsyncClient:
-    """asyncio client of a running daemon; create it inside the event loop that uses it."""
+class AsyncClient(ClientBase):
+    """asyncio client of a running daemon; create it inside the event loop that uses it.
+
+    ``timeout``, ``control_timeout`` and ``max_message_bytes`` mean what they mean for
+    :class:`~edge_server.client.Client`.
+    """
 
     def __init__(
         self,
@@ -48,38 +53,32 @@ class AsyncClient:
         *,
         timeout: float | None = 60.0,
         control_timeout: float | None = 600.0,
-        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: int | None = None,
         shm_prefix: str = protocol.DEFAULT_SHM_PREFIX,
     ) -> None:
-        self.address = address or default_address()
-        self.timeout = timeout
-        self.control_timeout = control_timeout
-        self.max_message_bytes = max_message_bytes
-        self.shm_prefix = shm_prefix
+        super().__init__(
+            address,
+            timeout=timeout,
+            control_timeout=control_timeout,
+            max_message_bytes=max_message_bytes,
+            shm_prefix=shm_prefix,
+        )
         self._ctx = zmq.asyncio.Context(io_threads=1)
-        sock = self._ctx.socket(zmq.DEALER)
-        # ZMQ_IMMEDIATE stays off (see the sync client): sends are held back while disconnected.
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
-        sock.setsockopt(zmq.RECONNECT_IVL, 20)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-        sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        sock.connect(self.address)
-        self._sock = sock
-        self._ids = itertools.count(1)
+        self._sock, self._monitor = dealer(self._ctx, self.address)
         self._pending: dict[int, _Pending] = {}
-        self._can_send = asyncio.Event()
+        self._can_send = asyncio.Event()  # connected, and the daemon's limit asked for
+        self._epoch = 0  # connections seen to drop: a late answer to an old greeting is ignored
         self._was_connected = False
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._greeter: asyncio.Task[None] | None = None
         self._closed = False
-        self._regions: dict[str, SharedMemoryRegion] = {}
-        self._owned: dict[str, SharedMemoryRegion] = {}
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    async def _call(self, frames: list[Any], rid: int, decode: Decoder, timeout: float | None) -> Any:
+    async def _call(
+        self, frames: list[Any], rid: int, decode: Decoder, timeout: float | None, nbytes: int = 0
+    ) -> Any:
         if self._closed:
             raise Cancelled("the client is closed")
         loop = asyncio.get_running_loop()
@@ -91,7 +90,12 @@ class AsyncClient:
         # call_later instead of wait_for: no extra task per request on the hot path.
         timer = loop.call_later(timeout, self._expire, rid) if timeout is not None else None
         try:
-            while not self._can_send.is_set() or not await self._try_send(frames):
+            while True:
+                if self._can_send.is_set():
+                    if nbytes > self._limit.allowed:
+                        self._limit.check(nbytes)  # over the daemon's limit, learned since it was built
+                    if await self._try_send(frames):
+                        break
                 if pending.future.done():
                     break
                 waiter = loop.create_task(self._can_send.wait())
@@ -143,6 +147,7 @@ class AsyncClient:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._can_send.clear()
+                self._epoch += 1
                 # Replies that arrived before the connection closed still count: let the reader take them.
                 for _ in range(10_000):
                     if not cast(int, self._sock.get(zmq.EVENTS)) & zmq.POLLIN:
@@ -155,10 +160,12 @@ class AsyncClient:
                             ConnectionLost(f"the daemon at {self.address} went away before replying")
                         )
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._limit.learned(None)
                 if self._was_connected:
                     await self._reregister()
                 self._was_connected = True
-                self._can_send.set()
+                # A task of its own: this one must go on watching while the greeting waits for its reply.
+                self._greeter = asyncio.get_running_loop().create_task(self._greet(self._epoch))
 
     async def _reregister(self) -> None:
         """A new daemon knows none of our regions: register them before anything else is sent."""
@@ -169,14 +176,49 @@ class AsyncClient:
             if not await self._try_send(frames):
                 log.warning("could not re-register region %s after reconnecting", region.name)
 
-    async def _control(self, op: str, key: str | None, *, timeout: float | None = None, **fields: Any) -> Any:
+    async def _greet(self, epoch: int) -> None:
+        """Ask the daemon just connected to for its message-size limit, then let requests go."""
         rid = next(self._ids)
-        return await self._call(
-            _wire.control_message(rid, op, **fields),
-            rid,
-            lambda h, f: h.get(key) if key else None,
-            self.timeout if timeout is None else timeout,
-        )
+        pending = _Pending(asyncio.get_running_loop().create_future(), daemon_limit)
+        self._pending[rid] = pending
+        frames = _wire.control_message(rid, "live")
+        try:
+            while not await self._try_send(frames):
+                if epoch != self._epoch:
+                    return  # gone again; the next handshake greets anew
+            pending.sent = True
+            try:
+                limit = await pending.future
+            except ConnectionLost:
+                return
+            except EdgeServerError as exc:  # carry on with our own limit; the daemon still checks
+                log.debug("the daemon's message limit is unknown: %s", exc.message)
+                limit = None
+        finally:
+            self._pending.pop(rid, None)
+        if epoch == self._epoch:
+            self._limit.learned(limit)
+            self._can_send.set()
+
+    # -- running the shared call steps ----------------------------------------------------------
+
+    async def _run(self, steps: Steps[T]) -> T:
+        """Answer each control request ``steps`` yields with an awaited round trip."""
+        try:
+            control = next(steps)
+            while True:
+                try:
+                    result = await self._round_trip(control)
+                except BaseException as exc:
+                    control = steps.throw(exc)
+                else:
+                    control = steps.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    async def _round_trip(self, control: Control) -> Any:
+        rid = next(self._ids)
+        return await self._call(control.frames(rid), rid, control.decode, control.timeout)
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -189,97 +231,84 @@ class AsyncClient:
         outputs: _wire.Outputs = None,
         priority: int = 0,
         timeout: float | None = None,
+        queue_timeout_us: int | None = None,
     ) -> dict[str, Any]:
-        """Run one request; await many of these at once to keep requests in flight."""
-        timeout = self.timeout if timeout is None else timeout
-        rid = next(self._ids)
-        frames = _wire.infer_message(
-            rid,
-            model,
-            inputs,
-            version=version,
-            outputs=outputs,
-            priority=priority,
-            timeout_us=int(timeout * 1e6) if timeout is not None and timeout < 1e6 else None,
-            max_message_bytes=self.max_message_bytes,
-        )
-        regions = self._regions
-        return await self._call(frames, rid, lambda h, f: _wire.infer_outputs(h, f, regions), timeout)
+        """Run one request; await many of these at once to keep requests in flight.
+
+        ``timeout`` and ``queue_timeout_us`` as for :meth:`edge_server.client.Client.infer`.
+        """
+        r = self._infer_request(model, inputs, version, outputs, priority, timeout, queue_timeout_us)
+        return await self._call(r.frames, r.rid, r.decode, r.timeout, r.nbytes)  # type: ignore[no-any-return]
 
     # -- control --------------------------------------------------------------------------------
 
     async def server_live(self, *, timeout: float | None = None) -> bool:
-        return bool(await self._control("live", "live", timeout=timeout))
+        return await self._run(self._live(timeout))
 
     async def server_ready(self, *, timeout: float | None = None) -> bool:
-        return bool(await self._control("ready", "ready", timeout=timeout))
+        return await self._run(self._ready(None, None, timeout))
 
     async def model_ready(
         self, name: str, version: int | None = None, *, timeout: float | None = None
     ) -> bool:
-        return bool(await self._control("ready", "ready", timeout=timeout, model=name, version=version))
+        return await self._run(self._ready(name, version, timeout))
 
     async def models(self) -> list[dict[str, Any]]:
-        return list(await self._control("models", "models"))
+        return await self._run(self._models())
 
     async def model_config(self, name: str, version: int | None = None) -> dict[str, Any]:
-        return dict(await self._control("config", "config", model=name, version=version))
+        return await self._run(self._model_config(name, version))
 
     async def model_metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
-        return dict(await self._control("metadata", "metadata", model=name, version=version))
+        return await self._run(self._model_metadata(name, version))
 
     async def statistics(self, name: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
-        return list(await self._control("stats", "stats", model=name, version=version))
+        return await self._run(self._statistics(name, version))
 
     async def load_model(self, name: str, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        return list(
-            await self._control("load", "models", timeout=timeout or self.control_timeout, model=name)
-        )
+        return await self._run(self._load_model(name, timeout))
 
     async def unload_model(self, name: str, *, timeout: float | None = None) -> None:
-        await self._control("unload", None, timeout=timeout or self.control_timeout, model=name)
+        await self._run(self._unload_model(name, timeout))
 
     # -- shared memory --------------------------------------------------------------------------
 
     async def register_shm(self, region: SharedMemoryRegion) -> None:
-        await self._control("shm_register", None, name=region.name, byte_size=region.byte_size)
-        self._regions[region.name] = region
+        await self._run(self._register_shm(region))
 
     async def unregister_shm(self, region: SharedMemoryRegion | str | None = None) -> list[str]:
-        name = region.name if isinstance(region, SharedMemoryRegion) else region
-        names = list(await self._control("shm_unregister", "unregistered", name=name))
-        for key in names:
-            self._regions.pop(key, None)
-        return names
+        return await self._run(self._unregister_shm(region))
 
     async def shm_status(self) -> list[dict[str, Any]]:
-        return list(await self._control("shm_status", "regions"))
+        return await self._run(self._shm_status())
 
     async def ipc_status(self) -> dict[str, int]:
-        return dict(await self._control("ipc_status", "ipc"))
+        return await self._run(self._ipc_status())
 
     async def create_shm_region(self, byte_size: int, *, name: str | None = None) -> SharedMemoryRegion:
-        region = SharedMemoryRegion(byte_size, name=name, prefix=self.shm_prefix)
-        try:
-            await self.register_shm(region)
-        except BaseException:
-            region.close()
-            raise
-        self._owned[region.name] = region
-        return region
+        return await self._run(self._create_shm_region(byte_size, name))
 
     async def release_shm(self, region: SharedMemoryRegion) -> None:
-        try:
-            if region.name in self._regions:
-                await self.unregister_shm(region)
-        finally:
-            self._owned.pop(region.name, None)
-            region.close()
+        await self._run(self._release_shm(region))
 
     async def create_shm_ring(self, n: int, byte_size: int) -> ShmRing:
-        """A ring for a camera loop; ``ring.close()`` unlinks it (the daemon unmaps it at close/bye)."""
-        region = await self.create_shm_region(stride(byte_size) * n)
-        return ShmRing(region, n, byte_size)
+        """A ring for a camera loop.
+
+        ``ring.close()`` (call it on the event loop's thread) sends the unregistration at once,
+        without waiting for its reply, and unlinks the region; ``await client.release_shm(ring.region)``
+        is the same with the reply awaited.
+        """
+        return await self._run(self._create_shm_ring(n, byte_size))
+
+    def _ring_releaser(self, region: SharedMemoryRegion) -> None:
+        # ShmRing.close() cannot await.  The unregistration is sent now, so that whatever this client
+        # sends next reaches the daemon after it; its reply is ignored like a re-registration's.
+        self._owned.pop(region.name, None)
+        if self._regions.pop(region.name, None) is not None and not self._closed and self._can_send.is_set():
+            frames = _wire.control_message(next(self._ids), "shm_unregister", name=region.name)
+            sent = cast(asyncio.Future[Any], self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False))
+            sent.add_done_callback(_unregister_sent)
+        region.close()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -289,12 +318,12 @@ class AsyncClient:
             return
         try:
             if self._can_send.is_set():
-                await self._control("bye", None, timeout=1.0)
+                await self._round_trip(self._bye())
         except EdgeServerError as exc:
             log.debug("bye was not answered: %s", exc.message)
         finally:
             self._closed = True
-            for task in (self._reader, self._watcher):
+            for task in (self._reader, self._watcher, self._greeter):
                 if task is not None:
                     task.cancel()
                     try:
@@ -305,10 +334,7 @@ class AsyncClient:
                 if not pending.future.done():
                     pending.future.set_exception(Cancelled("the client was closed before the reply came"))
             self._pending.clear()
-            for region in self._owned.values():
-                region.close()
-            self._owned.clear()
-            self._regions.clear()
+            self._forget_regions()
             self._sock.disable_monitor()
             self._monitor.close(0)
             self._sock.close(0)
@@ -319,3 +345,9 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _unregister_sent(sent: asyncio.Future[Any]) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        # The queue is full or the connection is gone: the daemon unmaps the region at bye or disconnect.
+        log.debug("could not send the unregistration of a ring's region: %r", sent.exception())

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from edge_server.client._wire import ShmRef, ShmTensor
-from edge_server.errors import InvalidArgument, ShmOutOfBounds, ShmUnavailable
+from edge_server.errors import InvalidArgument, ShmUnavailable
 from edge_server.ipc import protocol
 from edge_server.ipc.shm import SHM_DIR, check_name
 
@@ -76,11 +76,7 @@ class SharedMemoryRegion:
     def _check(self, offset: int, byte_size: int) -> None:
         if self.closed:
             raise ShmUnavailable(f"region {self.name!r} is closed")
-        if offset < 0 or byte_size < 0 or offset + byte_size > self.byte_size:
-            raise ShmOutOfBounds(
-                f"bytes {offset}..{offset + byte_size} are outside region {self.name!r} "
-                f"({self.byte_size} bytes)"
-            )
+        protocol.check_span(offset, byte_size, self.byte_size, f"region {self.name!r}")
 
     def array(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
         """A writable array over the region: fill it in place (a camera frame) and pass :meth:`tensor`."""
@@ -143,10 +139,9 @@ class ShmSlot:
         self.future: Any = None
 
     def _at(self, offset: int, size: int) -> int:
-        if offset < 0 or offset + size > self.byte_size:
-            raise ShmOutOfBounds(
-                f"bytes {offset}..{offset + size} are outside the slot ({self.byte_size} bytes)"
-            )
+        protocol.check_span(
+            offset, size, self.byte_size, f"the slot at {self.offset} of {self.region.name!r}"
+        )
         return self.offset + offset
 
     def array(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:

@@ -2,8 +2,19 @@
 
 The default follows the issue: the systemd runtime directory when run as a service
 (``$RUNTIME_DIRECTORY``), else ``$XDG_RUNTIME_DIR/edge-server``, else a per-user directory under the
-temp directory.  Directories this module creates get mode 0700; the socket file gets 0660, so the
-owner and the group (the unit's ``Group=``, e.g. ``video``) may connect and nobody else.
+temp directory.  The socket file is always chmod 0660 (owner and group), but who can reach it is
+decided by its directory:
+
+* ``$RUNTIME_DIRECTORY`` is made by systemd with the unit's ``RuntimeDirectoryMode=`` (0750 in
+  ``systemd/edge-server.service``) and owned by ``User=``/``Group=``; its mode is systemd's business and
+  is left alone, so members of the unit's group may connect.
+* The per-user fallback directories are created 0700 (a directory under the shared temp directory
+  must be ours and closed to others): only the owner may connect, whatever the socket's mode.
+  Group access needs the systemd runtime directory, or ``--ipc`` naming a socket in a directory the
+  group may traverse.
+
+A missing parent of an explicit ``--ipc`` path is created 0700 as well.  :func:`who_may_connect`
+says which case applies; the daemon logs it at start-up.
 """
 
 from __future__ import annotations
@@ -21,8 +32,8 @@ from edge_server.errors import AddressInUse, InvalidArgument
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "edge-server.sock"
-SOCKET_MODE = 0o660
-DIR_MODE = 0o700
+SOCKET_MODE = 0o660  # owner and group; whether the group gets there is up to the directory
+DIR_MODE = 0o700  # directories this module creates: the per-user fallbacks, a missing --ipc parent
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 MAX_IPC_PATH = 107
 
@@ -117,10 +128,36 @@ def prepare_bind(address: str) -> None:
 
 
 def secure_socket(address: str) -> None:
-    """After binding: owner and group may connect, nobody else."""
+    """After binding: owner and group may use the socket file, nobody else; log who can reach it."""
     path = ipc_path(address)
-    if path is not None:
-        os.chmod(path, SOCKET_MODE)
+    if path is None:
+        return
+    os.chmod(path, SOCKET_MODE)
+    if who_may_connect(address) == "owner and group":
+        log.info("IPC socket %s: its owner and group may connect", path)
+    else:
+        log.info(
+            "IPC socket %s: only its owner may connect (directory %s is mode %o); for group access run "
+            "under systemd (RuntimeDirectory=, RuntimeDirectoryMode=0750) or pass --ipc in a directory "
+            "the group may traverse",
+            path,
+            path.parent,
+            stat.S_IMODE(os.stat(path.parent).st_mode),
+        )
+
+
+def who_may_connect(address: str) -> str:
+    """``"owner and group"`` when the socket's directory lets the group through, else ``"owner"``.
+
+    Only the socket's own directory is looked at: the ones above it are system directories (``/run``,
+    ``/tmp``, ``$XDG_RUNTIME_DIR``'s parent) in every default.  Other transports answer ``"anyone"``.
+    """
+    path = ipc_path(address)
+    if path is None:
+        return "anyone"
+    if os.stat(path.parent).st_mode & stat.S_IXGRP and os.stat(path).st_mode & stat.S_IWGRP:
+        return "owner and group"
+    return "owner"
 
 
 def socket_identity(address: str) -> tuple[int, int] | None:

@@ -50,7 +50,8 @@ class IpcFrontend:
 
     ``max_message_bytes`` bounds a whole request; larger ones get MESSAGE_TOO_LARGE.  ZeroMQ itself
     drops the connection of a peer that sends a single frame over twice that (ZMQ_MAXMSGSIZE), so a
-    hostile client cannot make the daemon allocate without bound.  ``shm_prefix`` is the only name
+    hostile client cannot make the daemon allocate without bound; the ``live`` reply tells clients the
+    limit, so that ours refuse such requests before sending them.  ``shm_prefix`` is the only name
     prefix clients may register shared memory under.
     """
 
@@ -145,6 +146,7 @@ class IpcFrontend:
             "regions": self._peers.region_count(),
             "released_clients": self._peers.dropped,
             "dropped_replies": self.dropped_replies,
+            "max_message_bytes": self.max_message_bytes,
         }
 
     # -- the frontend thread --------------------------------------------------------------------
@@ -259,6 +261,12 @@ class IpcFrontend:
                 self._queue(identity, protocol.ok_header(rid, unregistered=released))
             elif op == "ipc_status":
                 self._queue(identity, protocol.ok_header(rid, ipc=self.status()))
+            elif op == "live":
+                # Clients ask this first on every connection and keep the limit: a request over twice
+                # it would make ZeroMQ drop the connection (ZMQ_MAXMSGSIZE) instead of getting an answer.
+                self._queue(
+                    identity, protocol.ok_header(rid, live=True, max_message_bytes=self.max_message_bytes)
+                )
             elif op in handlers.SLOW_OPS:
                 future = self._control.submit(handlers.control, self.server, peer.registry, op, header)
                 future.add_done_callback(partial(self._control_done, identity, rid))

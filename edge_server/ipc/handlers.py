@@ -64,12 +64,13 @@ def decode_infer(
         shape = protocol.tensor_shape(desc, where)
         if "shm" in desc:
             region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
-            region = _resolve(registry, region_name, offset, byte_size, where)
+            region = _registry(registry).get(region_name, where)
+            view = region.view(offset, byte_size, where)  # checks the bounds and the segment's size now
             if datatype != "BYTES":
                 want = protocol.expected_nbytes(dtype, shape)
                 if byte_size != want:
                     raise_size(where, datatype, shape, want, byte_size)
-            array = protocol.to_array(region.view(offset, byte_size), datatype, dtype, shape, where)
+            array = protocol.to_array(view, datatype, dtype, shape, where)
             if array.flags.writeable:
                 array.flags.writeable = False  # the client's memory: a model must not scribble on it
         else:
@@ -119,12 +120,9 @@ def _version(value: Any) -> int | None:
     return value
 
 
-def _resolve(
-    registry: ShmRegistry | None, region: str, offset: int, byte_size: int, where: str
-) -> MappedRegion:
-    if registry is None:
-        registry = ShmRegistry("")  # empty: the lookup raises the precise not-registered error
-    return registry.resolve(region, offset, byte_size, where)
+def _registry(registry: ShmRegistry | None) -> ShmRegistry:
+    # None (a client without state yet): an empty registry, whose lookup raises the precise error.
+    return registry if registry is not None else ShmRegistry("")
 
 
 def _decode_outputs(
@@ -146,7 +144,8 @@ def _decode_outputs(
         if desc.get("shm") is not None:
             where = f"output {name!r}"
             region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
-            shm[name] = (_resolve(registry, region_name, offset, byte_size, where), offset, byte_size)
+            region = _registry(registry).resolve(region_name, offset, byte_size, where)
+            shm[name] = (region, offset, byte_size)
     return order, shm
 
 
@@ -171,7 +170,7 @@ def encode_result(ctx: InferContext, outputs: Mapping[str, np.ndarray]) -> list[
                     f"output {name!r} ({datatype} {shape}) needs {nbytes} bytes but its shared-memory "
                     f"reference holds {capacity}"
                 )
-            region.write(offset, data)
+            region.write(offset, data, f"output {name!r}")  # checks the segment's size again
             desc["shm"] = {"region": region.name, "offset": offset, "byte_size": nbytes}
         descs.append(desc)
     frames[0] = protocol.pack(protocol.ok_header(ctx.rid, outputs=descs))
@@ -182,8 +181,6 @@ def control(server: Server, registry: ShmRegistry, op: str, header: Mapping[str,
     """Answer a control operation; returns the reply header's payload fields."""
     model = protocol.field(header, "model", str, required=op in ("metadata", "config", *SLOW_OPS))
     version = _version(header.get("version"))
-    if op == "live":
-        return {"live": True}
     if op == "ready":
         return {"ready": server.is_ready(model, version)}
     if op == "models":
@@ -208,7 +205,7 @@ def control(server: Server, registry: ShmRegistry, op: str, header: Mapping[str,
         return {"unregistered": registry.unregister(protocol.field(header, "name", str, required=False))}
     if op == "shm_status":
         return {"regions": registry.status(protocol.field(header, "name", str, required=False))}
-    if op in protocol.OPS:
+    if op in protocol.OPS:  # live, ipc_status, bye, infer: the frontend answers those itself
         raise InvalidArgument(f"operation {op!r} is not handled here")
     raise UnknownOperation(
         f"unknown operation {op!r}; protocol {protocol.PROTOCOL_VERSION} has {sorted(protocol.OPS)}"

@@ -20,7 +20,9 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.errors import (
     EdgeServerError,
+    InvalidArgument,
     MalformedMessage,
+    ShmOutOfBounds,
     TensorSizeMismatch,
     UnsupportedProtocolVersion,
 )
@@ -57,7 +59,10 @@ DEFAULT_SHM_PREFIX = "edge-server-"
 
 # KServe v2 datatype name -> numpy dtype, built from the one table in edge_server.dtypes.
 WIRE_DTYPES: dict[str, np.dtype] = {dtypes.to_wire(n): dtypes.to_numpy(n) for n in dtypes.config_names()}
-_NUMPY_TO_WIRE: dict[np.dtype, str] = {dt: wire for wire, dt in WIRE_DTYPES.items() if wire != "BYTES"}
+# numpy dtype -> wire name, filled from dtypes.from_numpy as dtypes are seen: that function scans its
+# table (about 2 us), and every tensor of every message asks.
+_WIRE_NAMES: dict[np.dtype, str] = {}
+_WIRE_NAMES_MAX = 256  # unicode dtypes differ by length ('<U5', '<U7'): keep the memo bounded
 _LEN = struct.Struct("<I")
 
 # -- headers --------------------------------------------------------------------------------------
@@ -162,13 +167,30 @@ def error_from_wire(error: Any) -> EdgeServerError:
 
 
 def wire_datatype(array: np.ndarray) -> str:
-    """KServe datatype name of an array; str/bytes/object arrays are BYTES."""
-    if array.dtype.kind in "OSU":
-        return "BYTES"
-    try:
-        return _NUMPY_TO_WIRE[array.dtype]
-    except KeyError:
-        raise MalformedMessage(f"numpy dtype {array.dtype} has no wire datatype") from None
+    """KServe datatype name of an array (edge_server.dtypes decides); str/bytes/object arrays are BYTES."""
+    dtype = array.dtype
+    name = _WIRE_NAMES.get(dtype)
+    if name is None:
+        try:
+            name = dtypes.to_wire(dtypes.from_numpy(dtype))
+        except InvalidArgument:
+            raise MalformedMessage(f"numpy dtype {dtype} has no wire datatype") from None
+        if len(_WIRE_NAMES) < _WIRE_NAMES_MAX:
+            _WIRE_NAMES[dtype] = name
+    return name
+
+
+def check_span(offset: int, byte_size: int, size: int, what: str, where: str = "") -> None:
+    """Refuse bytes ``offset .. offset + byte_size`` unless they lie inside the ``size`` bytes of ``what``.
+
+    The one bounds rule for shared memory, used by the daemon (registered regions) and by the client
+    (its regions and ring slots).  ``where`` names the tensor, for the message.
+    """
+    if offset < 0 or byte_size < 0 or offset + byte_size > size:
+        prefix = f"{where}: " if where else ""
+        raise ShmOutOfBounds(
+            f"{prefix}bytes {offset}..{offset + byte_size} lie outside {what} ({size} bytes)"
+        )
 
 
 def tensor_shape(desc: Mapping[str, Any], where: str) -> tuple[int, ...]:

@@ -9,6 +9,9 @@ A region may still be in use by a request when its client unregisters it or disc
 arrays of that request are views into the mapping.  Unregistering therefore drops the registry's
 reference and unmaps only when no array uses it any more (``mmap.close`` refuses while views exist;
 the last view's release unmaps it).
+
+The client may also shrink its segment under a mapping; see :class:`MappedRegion` for why that does
+not crash the daemon.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import mmap
 import os
 import re
 import stat
-from dataclasses import dataclass
+import weakref
 
 import numpy as np
 
@@ -30,6 +33,7 @@ from edge_server.errors import (
     ShmOutOfBounds,
     ShmUnavailable,
 )
+from edge_server.ipc import protocol
 
 log = logging.getLogger(__name__)
 
@@ -51,32 +55,50 @@ def check_name(name: str, prefix: str) -> None:
         )
 
 
-@dataclass(eq=False)
 class MappedRegion:
-    """One client segment mapped into the daemon."""
+    """One client segment mapped into the daemon.
 
-    name: str
-    byte_size: int
-    mm: mmap.mmap
+    The segment belongs to the client, which may ``ftruncate`` it smaller at any time; touching a
+    mapped page past the segment's new end raises SIGBUS, which kills the daemon.  So the region keeps
+    the segment's fd open and every use (an input view, an output reference, the output's write)
+    first asks ``fstat`` how large the segment is *now*.  What remains is the window between that check
+    and the model reading an input (docs/protocol.md, "Shared memory").
+    """
 
-    def span(self, offset: int, byte_size: int, where: str) -> None:
-        if offset + byte_size > self.byte_size:
-            raise ShmOutOfBounds(
-                f"{where}: bytes {offset}..{offset + byte_size} reach past the end of region "
-                f"{self.name!r} ({self.byte_size} bytes)"
-            )
+    def __init__(self, name: str, byte_size: int, mm: mmap.mmap, fd: int) -> None:
+        self.name = name
+        self.byte_size = byte_size
+        self.mm = mm
+        self._fd = fd
+        # The fd lives as long as this object: in-flight requests hold the region (for their outputs)
+        # after it is unregistered, so closing the fd in release() could let fstat see a reused number.
+        self._close_fd = weakref.finalize(self, os.close, fd)
 
-    def view(self, offset: int, byte_size: int) -> memoryview:
-        """A no-copy view of ``byte_size`` bytes at ``offset`` (already bounds-checked)."""
+    def check(self, offset: int, byte_size: int, where: str) -> None:
+        """Refuse bytes outside the registration, or past the segment's end as it is now."""
+        protocol.check_span(offset, byte_size, self.byte_size, f"region {self.name!r}", where)
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError as exc:  # cannot happen while the fd is ours; refuse rather than risk SIGBUS
+            raise ShmUnavailable(f"{where}: cannot check segment {self.name!r}: {exc.strerror}") from None
+        if size < self.byte_size:
+            what = f"what is left of segment {self.name!r} after its owner shrank it"
+            protocol.check_span(offset, byte_size, size, what, where)
+
+    def view(self, offset: int, byte_size: int, where: str) -> memoryview:
+        """A no-copy view of ``byte_size`` bytes at ``offset``, after :meth:`check`."""
+        self.check(offset, byte_size, where)
         return memoryview(self.mm)[offset : offset + byte_size]
 
-    def write(self, offset: int, data: np.ndarray | bytes) -> None:
+    def write(self, offset: int, data: np.ndarray | bytes, where: str) -> None:
         """Copy ``data`` into the region: the one copy an output into shared memory costs."""
+        nbytes = len(data) if isinstance(data, bytes) else data.nbytes
+        self.check(offset, nbytes, where)
         try:
             if isinstance(data, bytes):
-                self.mm[offset : offset + len(data)] = data
+                self.mm[offset : offset + nbytes] = data
                 return
-            target = np.frombuffer(self.mm, dtype=np.uint8, count=data.nbytes, offset=offset)
+            target = np.frombuffer(self.mm, dtype=np.uint8, count=nbytes, offset=offset)
         except ValueError:  # unmapped: the client unregistered it while the request ran
             raise ShmNotRegistered(
                 f"region {self.name!r} was unregistered before the output was written"
@@ -116,10 +138,12 @@ def open_region(name: str, prefix: str, byte_size: int | None) -> MappedRegion:
             )
         mm = mmap.mmap(fd, byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
-        raise ShmUnavailable(f"cannot map shared-memory segment {name!r}: {exc.strerror}") from None
-    finally:
         os.close(fd)
-    return MappedRegion(name=name, byte_size=byte_size, mm=mm)
+        raise ShmUnavailable(f"cannot map shared-memory segment {name!r}: {exc.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return MappedRegion(name, byte_size, mm, fd)
 
 
 class ShmRegistry:
@@ -165,15 +189,20 @@ class ShmRegistry:
             if name is None or r.name == name
         ]
 
-    def resolve(self, region: str, offset: int, byte_size: int, where: str) -> MappedRegion:
-        """The registered region a reference points into, after checking the reference's bounds."""
+    def get(self, region: str, where: str) -> MappedRegion:
+        """The registered region a reference names (its bounds are checked where it is used)."""
         found = self._regions.get(region)
         if found is None:
             known = sorted(self._regions)
             raise ShmNotRegistered(
                 f"{where}: region {region!r} is not registered by this client (registered: {known})"
             )
-        found.span(offset, byte_size, where)
+        return found
+
+    def resolve(self, region: str, offset: int, byte_size: int, where: str) -> MappedRegion:
+        """The registered region a reference points into, after checking the reference's bounds."""
+        found = self.get(region, where)
+        found.check(offset, byte_size, where)
         return found
 
     def close(self) -> None:
