@@ -129,6 +129,10 @@ class ModelScheduler:
             self._in_flight += 1
         try:
             self._execute(lent, [request], seq=None)
+        except Exception as exc:  # never leave the caller with a future that no one completes
+            log.exception("inline execution of %r failed unexpectedly", self._config.name)
+            if not future.done():
+                future.set_exception(ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}"))
         finally:
             with self._cond:
                 self._borrowed.discard(lent)
