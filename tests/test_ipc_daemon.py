@@ -154,6 +154,14 @@ def test_hundreds_of_pipelined_requests_from_one_thread(client: Client) -> None:
     assert all(p.shape == (1, 10) for p in probabilities)
 
 
+def test_answered_requests_leave_no_timeout_behind(client: Client) -> None:
+    """A long-lived client must not keep one reply deadline per request it ever sent."""
+    x = np.ones(4, np.float32)
+    for _ in range(2000):
+        client.infer("identity", {"INPUT0": x})
+    assert len(client._t._deadlines) < 10
+
+
 def test_async_client_many_in_flight(daemon: Daemon) -> None:
     async def main() -> list[list[float]]:
         async with AsyncClient(daemon.address, timeout=30) as aclient:

@@ -132,7 +132,9 @@ class TensorBackend(Backend):
         return results
 
 
-def _union_outputs(batch: Sequence[BatchItem], all_outputs: tuple[str, ...]) -> list[str]:
+def _union_outputs(batch: Sequence[BatchItem], all_outputs: tuple[str, ...]) -> Sequence[str]:
+    if len(batch) == 1 and batch[0].requested_outputs == all_outputs:
+        return all_outputs  # one request for every output (the common case): nothing to merge
     wanted = {name for item in batch for name in item.requested_outputs}
     return [name for name in all_outputs if name in wanted]
 

@@ -35,7 +35,7 @@ from edge_server.client import _wire
 from edge_server.client._common import Decoder, MessageLimit, daemon_limit, dealer
 from edge_server.client.shm import SharedMemoryRegion
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, MessageTooLarge, ReplyTimeout
-from edge_server.ipc import protocol
+from edge_server.ipc import protocol, zmqio
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +206,12 @@ class Transport:
             timeout_ms = -1
             if self._deadlines:
                 timeout_ms = max(0, int((self._deadlines[0][0] - time.monotonic()) * 1000.0) + 1)
+            received = False
             for item, revents in zmq.zmq_poll(self._poll_items, timeout_ms):
                 if item is sock:
-                    if revents & zmq.POLLIN:
+                    if revents & _POLLIN:
                         self._receive()
+                        received = True
                 elif item == self._wake_fd:
                     try:
                         os.eventfd_read(self._wake_fd)
@@ -217,6 +219,8 @@ class Transport:
                         pass
             if self._deadlines and self._deadlines[0][0] <= time.monotonic():
                 self._expire()
+            if received and done() and not self._outbox:
+                return  # the usual round trip ends here; monitor events wait for the next turn
 
     def _flush(self) -> bool:
         """Send the outbox; True if the socket could not take more (reconnecting or full)."""
@@ -235,7 +239,7 @@ class Transport:
                 self._refuse(call)
                 continue
             try:
-                self._sock.send_multipart(call.frames, flags=zmq.NOBLOCK, copy=False)
+                zmqio.send_frames(self._sock, call.frames, zmqio.NOBLOCK)
             except zmq.Again:
                 return True
             outbox.popleft()
@@ -245,25 +249,36 @@ class Transport:
 
     def _receive(self) -> None:
         sock = self._sock
-        while cast(int, sock.get(_EVENTS)) & _POLLIN:
-            frames = sock.recv_multipart(copy=False)
+        while True:
             try:
-                header = protocol.unpack(frames[0].buffer)
+                frames = zmqio.recv_frames(sock, zmqio.NOBLOCK)
+            except zmq.Again:
+                return
+            self._reply(frames)
+            if not cast(int, sock.get(_EVENTS)) & _POLLIN:
+                return
+
+    def _reply(self, frames: list[Any]) -> None:
+        try:
+            header = protocol.unpack(frames[0].buffer)
+        except EdgeServerError as exc:
+            log.warning("ignoring a reply that is not protocol: %s", exc.message)
+            return
+        rid = header.get("id")
+        with self._lock:
+            call = self._pending.pop(rid, None) if isinstance(rid, int) else None
+            deadlines = self._deadlines
+            if call is not None and deadlines and deadlines[0][1] == rid:
+                heapq.heappop(deadlines)  # answered: its deadline is moot (the others expire lazily)
+        if call is None:
+            return  # a ping, or the reply to a request that already timed out
+        if header.get("ok") is True:
+            try:
+                _settle(call.future, call.decode(header, frames[1:]))
             except EdgeServerError as exc:
-                log.warning("ignoring a reply that is not protocol: %s", exc.message)
-                continue
-            rid = header.get("id")
-            with self._lock:
-                call = self._pending.pop(rid, None) if isinstance(rid, int) else None
-            if call is None:
-                continue  # a ping, or the reply to a request that already timed out
-            if header.get("ok") is True:
-                try:
-                    _settle(call.future, call.decode(header, frames[1:]))
-                except EdgeServerError as exc:
-                    _settle(call.future, exc=exc)
-            else:
-                _settle(call.future, exc=protocol.error_from_wire(header.get("error")))
+                _settle(call.future, exc=exc)
+        else:
+            _settle(call.future, exc=protocol.error_from_wire(header.get("error")))
 
     def _expire(self) -> None:
         now = time.monotonic()

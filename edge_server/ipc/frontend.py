@@ -29,7 +29,7 @@ from edge_server.errors import (
     MessageTooLarge,
     ServerShuttingDown,
 )
-from edge_server.ipc import addresses, handlers, protocol
+from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.peers import PeerTable
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ _HWM = 10_000
 # Plain ints: pyzmq's enum flags cost a microsecond per operation on the hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_NOBLOCK = zmqio.NOBLOCK
 _PING = protocol.pack({"v": protocol.PROTOCOL_VERSION, "id": None, "op": protocol.PING})
 
 
@@ -208,9 +209,13 @@ class IpcFrontend:
     def _receive(self, sock: zmq.Socket) -> None:
         # zmq_poll said readable: take what is queued, up to a burst, then let replies go out.
         for _ in range(_RECV_BURST):
+            try:
+                frames = zmqio.recv_frames(sock, _NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
             if not cast(int, sock.get(_EVENTS)) & _POLLIN:
                 return
-            self._handle(sock.recv_multipart(copy=False))
 
     def _shutdown(self) -> None:
         assert self._sock is not None and self._monitor is not None and self._ctx is not None
@@ -284,19 +289,28 @@ class IpcFrontend:
             raise ServerShuttingDown("the daemon is shutting down")
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
         future = self.server.dataplane.submit(request)
+        if future.done():  # it ran inline on this thread: answer now, nothing to track or queue
+            reply = self._reply_frames(ctx, future)
+            if reply:
+                assert self._sock is not None
+                self._send(self._sock, identity, reply)
+            return
         peer.in_flight.add(future)
         future.add_done_callback(partial(self._infer_done, identity, ctx))
 
     def _infer_done(self, identity: bytes, ctx: handlers.InferContext, future: Future) -> None:
         """Runs on the scheduler thread that finished the request: encode here, send on the frontend."""
-        frames: list[Any] = []  # a cancelled request's client is gone: nothing to send
-        if not future.cancelled():
-            try:
-                frames = handlers.encode_result(ctx, future.result())
-            except Exception as exc:
-                frames = [protocol.pack(protocol.error_header(ctx.rid, _as_error(exc)))]
-        self._replies.append((identity, frames, future))
+        self._replies.append((identity, self._reply_frames(ctx, future), future))
         self._wake()
+
+    @staticmethod
+    def _reply_frames(ctx: handlers.InferContext, future: Future) -> list[Any]:
+        if future.cancelled():
+            return []  # a cancelled request's client is gone: nothing to send
+        try:
+            return handlers.encode_result(ctx, future.result())
+        except Exception as exc:
+            return [protocol.pack(protocol.error_header(ctx.rid, _as_error(exc)))]
 
     def _control_done(self, identity: bytes, rid: int | str | None, future: Future) -> None:
         try:
@@ -325,7 +339,7 @@ class IpcFrontend:
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any]) -> None:
         try:
-            sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+            zmqio.send_frames(sock, [identity, *frames], _NOBLOCK)
         except zmq.Again:
             self.dropped_replies += 1
             log.warning("client %s is not reading its replies; one reply dropped", identity.hex())

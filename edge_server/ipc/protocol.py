@@ -194,10 +194,14 @@ def check_span(offset: int, byte_size: int, size: int, what: str, where: str = "
 
 
 def tensor_shape(desc: Mapping[str, Any], where: str) -> tuple[int, ...]:
-    shape = desc.get("shape")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    shape: Any = desc.get("shape")
+    valid = isinstance(shape, list)
+    if valid:
+        for d in shape:  # a loop: all() costs a generator, and every tensor of every message asks
+            if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+                valid = False
+                break
+    if not valid:
         raise MalformedMessage(f"{where}: 'shape' must be an array of non-negative integers, got {shape!r}")
     return tuple(shape)
 

@@ -50,6 +50,8 @@ class RequestQueue:
         self._with_deadline = 0  # requests in main queues with a deadline: skip expiry scans without
 
     def __len__(self) -> int:
+        if len(self._main) == 1:  # one priority level, the usual case: asked twice per inline request
+            return len(self._main[0]) + len(self._delayed[0])
         return sum(len(q) for q in self._main) + sum(len(q) for q in self._delayed)
 
     def push(self, request: QueuedRequest) -> None:
