@@ -141,9 +141,7 @@ def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count
     ]
 
 
-def _warmup_array(
-    name: str, spec: TensorSpec, batch: int | None, source: str, data: Path | None
-) -> np.ndarray:
+def _warmup_array(spec: TensorSpec, batch: int | None, source: str, data: Path | None) -> np.ndarray:
     dtype = dtypes.to_numpy(spec.data_type)
     shape = tuple(d if d >= 0 else 1 for d in spec.dims)
     if batch is not None:
@@ -183,9 +181,7 @@ def warm_up(config: ModelConfig, backend: Backend, version_dir: Path, *, instanc
             tensor = spec if given is None else TensorSpec(spec.name, given.data_type, given.dims)
             data = version_dir / "warmup" / given.input_data_file if given and given.input_data_file else None
             batch = sample.batch_size if batched else None
-            inputs[spec.name] = _warmup_array(
-                spec.name, tensor, batch, given.source if given else "zero_data", data
-            )
+            inputs[spec.name] = _warmup_array(tensor, batch, given.source if given else "zero_data", data)
         item = BatchItem(
             inputs=inputs,
             batch_size=sample.batch_size if batched else 1,

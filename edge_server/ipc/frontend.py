@@ -154,7 +154,9 @@ class IpcFrontend:
 
     def _wake(self) -> None:
         if threading.current_thread() is self._thread:
-            return  # a request that ran inline on this thread: its reply goes out in this loop turn
+            # A request that finished just before _infer added its callback: the callback ran here, and
+            # the reply goes out in this loop turn.
+            return
         # Under the lock so that a callback finishing after shutdown never writes to a reused fd number.
         with self._wake_lock:
             if self._wake_fd >= 0:

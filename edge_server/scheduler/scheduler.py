@@ -287,10 +287,7 @@ class ModelScheduler:
     def _execute(self, backend: Backend, batch: list[QueuedRequest], *, seq: int | None) -> None:
         """Run a batch, deliver each result to its future (in ``seq`` order when given), record stats."""
         start = time.monotonic_ns()
-        if len(batch) == 1:
-            live = batch if batch[0].future.set_running_or_notify_cancel() else []
-        else:
-            live = [r for r in batch if r.future.set_running_or_notify_cancel()]
+        live = [r for r in batch if r.future.set_running_or_notify_cancel()]
         timing = Timing()
         results: list[Result] = []
         if live:
