@@ -23,6 +23,7 @@ from edge_server.errors import ConfigError, EdgeServerError
 from edge_server.repository import ModelSource
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
+from edge_server.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class LoadedVersion:
     stats: ModelStats
     content_hash: str
     devices: tuple[str, ...]
+    validator: RequestValidator
 
     def retire(self, deadline: float) -> None:
         """Let queued and running requests finish (until ``deadline``, monotonic), then free everything."""
@@ -103,6 +105,7 @@ def load_version(
         stats=stats,
         content_hash=content_hash,
         devices=tuple(backend.device for _, backend in instances),
+        validator=RequestValidator(config),
     )
 
 

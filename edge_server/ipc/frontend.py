@@ -290,15 +290,13 @@ class IpcFrontend:
         if self._stopping:
             raise ServerShuttingDown("the daemon is shutting down")
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
-        future = self.server.dataplane.submit(request)
-        if future.done():  # it ran inline on this thread: answer now, nothing to track or queue
-            reply = self._reply_frames(ctx, future)
-            if reply:
-                assert self._sock is not None
-                self._send(self._sock, identity, reply)
+        outcome = self.server.dataplane.dispatch(request)
+        if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
+            assert self._sock is not None
+            self._send(self._sock, identity, handlers.encode_result(ctx, outcome))
             return
-        peer.in_flight.add(future)
-        future.add_done_callback(partial(self._infer_done, identity, ctx))
+        peer.in_flight.add(outcome)
+        outcome.add_done_callback(partial(self._infer_done, identity, ctx))
 
     def _infer_done(self, identity: bytes, ctx: handlers.InferContext, future: Future) -> None:
         """Runs on the scheduler thread that finished the request: encode here, send on the frontend."""

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -100,14 +100,62 @@ class ModelScheduler:
         self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
     ) -> Future[dict]:
         """Queue a validated request; the future gets its outputs or its error."""
+        outcome = self.dispatch(item, shape_key, priority=priority, timeout_us=timeout_us)
+        if isinstance(outcome, Future):
+            return outcome
+        future: Future[dict] = Future()
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        return future
+
+    def dispatch(
+        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+    ) -> Result | Future[dict]:
+        """Run the request now in this thread if that pays (see the module doc), else queue it.
+
+        Returns the result (outputs or error) when it ran here, or the future of the queued request: a
+        frontend that answers inline results at once saves a future per request.
+        """
         level = self._level(priority)
+        now = time.monotonic_ns()
+        with self._cond:
+            if not self._accepting:
+                raise SchedulerClosed(f"model {self._config.name!r} is unloading")
+            lent = self._lend()
+            if lent is None:
+                future: Future[dict] = Future()
+                self._queue.push(self._queued(item, shape_key, level, now, future, timeout_us))
+                # Every waiter: one woken at random may be a worker whose instance is lent out, or one
+                # waiting for its turn to deliver (preserve_ordering), and could not take the request.
+                self._cond.notify_all()
+                return future
+            self._in_flight += 1
+        try:
+            result = self._run_inline(lent, item, now)
+        finally:
+            with self._cond:
+                self._borrowed.discard(lent)
+                self._in_flight -= 1
+                if len(self._queue) or not self._accepting:
+                    self._cond.notify_all()  # the instance's worker may be waiting for it
+        return result
+
+    def _queued(
+        self,
+        item: BatchItem,
+        shape_key: Hashable,
+        level: int,
+        now: int,
+        future: Future[dict],
+        timeout_us: int | None,
+    ) -> QueuedRequest:
         policy = self._policies[level]
         timeout = policy.default_timeout_microseconds
         if timeout_us is not None and (policy.allow_timeout_override or self._override_allowed):
             timeout = timeout_us
-        now = time.monotonic_ns()
-        future: Future[dict] = Future()
-        request = QueuedRequest(
+        return QueuedRequest(
             item=item,
             shape_key=shape_key,
             level=level,
@@ -116,30 +164,6 @@ class ModelScheduler:
             deadline_ns=now + timeout * 1000 if timeout > 0 else 0,
             timeout_action=policy.timeout_action,
         )
-        with self._cond:
-            if not self._accepting:
-                raise SchedulerClosed(f"model {self._config.name!r} is unloading")
-            lent = self._lend()
-            if lent is None:
-                self._queue.push(request)
-                # Every waiter: one woken at random may be a worker whose instance is lent out, or one
-                # waiting for its turn to deliver (preserve_ordering), and could not take the request.
-                self._cond.notify_all()
-                return future
-            self._in_flight += 1
-        try:
-            self._execute(lent, [request], seq=None)
-        except Exception as exc:  # never leave the caller with a future that no one completes
-            log.exception("inline execution of %r failed unexpectedly", self._config.name)
-            if not future.done():
-                future.set_exception(ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}"))
-        finally:
-            with self._cond:
-                self._borrowed.discard(lent)
-                self._in_flight -= 1
-                if len(self._queue) or not self._accepting:
-                    self._cond.notify_all()  # the instance's worker may be waiting for it
-        return future
 
     def _lend(self) -> Backend | None:
         """An idle instance for the caller's thread, when inline execution pays (lock held)."""
@@ -284,6 +308,28 @@ class ModelScheduler:
                     )
         return outputs
 
+    def _run_inline(self, backend: Backend, item: BatchItem, enqueue_ns: int) -> Result:
+        """One request on a lent instance, in the caller's thread: :meth:`_execute` without a queue."""
+        start = time.monotonic_ns()
+        timing = Timing()
+        try:
+            (result,) = self._compute(backend, (item,), timing)
+            if self._output_dims and not isinstance(result, Exception):
+                result = self._restore_output_shapes(result)
+        except Exception as exc:  # the caller must get an answer, whatever broke
+            log.exception("inline execution of %r failed unexpectedly", self._config.name)
+            result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
+        end = time.monotonic_ns()
+        self._observe(end - start)
+        self._stats.record_one(
+            batch_size=item.batch_size,
+            queue_ns=start - enqueue_ns,
+            request_ns=end - enqueue_ns,
+            succeeded=not isinstance(result, Exception),
+            timing=timing,
+        )
+        return result
+
     def _execute(self, backend: Backend, batch: list[QueuedRequest], *, seq: int | None) -> None:
         """Run a batch, deliver each result to its future (in ``seq`` order when given), record stats."""
         start = time.monotonic_ns()
@@ -291,40 +337,49 @@ class ModelScheduler:
         timing = Timing()
         results: list[Result] = []
         if live:
-            try:
-                results = backend.execute([r.item for r in live], timing)
-                if len(results) != len(live):
-                    raise ModelExecutionError(
-                        f"backend returned {len(results)} results for {len(live)} requests"
-                    )
-            except EdgeServerError as exc:
-                results = [exc] * len(live)
-            except Exception as exc:
-                log.exception("instance of %r failed a batch of %d", self._config.name, len(live))
-                results = [ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")] * len(live)
+            results = self._compute(backend, [r.item for r in live], timing)
             if len(live) == 1:
-                spent = time.monotonic_ns() - start
-                ema = self._compute_ema_ns  # a benign race: only this estimate is at stake
-                self._compute_ema_ns = spent if ema == float("inf") else ema + _EMA_WEIGHT * (spent - ema)
+                self._observe(time.monotonic_ns() - start)
         if seq is not None:
             with self._cond:
                 while self._delivered_seq != seq:
                     self._cond.wait()
         end = time.monotonic_ns()
         for request, result in zip(live, results, strict=True):
-            if self._output_dims and not isinstance(result, Exception):
-                result = self._restore_output_shapes(result)
-            if isinstance(result, Exception):
-                request.future.set_exception(result)
-            else:
-                request.future.set_result(result)
+            self._deliver(request.future, result)
         if live:
             self._stats.record_batch(
                 batch_size=sum(r.batch_size for r in live),
                 queue_ns=[start - r.enqueue_ns for r in live],
                 request_ns=[end - r.enqueue_ns for r in live],
                 succeeded=[not isinstance(res, Exception) for res in results],
-                compute_input_ns=timing.compute_input_ns,
-                compute_infer_ns=timing.compute_infer_ns,
-                compute_output_ns=timing.compute_output_ns,
+                timing=timing,
             )
+
+    def _compute(self, backend: Backend, items: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        """One result per item; a failure of the whole batch becomes every item's error."""
+        try:
+            results = backend.execute(items, timing)
+            if len(results) != len(items):
+                raise ModelExecutionError(
+                    f"backend returned {len(results)} results for {len(items)} requests"
+                )
+            return results
+        except EdgeServerError as exc:
+            return [exc] * len(items)
+        except Exception as exc:
+            log.exception("instance of %r failed a batch of %d", self._config.name, len(items))
+            return [ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")] * len(items)
+
+    def _observe(self, spent_ns: int) -> None:
+        """Fold one single-request execution into the estimate that decides inline execution."""
+        ema = self._compute_ema_ns  # a benign race: only this estimate is at stake
+        self._compute_ema_ns = spent_ns if ema == float("inf") else ema + _EMA_WEIGHT * (spent_ns - ema)
+
+    def _deliver(self, future: Future[dict], result: Result) -> None:
+        if self._output_dims and not isinstance(result, Exception):
+            result = self._restore_output_shapes(result)
+        if isinstance(result, Exception):
+            future.set_exception(result)
+        else:
+            future.set_result(result)

@@ -7,8 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge_server.backends.base import Timing
 
-@dataclass
+
+@dataclass(slots=True)
 class _Duration:
     count: int = 0
     ns: int = 0
@@ -53,27 +55,39 @@ class ModelStats:
         queue_ns: list[int],
         request_ns: list[int],
         succeeded: list[bool],
-        compute_input_ns: int,
-        compute_infer_ns: int,
-        compute_output_ns: int,
+        timing: Timing,
     ) -> None:
         """One executed batch: durations per request (queue, end to end) and for the whole batch."""
         n = len(succeeded)
         with self._lock:
-            self._last_inference_ms = int(time.time() * 1000)
-            self._execution_count += 1
-            self._inference_count += batch_size
+            self._count_execution(batch_size, n, timing)
             for q, total, ok in zip(queue_ns, request_ns, succeeded, strict=True):
                 (self._success if ok else self._fail).add(total)
                 self._queue.add(q)
-            # Triton charges each request the full compute time of its batch.
-            self._compute_input.add(compute_input_ns * n, n)
-            self._compute_infer.add(compute_infer_ns * n, n)
-            self._compute_output.add(compute_output_ns * n, n)
-            stats = self._batches.setdefault(batch_size, _BatchStats())
-            stats.compute_input.add(compute_input_ns)
-            stats.compute_infer.add(compute_infer_ns)
-            stats.compute_output.add(compute_output_ns)
+
+    def record_one(
+        self, *, batch_size: int, queue_ns: int, request_ns: int, succeeded: bool, timing: Timing
+    ) -> None:
+        """:meth:`record_batch` for a batch of one request (inline execution), without the lists."""
+        with self._lock:
+            self._count_execution(batch_size, 1, timing)
+            (self._success if succeeded else self._fail).add(request_ns)
+            self._queue.add(queue_ns)
+
+    def _count_execution(self, batch_size: int, requests: int, timing: Timing) -> None:
+        self._last_inference_ms = int(time.time() * 1000)
+        self._execution_count += 1
+        self._inference_count += batch_size
+        # Triton charges each request the full compute time of its batch.
+        self._compute_input.add(timing.compute_input_ns * requests, requests)
+        self._compute_infer.add(timing.compute_infer_ns * requests, requests)
+        self._compute_output.add(timing.compute_output_ns * requests, requests)
+        stats = self._batches.get(batch_size)
+        if stats is None:
+            stats = self._batches[batch_size] = _BatchStats()
+        stats.compute_input.add(timing.compute_input_ns)
+        stats.compute_infer.add(timing.compute_infer_ns)
+        stats.compute_output.add(timing.compute_output_ns)
 
     def record_failure(self, queue_ns: int, request_ns: int) -> None:
         """A request that failed without running (timeout, cancelled on shutdown)."""

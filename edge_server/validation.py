@@ -1,0 +1,162 @@
+"""Checking a request against its model's config before it may join a batch.
+
+A :class:`RequestValidator` is built once per loaded model version, when the config is final, so the
+per-request check only compares against prepared dtypes, dims and names: every frontend pays for it on
+every request, and a bad request must fail alone, before it reaches a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edge_server import dtypes
+from edge_server.backends.base import BatchItem
+from edge_server.config.model import ModelConfig, TensorSpec
+from edge_server.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from edge_server.dataplane import InferRequest
+
+
+@dataclass(frozen=True)
+class _InputRule:
+    name: str
+    data_type: str  # config name, for messages
+    dtype: np.dtype  # object for TYPE_STRING
+    dims: tuple[int, ...]  # without the batch axis
+    variable: bool  # some dim is -1
+    reshape: tuple[int, ...] | None
+    optional: bool
+    where: str
+
+    def expected_shape(self, batched: bool) -> str:
+        dims = ["-1" if d < 0 else str(d) for d in self.dims]
+        return "[" + ", ".join((["batch"] if batched else []) + dims) + "]"
+
+
+def _rule(model: str, spec: TensorSpec) -> _InputRule:
+    return _InputRule(
+        name=spec.name,
+        data_type=spec.data_type,
+        dtype=dtypes.to_numpy(spec.data_type),
+        dims=spec.dims,
+        variable=any(d < 0 for d in spec.dims),
+        reshape=spec.reshape,
+        optional=spec.optional,
+        where=f"model {model!r} input {spec.name!r}",
+    )
+
+
+class RequestValidator:
+    """Checks inputs and requested outputs against one config; returns the batch item and its shape key.
+
+    The shape key groups requests whose tensors may be stacked into one batch.  A model whose inputs
+    are all fixed-size and required has one key for every request.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.model = config.name
+        self._rules = tuple(_rule(config.name, spec) for spec in config.inputs)
+        self._by_name = {rule.name: rule for rule in self._rules}
+        self._required = tuple(rule.name for rule in self._rules if not rule.optional)
+        self._batched = config.max_batch_size > 0
+        self._max_batch_size = config.max_batch_size
+        self._outputs = tuple(spec.name for spec in config.outputs)
+        self._fixed_key: Hashable | None = None
+        if not any(rule.variable or rule.optional for rule in self._rules):
+            self._fixed_key = tuple((rule.name, rule.dims) for rule in self._rules)
+
+    def __call__(self, request: InferRequest) -> tuple[BatchItem, Hashable]:
+        inputs = request.inputs
+        if not isinstance(inputs, Mapping):
+            raise InvalidArgument(f"inputs must be a mapping of name to array, got {type(inputs).__name__}")
+        by_name = self._by_name
+        for name in inputs:
+            if name not in by_name:
+                raise InvalidArgument(
+                    f"model {self.model!r} has no input {name!r}; its inputs are {sorted(by_name)}"
+                )
+        for name in self._required:
+            if name not in inputs:
+                raise InvalidArgument(f"model {self.model!r}: missing input {name!r}")
+        batched = self._batched
+        batch_size = 0
+        prepared: dict[str, np.ndarray] = {}
+        for rule in self._rules:
+            if rule.name not in inputs:
+                continue
+            array = self._check(rule, inputs[rule.name])
+            if batched:
+                rows = array.shape[0]
+                if batch_size and rows != batch_size:
+                    raise InvalidArgument(
+                        f"model {self.model!r}: inputs disagree on the batch size ({batch_size} and {rows})"
+                    )
+                batch_size = rows
+            if rule.reshape is not None:
+                array = array.reshape((array.shape[0], *rule.reshape) if batched else rule.reshape)
+            prepared[rule.name] = array
+        key = self._fixed_key
+        if key is None:
+            key = tuple(
+                (rule.name, inputs[rule.name].shape[1:] if batched else inputs[rule.name].shape)
+                for rule in self._rules
+                if rule.name in inputs
+            )
+        item = BatchItem(
+            inputs=prepared,
+            batch_size=batch_size or 1,
+            requested_outputs=self._requested_outputs(request.outputs),
+            request_id=request.request_id,
+        )
+        return item, key
+
+    def _check(self, rule: _InputRule, array: object) -> np.ndarray:
+        """``array`` as a C-contiguous ndarray of the rule's dtype and shape, or InvalidArgument."""
+        if not isinstance(array, np.ndarray):
+            raise InvalidArgument(f"{rule.where}: expected a numpy array, got {type(array).__name__}")
+        if array.dtype != rule.dtype:
+            if rule.dtype.kind != "O":
+                raise InvalidArgument(
+                    f"{rule.where}: expected {rule.data_type} ({rule.dtype}), got {array.dtype}"
+                )
+            if array.dtype.kind not in "OSU":
+                raise InvalidArgument(f"{rule.where}: expected {rule.data_type} (bytes), got {array.dtype}")
+        shape = array.shape
+        if self._batched:
+            ok = len(shape) >= 1 and self._dims_match(rule, shape[1:])
+            if ok and not 1 <= shape[0] <= self._max_batch_size:
+                raise InvalidArgument(
+                    f"{rule.where}: batch size {shape[0]} is outside 1..{self._max_batch_size} "
+                    "(max_batch_size)"
+                )
+        else:
+            ok = self._dims_match(rule, shape)
+        if not ok:
+            raise InvalidArgument(
+                f"{rule.where}: expected shape {rule.expected_shape(self._batched)}, got {list(shape)}"
+            )
+        return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+    @staticmethod
+    def _dims_match(rule: _InputRule, dims: tuple[int, ...]) -> bool:
+        if not rule.variable:
+            return dims == rule.dims
+        return len(dims) == len(rule.dims) and all(
+            want < 0 or got == want for want, got in zip(rule.dims, dims, strict=True)
+        )
+
+    def _requested_outputs(self, requested: Sequence[str] | None) -> tuple[str, ...]:
+        names = self._outputs
+        if not requested:  # None or empty: every output, as in KServe v2
+            return names
+        for name in requested:
+            if name not in names:
+                raise InvalidArgument(
+                    f"model {self.model!r} has no output {name!r}; its outputs are {list(names)}"
+                )
+        return tuple(dict.fromkeys(requested))
