@@ -42,7 +42,7 @@ class LoadContext:
     instance: InstanceSpec
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchItem:
     """One validated request in a batch; ``inputs`` carry the batch axis where the model has one."""
 
@@ -52,7 +52,7 @@ class BatchItem:
     request_id: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class Timing:
     """Nanoseconds a backend spent on one batch, split as Triton's compute input/infer/output."""
 
@@ -112,14 +112,16 @@ class TensorBackend(Backend):
     batched: bool = True
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        if len(batch) == 1:  # nothing to stack or split: the outputs are this request's own
+            item = batch[0]
+            t0 = time.perf_counter_ns()
+            outputs = self.run(item.inputs, item.requested_outputs)
+            timing.compute_infer_ns += time.perf_counter_ns() - t0
+            return [outputs]
         t0 = time.perf_counter_ns()
-        if len(batch) == 1:
-            stacked = batch[0].inputs
-        else:
-            stacked = {
-                name: np.concatenate([item.inputs[name] for item in batch], axis=0)
-                for name in batch[0].inputs
-            }
+        stacked = {
+            name: np.concatenate([item.inputs[name] for item in batch], axis=0) for name in batch[0].inputs
+        }
         wanted = _union_outputs(batch, self.output_names)
         t1 = time.perf_counter_ns()
         outputs = self.run(stacked, wanted)
@@ -133,8 +135,6 @@ class TensorBackend(Backend):
 
 
 def _union_outputs(batch: Sequence[BatchItem], all_outputs: tuple[str, ...]) -> Sequence[str]:
-    if len(batch) == 1 and batch[0].requested_outputs == all_outputs:
-        return all_outputs  # one request for every output (the common case): nothing to merge
     wanted = {name for item in batch for name in item.requested_outputs}
     return [name for name in all_outputs if name in wanted]
 

@@ -105,23 +105,25 @@ def infer_outputs(
         raise MalformedMessage("the infer reply has no 'outputs' array")
     result: dict[str, np.ndarray] = {}
     for desc in descs:
-        name = desc.get("name") if isinstance(desc, dict) else None
-        if not isinstance(name, str):
+        name = desc.get("name") if type(desc) is dict else None
+        if type(name) is not str:
             raise MalformedMessage(f"the infer reply has a bad output descriptor {desc!r}")
-        where = f"output {name!r}"
-        datatype, dtype = protocol.tensor_dtype(desc, where)
-        shape = protocol.tensor_shape(desc, where)
         if "shm" in desc:
-            region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
-            region = regions.get(region_name)
-            if region is None:
-                raise ShmNotRegistered(
-                    f"{where} was written to region {region_name!r}, unknown to this client"
-                )
-            result[name] = region.view_as(datatype, dtype, shape, offset, byte_size, where)
-        else:
-            slot = desc.get("frame")
-            if not isinstance(slot, int) or not 0 <= slot < len(frames):
-                raise MalformedMessage(f"{where} refers to frame {slot!r}; the reply has {len(frames)}")
-            result[name] = protocol.to_array(frames[slot].buffer, datatype, dtype, shape, where)
+            result[name] = _shm_output(desc, name, regions)
+            continue
+        slot = desc.get("frame")
+        if type(slot) is not int or not 0 <= slot < len(frames):
+            raise MalformedMessage(f"output {name!r} refers to frame {slot!r}; the reply has {len(frames)}")
+        result[name] = protocol.tensor_array(desc, frames[slot].buffer, "output", name)
     return result
+
+
+def _shm_output(desc: Mapping[str, Any], name: str, regions: Mapping[str, Any]) -> np.ndarray:
+    where = f"output {name!r}"
+    datatype, dtype = protocol.tensor_dtype(desc, where)
+    shape = protocol.tensor_shape(desc, where)
+    region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
+    region = regions.get(region_name)
+    if region is None:
+        raise ShmNotRegistered(f"{where} was written to region {region_name!r}, unknown to this client")
+    return region.view_as(datatype, dtype, shape, offset, byte_size, where)  # type: ignore[no-any-return]

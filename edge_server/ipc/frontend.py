@@ -180,10 +180,10 @@ class IpcFrontend:
             self._shutdown()
 
     def _loop_once(self, items: list[tuple[Any, int]]) -> bool:
-        sock, monitor = self._sock, self._monitor
+        sock, monitor, peers = self._sock, self._monitor, self._peers
         assert sock is not None and monitor is not None
-        now = time.monotonic()
-        timeout_ms = max(0, int((self._peers.next_deadline() - now) * 1000.0) + 1)
+        deadline = peers.next_deadline()
+        timeout_ms = max(0, int((deadline - time.monotonic()) * 1000.0) + 1)
         if self._stopping:
             timeout_ms = min(timeout_ms, 50)
         for item, _revents in zmq.zmq_poll(items, timeout_ms):
@@ -193,7 +193,7 @@ class IpcFrontend:
                 while cast(int, monitor.get(_EVENTS)) & _POLLIN:
                     event = recv_monitor_message(monitor)
                     if event["event"] == zmq.EVENT_DISCONNECTED:
-                        self._peers.disconnect_seen()
+                        peers.disconnect_seen()
             else:
                 try:
                     os.eventfd_read(self._wake_fd)
@@ -201,11 +201,11 @@ class IpcFrontend:
                     pass
         if self._replies:
             self._send_replies(sock)
-        if time.monotonic() >= self._peers.next_deadline():
-            for identity in self._peers.due_probes():
+        if time.monotonic() >= min(deadline, peers.next_deadline()):
+            for identity in peers.due_probes():
                 self._send(sock, identity, [_PING])
         if self._stopping:
-            return not self._peers.busy() or time.monotonic() >= self._stop_deadline
+            return not peers.busy() or time.monotonic() >= self._stop_deadline
         return False
 
     def _receive(self, sock: zmq.Socket) -> None:
@@ -237,32 +237,36 @@ class IpcFrontend:
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
-        body = frames[1:]
         rid: int | str | None = None
         try:
-            if not body:
+            if len(frames) < 2:
                 raise MalformedMessage("empty message: expected a header frame")
+            head = frames[1]
+            total = -len(frames[0])  # the body's size: every frame but the identity (no slice to build)
+            for frame in frames:
+                total += len(frame)
             header: dict[str, Any] | None = None
-            if len(body[0]) <= self.max_message_bytes:
-                header = protocol.unpack(body[0].buffer)
+            if len(head) <= self.max_message_bytes:
+                header = protocol.unpack(head.buffer)
                 rid = protocol.request_id(header)
-            total = sum(len(f) for f in body)
             if total > self.max_message_bytes:
                 raise MessageTooLarge(
-                    f"the message has {total} bytes; this server accepts at most {self.max_message_bytes} "
-                    "(pass large tensors through shared memory)"
+                    f"the message has {total} bytes; this server accepts at most "
+                    f"{self.max_message_bytes} (pass large tensors through shared memory)"
                 )
             assert header is not None
-            if header.get("id") is not None and rid is None:
+            if rid is None and header.get("id") is not None:
                 raise MalformedMessage(f"field 'id' must be an integer or a string, got {header['id']!r}")
             protocol.check_version(header)
-            op = protocol.field(header, "op", str)
+            op = header.get("op")
+            if type(op) is not str:
+                op = protocol.field(header, "op", str)
             peer = self._peers.get(identity)
             if op == "infer":
-                self._infer(peer, identity, rid, header, body[1:])
+                self._infer(peer, identity, rid, header, frames[2:])
                 return
-            if len(body) > 1:
-                raise MalformedMessage(f"operation {op!r} takes no tensor frames, got {len(body) - 1}")
+            if len(frames) > 2:
+                raise MalformedMessage(f"operation {op!r} takes no tensor frames, got {len(frames) - 2}")
             if op == "bye":
                 released = self._peers.drop(identity, "said bye")
                 self._queue(identity, protocol.ok_header(rid, unregistered=released))

@@ -42,51 +42,45 @@ class InferContext:
 def decode_infer(
     header: Mapping[str, Any], frames: Sequence[Any], registry: ShmRegistry | None
 ) -> tuple[InferRequest, InferContext]:
-    """Build the data-plane request; tensors stay views over the frames or the shared memory."""
+    """Build the data-plane request; tensors stay views over the frames or the shared memory.
+
+    Every message pays for this, so the common field types are tested directly and the precise error
+    (``protocol.field``) is only asked for when one is off.
+    """
     rid = protocol.request_id(header)
-    model = protocol.field(header, "model", str)
-    version = _version(header.get("version"))
-    priority = protocol.field(header, "priority", int, required=False) or 0
-    timeout_us = protocol.field(header, "timeout_us", int, required=False)
+    model = header.get("model")
+    if type(model) is not str:
+        model = protocol.field(header, "model", str)
+    version = header.get("version")
+    if version is not None:
+        version = _version(version)
+    priority = header.get("priority", 0)
+    if type(priority) is not int:
+        priority = protocol.field(header, "priority", int, required=False) or 0
+    timeout_us = header.get("timeout_us")
+    if timeout_us is not None and type(timeout_us) is not int:
+        timeout_us = protocol.field(header, "timeout_us", int)
     if priority < 0 or (timeout_us is not None and timeout_us < 0):
         raise MalformedMessage("'priority' and 'timeout_us' must be non-negative")
-    descs = protocol.field(header, "inputs", list)
+    descs = header.get("inputs")
+    if type(descs) is not list:
+        descs = protocol.field(header, "inputs", list)
     inputs: dict[str, np.ndarray] = {}
     used = [False] * len(frames)
     for index, desc in enumerate(descs):
-        if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
+        name = desc.get("name") if type(desc) is dict else None
+        if type(name) is not str:
             raise MalformedMessage(f"inputs[{index}] must be a map with a string 'name'")
-        name = desc["name"]
-        where = f"input {name!r}"
         if name in inputs:
-            raise MalformedMessage(f"{where} appears twice in 'inputs'")
-        datatype, dtype = protocol.tensor_dtype(desc, where)
-        shape = protocol.tensor_shape(desc, where)
+            raise MalformedMessage(f"input {name!r} appears twice in 'inputs'")
         if "shm" in desc:
-            region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
-            region = _registry(registry).get(region_name, where)
-            view = region.view(offset, byte_size, where)  # checks the bounds and the segment's size now
-            if datatype != "BYTES":
-                want = protocol.expected_nbytes(dtype, shape)
-                if byte_size != want:
-                    raise_size(where, datatype, shape, want, byte_size)
-            array = protocol.to_array(view, datatype, dtype, shape, where)
-            if array.flags.writeable:
-                array.flags.writeable = False  # the client's memory: a model must not scribble on it
-        else:
-            slot = desc.get("frame")
-            if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
-                raise MalformedMessage(f"{where}: needs 'frame' (a frame index) or 'shm' (a reference)")
-            if slot >= len(frames):
-                raise MalformedMessage(
-                    f"{where} refers to tensor frame {slot} but the message has {len(frames)} "
-                    "tensor frames (truncated message?)"
-                )
-            if used[slot]:
-                raise MalformedMessage(f"{where}: tensor frame {slot} is already used by another input")
-            used[slot] = True
-            array = protocol.to_array(frames[slot].buffer, datatype, dtype, shape, where)
-        inputs[name] = array
+            inputs[name] = _shm_input(desc, name, registry)
+            continue
+        slot = desc.get("frame")
+        if type(slot) is not int or not 0 <= slot < len(frames) or used[slot]:
+            _bad_slot(name, slot, len(frames))
+        used[slot] = True
+        inputs[name] = protocol.tensor_array(desc, frames[slot].buffer, "input", name)
     if not all(used):
         raise MalformedMessage(
             f"the message has {len(frames)} tensor frames but the header refers to {sum(used)} of them"
@@ -102,6 +96,35 @@ def decode_infer(
         request_id=str(rid) if rid is not None else "",
     )
     return request, InferContext(rid=rid, order=order, shm_outputs=shm_outputs)
+
+
+def _shm_input(desc: Mapping[str, Any], name: str, registry: ShmRegistry | None) -> np.ndarray:
+    where = f"input {name!r}"
+    datatype, dtype = protocol.tensor_dtype(desc, where)
+    shape = protocol.tensor_shape(desc, where)
+    region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
+    region = _registry(registry).get(region_name, where)
+    view = region.view(offset, byte_size, where)  # checks the bounds and the segment's size now
+    if datatype != "BYTES":
+        want = protocol.expected_nbytes(dtype, shape)
+        if byte_size != want:
+            raise_size(where, datatype, shape, want, byte_size)
+    array = protocol.to_array(view, datatype, dtype, shape, where)
+    if array.flags.writeable:
+        array.flags.writeable = False  # the client's memory: a model must not scribble on it
+    return array
+
+
+def _bad_slot(name: str, slot: Any, count: int) -> None:
+    where = f"input {name!r}"
+    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+        raise MalformedMessage(f"{where}: needs 'frame' (a frame index) or 'shm' (a reference)")
+    if slot >= count:
+        raise MalformedMessage(
+            f"{where} refers to tensor frame {slot} but the message has {count} tensor frames "
+            "(truncated message?)"
+        )
+    raise MalformedMessage(f"{where}: tensor frame {slot} is already used by another input")
 
 
 def raise_size(where: str, datatype: str, shape: tuple[int, ...], want: int, got: int) -> None:

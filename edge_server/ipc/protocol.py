@@ -220,6 +220,34 @@ def expected_nbytes(dtype: np.dtype, shape: Iterable[int]) -> int:
     return dtype.itemsize * math.prod(shape)
 
 
+def tensor_array(desc: Mapping[str, Any], buffer: Any, role: str, name: str) -> np.ndarray:
+    """The array that a tensor descriptor (datatype, shape) says ``buffer`` holds, without a copy.
+
+    Every inline tensor of every message, on both sides of the socket, comes through here, so the
+    usual case is checked directly; ``role`` and ``name`` ("input", "INPUT0") make the error message.
+    """
+    datatype = desc.get("datatype")
+    dtype = WIRE_DTYPES.get(datatype) if type(datatype) is str else None
+    shape = desc.get("shape")
+    if dtype is None or dtype.kind == "O" or type(shape) is not list:
+        where = f"{role} {name!r}"
+        return to_array(buffer, *tensor_dtype(desc, where), tensor_shape(desc, where), where)
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            tensor_shape(desc, f"{role} {name!r}")  # raises the precise error
+        count *= d
+    size = len(buffer) if type(buffer) is not memoryview else buffer.nbytes
+    if size != count * dtype.itemsize:
+        raise TensorSizeMismatch(
+            f"{role} {name!r}: {datatype} {shape} needs {count * dtype.itemsize} bytes, got {size}"
+        )
+    array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    if not array.flags.aligned:  # numpy and runtimes tolerate it badly; a copy is cheaper than a crash
+        array = array.copy()
+    return array
+
+
 def to_array(buffer: Any, datatype: str, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
     """An array over ``buffer`` without copying (BYTES are decoded, which copies)."""
     size = len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes

@@ -10,7 +10,7 @@ A model without dynamic batching whose executions are cheap (a moving average un
 queued: a thread hand-off costs more than such a model, and the caller would only wait for it anyway.
 The idle instance is lent for that one request; its worker does not touch it meanwhile.
 
-Lock order: the condition's lock is never held while a backend runs or a future is completed.
+Lock order: the scheduler's lock is never held while a backend runs or a future is completed.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ class ModelScheduler:
         self._override_allowed = db is None
         self._preserve_ordering = bool(db and db.preserve_ordering)
         self._output_dims = {t.name: t.dims for t in config.outputs if t.reshape is not None}
-        self._cond = threading.Condition()
+        # A plain lock (entered directly on the request path) and a condition over it for the workers.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._queue = RequestQueue(self._levels, self._policies)
         self._accepting = True
         self._stopping = False
@@ -118,9 +120,9 @@ class ModelScheduler:
         Returns the result (outputs or error) when it ran here, or the future of the queued request: a
         frontend that answers inline results at once saves a future per request.
         """
-        level = self._level(priority)
+        level = self._level(priority) if priority or self._levels else 1
         now = time.monotonic_ns()
-        with self._cond:
+        with self._lock:
             if not self._accepting:
                 raise SchedulerClosed(f"model {self._config.name!r} is unloading")
             lent = self._lend()
@@ -135,7 +137,7 @@ class ModelScheduler:
         try:
             result = self._run_inline(lent, item, now)
         finally:
-            with self._cond:
+            with self._lock:
                 self._borrowed.discard(lent)
                 self._in_flight -= 1
                 if len(self._queue) or not self._accepting:
@@ -187,14 +189,14 @@ class ModelScheduler:
         return priority
 
     def queue_size(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._queue)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close_intake(self) -> None:
         """Take no new requests; queued ones are sent without waiting for a batching delay."""
-        with self._cond:
+        with self._lock:
             self._accepting = False
             self._cond.notify_all()
 
@@ -204,7 +206,7 @@ class ModelScheduler:
         Returns False if the deadline passed first.
         """
         self.close_intake()
-        with self._cond:
+        with self._lock:
             while len(self._queue) or self._in_flight:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -218,7 +220,7 @@ class ModelScheduler:
         A worker still inside its backend after ``grace`` seconds (a stuck user model) is left behind,
         logged, and its instance is not closed under it; the caller is never held longer than that.
         """
-        with self._cond:
+        with self._lock:
             self._accepting = False
             self._stopping = True
             leftover = self._queue.drain()
@@ -231,7 +233,7 @@ class ModelScheduler:
         deadline = time.monotonic() + grace
         for thread, (name, backend) in zip(self._threads, self._instances, strict=True):
             thread.join(max(0.0, deadline - time.monotonic()))
-            with self._cond:
+            with self._lock:
                 busy = thread.is_alive() or backend in self._borrowed
             if busy:
                 log.error("instance %s is still executing after the drain deadline; left running", name)
@@ -257,7 +259,7 @@ class ModelScheduler:
                 log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
 
     def _take_batch(self, backend: Backend) -> tuple[list[QueuedRequest], int] | None:
-        with self._cond:
+        with self._lock:
             self._waiting.add(backend)
             try:
                 return self._next_batch_locked(backend)
@@ -287,7 +289,7 @@ class ModelScheduler:
         try:
             self._execute(backend, batch, seq=seq if self._preserve_ordering else None)
         finally:
-            with self._cond:
+            with self._lock:
                 self._in_flight -= len(batch)
                 self._delivered_seq += 1
                 if self._preserve_ordering or not self._accepting:
@@ -341,7 +343,7 @@ class ModelScheduler:
             if len(live) == 1:
                 self._observe(time.monotonic_ns() - start)
         if seq is not None:
-            with self._cond:
+            with self._lock:
                 while self._delivered_seq != seq:
                     self._cond.wait()
         end = time.monotonic_ns()
