@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError, wait
 from functools import partial
 from typing import Any, cast
@@ -46,7 +46,7 @@ _POLLOUT = int(zmq.POLLOUT)
 
 
 class Call:
-    __slots__ = ("rid", "frames", "nbytes", "decode", "future", "deadline", "sent", "early")
+    __slots__ = ("rid", "frames", "nbytes", "decode", "future", "deadline", "sent", "early", "settled")
 
     def __init__(
         self,
@@ -66,9 +66,14 @@ class Call:
         self.deadline = deadline
         self.sent = False
         self.early = early  # sent on connecting, before the daemon's limit is known
+        # Set just before the future is: a plain attribute for the leader's loop to test, where
+        # Future.done() would take the future's lock every time.
+        self.settled = False
 
 
-def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+def _settle(call: Call, result: Any = None, exc: BaseException | None = None) -> None:
+    call.settled = True
+    future = call.future
     try:
         if exc is not None:
             future.set_exception(exc)
@@ -133,18 +138,17 @@ class Transport:
 
     def wait(self, call: Call) -> Any:
         """Lead until ``call`` is answered, or let the current leader answer it."""
-        future = call.future
-        while not future.done():
+        while not call.settled:
             if self._io.acquire(blocking=False):
                 try:
-                    self._drive(future.done)
+                    self._drive(call)
                 finally:
                     self._release()
             else:
                 self._poke()
                 # The leader sends our call; when it stops leading it hands over to the pump.
-                wait([future], timeout=1.0)
-        return future.result()
+                wait([call.future], timeout=1.0)
+        return call.future.result()
 
     def kick(self) -> None:
         """Send now if nobody leads, then make sure someone keeps receiving (futures API)."""
@@ -186,13 +190,14 @@ class Transport:
             if not self._io.acquire(timeout=0.2):
                 continue
             try:
-                self._drive(lambda: self._closed or not self._pending)
+                self._drive(None)
             finally:
                 self._io.release()
 
     # -- the leader's loop (caller holds _io) ---------------------------------------------------
 
-    def _drive(self, done: Callable[[], bool]) -> None:
+    def _drive(self, until: Call | None) -> None:
+        """Send, receive and expire until ``until`` is settled (None: until nothing is pending)."""
         sock, monitor = self._sock, self._monitor
         while True:
             if cast(int, monitor.get(_EVENTS)) & _POLLIN:
@@ -201,7 +206,7 @@ class Transport:
             if blocked != self._pollout:
                 self._poll_items[0] = (sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
                 self._pollout = blocked
-            if done():
+            if self._finished(until):
                 return
             timeout_ms = -1
             if self._deadlines:
@@ -210,7 +215,7 @@ class Transport:
             for item, revents in zmq.zmq_poll(self._poll_items, timeout_ms):
                 if item is sock:
                     if revents & _POLLIN:
-                        self._receive()
+                        self._receive(until)
                         received = True
                 elif item == self._wake_fd:
                     try:
@@ -219,8 +224,11 @@ class Transport:
                         pass
             if self._deadlines and self._deadlines[0][0] <= time.monotonic():
                 self._expire()
-            if received and done() and not self._outbox:
+            if received and self._finished(until) and not self._outbox:
                 return  # the usual round trip ends here; monitor events wait for the next turn
+
+    def _finished(self, until: Call | None) -> bool:
+        return until.settled if until is not None else self._closed or not self._pending
 
     def _flush(self) -> bool:
         """Send the outbox; True if the socket could not take more (reconnecting or full)."""
@@ -247,7 +255,11 @@ class Transport:
             call.sent = True
         return False
 
-    def _receive(self) -> None:
+    def _receive(self, until: Call | None = None) -> None:
+        """Take the replies that are in, but return as soon as ``until`` is answered.
+
+        Replies still queued then wait for the next leader or the pump.
+        """
         sock = self._sock
         while True:
             try:
@@ -255,7 +267,7 @@ class Transport:
             except zmq.Again:
                 return
             self._reply(frames)
-            if not cast(int, sock.get(_EVENTS)) & _POLLIN:
+            if (until is not None and until.settled) or not cast(int, sock.get(_EVENTS)) & _POLLIN:
                 return
 
     def _reply(self, frames: list[Any]) -> None:
@@ -274,11 +286,11 @@ class Transport:
             return  # a ping, or the reply to a request that already timed out
         if header.get("ok") is True:
             try:
-                _settle(call.future, call.decode(header, frames[1:]))
+                _settle(call, call.decode(header, frames[1:]))
             except EdgeServerError as exc:
-                _settle(call.future, exc=exc)
+                _settle(call, exc=exc)
         else:
-            _settle(call.future, exc=protocol.error_from_wire(header.get("error")))
+            _settle(call, exc=protocol.error_from_wire(header.get("error")))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -294,7 +306,7 @@ class Transport:
                 self._outbox = collections.deque(c for c in self._outbox if c.frames is not None)
         for call in expired:
             hint = "" if self._connected else " (not connected: is the daemon running?)"
-            _settle(call.future, exc=ReplyTimeout(f"no reply from {self.address} in time{hint}"))
+            _settle(call, exc=ReplyTimeout(f"no reply from {self.address} in time{hint}"))
 
     def _service_monitor(self) -> None:
         while True:
@@ -318,9 +330,7 @@ class Transport:
             for call in gone:
                 del self._pending[call.rid]
         for call in gone:
-            _settle(
-                call.future, exc=ConnectionLost(f"the daemon at {self.address} went away before replying")
-            )
+            _settle(call, exc=ConnectionLost(f"the daemon at {self.address} went away before replying"))
 
     def _reregister(self) -> None:
         """A new daemon knows none of our regions: register them again ahead of everything queued."""
@@ -364,7 +374,7 @@ class Transport:
         try:
             self.limit.check(call.nbytes)
         except MessageTooLarge as exc:
-            _settle(call.future, exc=exc)
+            _settle(call, exc=exc)
 
     # -- shutdown -------------------------------------------------------------------------------
 
@@ -392,7 +402,7 @@ class Transport:
             self._work.notify_all()
         self._poke()
         for call in pending:
-            _settle(call.future, exc=Cancelled("the client was closed before the reply came"))
+            _settle(call, exc=Cancelled("the client was closed before the reply came"))
         if self._pump is not None:
             self._pump.join()
         with self._io:

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_RECV_BURST = 64  # messages taken per wake-up before replies get their turn
 _HWM = 10_000
 # Plain ints: pyzmq's enum flags cost a microsecond per operation on the hot path.
 _EVENTS = int(zmq.EVENTS)
@@ -209,15 +208,13 @@ class IpcFrontend:
         return False
 
     def _receive(self, sock: zmq.Socket) -> None:
-        # zmq_poll said readable: take what is queued, up to a burst, then let replies go out.
-        for _ in range(_RECV_BURST):
-            try:
-                frames = zmqio.recv_frames(sock, _NOBLOCK)
-            except zmq.Again:
-                return
-            self._handle(frames)
-            if not cast(int, sock.get(_EVENTS)) & _POLLIN:
-                return
+        # One message per wake-up: asking the socket whether more are queued (ZMQ_EVENTS) costs as much
+        # as the next zmq_poll, which also gives replies and the monitor their turn.
+        try:
+            frames = zmqio.recv_frames(sock, _NOBLOCK)
+        except zmq.Again:
+            return
+        self._handle(frames)
 
     def _shutdown(self) -> None:
         assert self._sock is not None and self._monitor is not None and self._ctx is not None
