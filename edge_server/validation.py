@@ -72,7 +72,7 @@ class RequestValidator:
 
     def __call__(self, request: InferRequest) -> tuple[BatchItem, Hashable]:
         inputs = request.inputs
-        if not isinstance(inputs, Mapping):
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):
             raise InvalidArgument(f"inputs must be a mapping of name to array, got {type(inputs).__name__}")
         by_name = self._by_name
         for name in inputs:
@@ -86,10 +86,13 @@ class RequestValidator:
         batched = self._batched
         batch_size = 0
         prepared: dict[str, np.ndarray] = {}
+        shapes: list[tuple[str, tuple[int, ...]]] | None = [] if self._fixed_key is None else None
         for rule in self._rules:
             if rule.name not in inputs:
                 continue
             array = self._check(rule, inputs[rule.name])
+            if shapes is not None:
+                shapes.append((rule.name, array.shape[1:] if batched else array.shape))
             if batched:
                 rows = array.shape[0]
                 if batch_size and rows != batch_size:
@@ -100,13 +103,7 @@ class RequestValidator:
             if rule.reshape is not None:
                 array = array.reshape((array.shape[0], *rule.reshape) if batched else rule.reshape)
             prepared[rule.name] = array
-        key = self._fixed_key
-        if key is None:
-            key = tuple(
-                (rule.name, inputs[rule.name].shape[1:] if batched else inputs[rule.name].shape)
-                for rule in self._rules
-                if rule.name in inputs
-            )
+        key = self._fixed_key if shapes is None else tuple(shapes)
         item = BatchItem(
             inputs=prepared,
             batch_size=batch_size or 1,
@@ -146,9 +143,12 @@ class RequestValidator:
     def _dims_match(rule: _InputRule, dims: tuple[int, ...]) -> bool:
         if not rule.variable:
             return dims == rule.dims
-        return len(dims) == len(rule.dims) and all(
-            want < 0 or got == want for want, got in zip(rule.dims, dims, strict=True)
-        )
+        if len(dims) != len(rule.dims):
+            return False
+        for want, got in zip(rule.dims, dims):  # noqa: B905 (lengths checked)
+            if want >= 0 and got != want:
+                return False
+        return True
 
     def _requested_outputs(self, requested: Sequence[str] | None) -> tuple[str, ...]:
         names = self._outputs

@@ -66,6 +66,7 @@ class IpcFrontend:
         drain_timeout: float = 5.0,
     ) -> None:
         self.server = server
+        self._dataplane = server.dataplane
         self.address = address or addresses.default_address()
         self.max_message_bytes = max_message_bytes
         self.shm_prefix = shm_prefix
@@ -291,7 +292,7 @@ class IpcFrontend:
         if self._stopping:
             raise ServerShuttingDown("the daemon is shutting down")
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
-        outcome = self.server.dataplane.dispatch(request)
+        outcome = self._dataplane.dispatch(request)
         if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
             assert self._sock is not None
             self._send(self._sock, identity, handlers.encode_result(ctx, outcome))

@@ -89,9 +89,10 @@ def unpack(frame: Any) -> dict[str, Any]:
 def request_id(header: Mapping[str, Any]) -> int | str | None:
     """The header's id if it has a usable one; None otherwise (the error reply then carries id null)."""
     rid = header.get("id")
-    if isinstance(rid, bool) or not isinstance(rid, (int, str)):
-        return None
-    return rid
+    kind = type(rid)
+    if kind is int or kind is str or (kind is not bool and isinstance(rid, (int, str))):
+        return rid  # type: ignore[no-any-return]
+    return None
 
 
 def check_version(header: Mapping[str, Any]) -> None:
