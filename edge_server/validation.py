@@ -104,11 +104,12 @@ class RequestValidator:
                 array = array.reshape((array.shape[0], *rule.reshape) if batched else rule.reshape)
             prepared[rule.name] = array
         key = self._fixed_key if shapes is None else tuple(shapes)
+        requested = request.outputs
         item = BatchItem(
-            inputs=prepared,
-            batch_size=batch_size or 1,
-            requested_outputs=self._requested_outputs(request.outputs),
-            request_id=request.request_id,
+            prepared,
+            batch_size or 1,
+            self._requested_outputs(requested) if requested else self._outputs,
+            request.request_id,
         )
         return item, key
 
@@ -150,10 +151,9 @@ class RequestValidator:
                 return False
         return True
 
-    def _requested_outputs(self, requested: Sequence[str] | None) -> tuple[str, ...]:
+    def _requested_outputs(self, requested: Sequence[str]) -> tuple[str, ...]:
+        """The outputs asked for, once each, in the order asked (none asked: every output, as KServe v2)."""
         names = self._outputs
-        if not requested:  # None or empty: every output, as in KServe v2
-            return names
         for name in requested:
             if name not in names:
                 raise InvalidArgument(

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 SLOW_OPS = frozenset({"load", "reload", "unload"})
 
 
-@dataclass
+@dataclass(slots=True)
 class InferContext:
     """What the reply to one infer request needs once its outputs exist."""
 

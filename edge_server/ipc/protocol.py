@@ -243,7 +243,7 @@ def tensor_array(desc: Mapping[str, Any], buffer: Any, role: str, name: str) -> 
         raise TensorSizeMismatch(
             f"{role} {name!r}: {datatype} {shape} needs {count * dtype.itemsize} bytes, got {size}"
         )
-    array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    array = np.ndarray(shape, dtype, buffer)  # one array object; frombuffer + reshape makes two
     if not array.flags.aligned:  # numpy and runtimes tolerate it badly; a copy is cheaper than a crash
         array = array.copy()
     return array
@@ -257,7 +257,7 @@ def to_array(buffer: Any, datatype: str, dtype: np.dtype, shape: tuple[int, ...]
     want = expected_nbytes(dtype, shape)
     if size != want:
         raise TensorSizeMismatch(f"{where}: {datatype} {list(shape)} needs {want} bytes, got {size}")
-    array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    array = np.ndarray(shape, dtype, buffer)
     if not array.flags.aligned:  # numpy and runtimes tolerate it badly; a copy is cheaper than a crash
         array = array.copy()
     return array
