@@ -243,7 +243,10 @@ def tensor_array(desc: Mapping[str, Any], buffer: Any, role: str, name: str) -> 
         raise TensorSizeMismatch(
             f"{role} {name!r}: {datatype} {shape} needs {count * dtype.itemsize} bytes, got {size}"
         )
-    array = np.ndarray(shape, dtype, buffer)  # one array object; frombuffer + reshape makes two
+    # One array object (frombuffer + reshape makes two).  ndarray(buffer=) references the buffer's
+    # owner (the zmq frame, whose bytes live as long as it does) but holds no export of it, so shared
+    # memory, which must not be unmapped under a live view, goes through to_array instead.
+    array = np.ndarray(shape, dtype, buffer)
     if not array.flags.aligned:  # numpy and runtimes tolerate it badly; a copy is cheaper than a crash
         array = array.copy()
     return array
@@ -257,7 +260,9 @@ def to_array(buffer: Any, datatype: str, dtype: np.dtype, shape: tuple[int, ...]
     want = expected_nbytes(dtype, shape)
     if size != want:
         raise TensorSizeMismatch(f"{where}: {datatype} {list(shape)} needs {want} bytes, got {size}")
-    array = np.ndarray(shape, dtype, buffer)
+    # frombuffer, not ndarray(buffer=): its array holds the buffer export, which keeps a shared-memory
+    # region from being unmapped under it (mmap.close() refuses while a view is exported).
+    array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
     if not array.flags.aligned:  # numpy and runtimes tolerate it badly; a copy is cheaper than a crash
         array = array.copy()
     return array
