@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, InvalidStateError, wait
+from concurrent.futures import Future, InvalidStateError
 from functools import partial
 from typing import Any, cast
 
@@ -46,7 +46,17 @@ _POLLOUT = int(zmq.POLLOUT)
 
 
 class Call:
-    __slots__ = ("rid", "frames", "nbytes", "decode", "future", "deadline", "sent", "early", "settled")
+    """One request and, once settled, its value or error.
+
+    Only calls whose caller wants a future (``Client.submit``, the greeting) get one: a synchronous
+    round trip reads ``value``/``error`` directly, and building, settling and reading a
+    ``concurrent.futures.Future`` would be a good part of its cost.
+    """
+
+    __slots__ = (
+        *("rid", "frames", "nbytes", "decode", "future", "deadline"),
+        *("sent", "early", "settled", "value", "error"),
+    )
 
     def __init__(
         self,
@@ -57,30 +67,25 @@ class Call:
         *,
         nbytes: int = 0,
         early: bool = False,
+        future: bool = False,
     ) -> None:
         self.rid = rid
         self.frames: list[Any] | None = frames
         self.nbytes = nbytes
         self.decode = decode
-        self.future: Future[Any] = Future()
+        self.future: Future[Any] | None = Future() if future else None
         self.deadline = deadline
         self.sent = False
         self.early = early  # sent on connecting, before the daemon's limit is known
-        # Set just before the future is: a plain attribute for the leader's loop to test, where
-        # Future.done() would take the future's lock every time.
-        self.settled = False
+        self.settled = False  # set after value/error and before the future: the leader tests it
+        self.value: Any = None
+        self.error: BaseException | None = None
 
-
-def _settle(call: Call, result: Any = None, exc: BaseException | None = None) -> None:
-    call.settled = True
-    future = call.future
-    try:
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-    except InvalidStateError:  # the caller cancelled it
-        pass
+    def outcome(self) -> Any:
+        """The value of a settled call, or its error raised."""
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class Transport:
@@ -111,6 +116,8 @@ class Transport:
         self._io = threading.Lock()  # leadership
         self._lock = threading.Lock()  # _pending, _outbox, _deadlines
         self._work = threading.Condition(self._lock)
+        self._answered = threading.Condition(self._lock)  # callers waiting while another thread leads
+        self._waiting = 0  # how many (under _lock)
         self._pending: dict[int, Call] = {}
         self._outbox: collections.deque[Call] = collections.deque()
         self._deadlines: list[tuple[float, int]] = []
@@ -123,12 +130,19 @@ class Transport:
     # -- calls ----------------------------------------------------------------------------------
 
     def enqueue(
-        self, rid: int, frames: list[Any], decode: Decoder, timeout: float | None, nbytes: int = 0
+        self,
+        rid: int,
+        frames: list[Any],
+        decode: Decoder,
+        timeout: float | None,
+        nbytes: int = 0,
+        *,
+        future: bool = False,
     ) -> Call:
         if self._closed:
             raise Cancelled("the client is closed")
         deadline = None if timeout is None else time.monotonic() + timeout
-        call = Call(rid, frames, decode, deadline, nbytes=nbytes)
+        call = Call(rid, frames, decode, deadline, nbytes=nbytes, future=future)
         with self._lock:
             self._pending[rid] = call
             self._outbox.append(call)
@@ -147,8 +161,31 @@ class Transport:
             else:
                 self._poke()
                 # The leader sends our call; when it stops leading it hands over to the pump.
-                wait([call.future], timeout=1.0)
-        return call.future.result()
+                with self._lock:
+                    self._waiting += 1
+                    try:
+                        if not call.settled:
+                            self._answered.wait(1.0)
+                    finally:
+                        self._waiting -= 1
+        return call.outcome()
+
+    def _settle(self, call: Call, result: Any = None, exc: BaseException | None = None) -> None:
+        """Give ``call`` its outcome (never under ``_lock``) and wake whoever waits for it."""
+        call.value, call.error = result, exc
+        call.settled = True
+        future = call.future
+        if future is not None:
+            try:
+                if exc is not None:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            except InvalidStateError:  # the caller cancelled it
+                pass
+        if self._waiting:
+            with self._lock:
+                self._answered.notify_all()
 
     def kick(self) -> None:
         """Send now if nobody leads, then make sure someone keeps receiving (futures API)."""
@@ -286,11 +323,11 @@ class Transport:
             return  # a ping, or the reply to a request that already timed out
         if header.get("ok") is True:
             try:
-                _settle(call, call.decode(header, frames[1:]))
+                self._settle(call, call.decode(header, frames[1:]))
             except EdgeServerError as exc:
-                _settle(call, exc=exc)
+                self._settle(call, exc=exc)
         else:
-            _settle(call, exc=protocol.error_from_wire(header.get("error")))
+            self._settle(call, exc=protocol.error_from_wire(header.get("error")))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -306,7 +343,7 @@ class Transport:
                 self._outbox = collections.deque(c for c in self._outbox if c.frames is not None)
         for call in expired:
             hint = "" if self._connected else " (not connected: is the daemon running?)"
-            _settle(call, exc=ReplyTimeout(f"no reply from {self.address} in time{hint}"))
+            self._settle(call, exc=ReplyTimeout(f"no reply from {self.address} in time{hint}"))
 
     def _service_monitor(self) -> None:
         while True:
@@ -330,7 +367,7 @@ class Transport:
             for call in gone:
                 del self._pending[call.rid]
         for call in gone:
-            _settle(call, exc=ConnectionLost(f"the daemon at {self.address} went away before replying"))
+            self._settle(call, exc=ConnectionLost(f"the daemon at {self.address} went away before replying"))
 
     def _reregister(self) -> None:
         """A new daemon knows none of our regions: register them again ahead of everything queued."""
@@ -343,8 +380,9 @@ class Transport:
         """Ask the daemon just connected to for its message-size limit before sending any request."""
         self.limit.learned(None)
         rid = next(self._ids)
-        call = Call(rid, _wire.control_message(rid, "live"), daemon_limit, None, early=True)
+        call = Call(rid, _wire.control_message(rid, "live"), daemon_limit, None, early=True, future=True)
         self._greeting = call
+        assert call.future is not None
         call.future.add_done_callback(partial(self._greeted, call))
         self._send_first(call)
 
@@ -374,7 +412,7 @@ class Transport:
         try:
             self.limit.check(call.nbytes)
         except MessageTooLarge as exc:
-            _settle(call, exc=exc)
+            self._settle(call, exc=exc)
 
     # -- shutdown -------------------------------------------------------------------------------
 
@@ -402,7 +440,7 @@ class Transport:
             self._work.notify_all()
         self._poke()
         for call in pending:
-            _settle(call, exc=Cancelled("the client was closed before the reply came"))
+            self._settle(call, exc=Cancelled("the client was closed before the reply came"))
         if self._pump is not None:
             self._pump.join()
         with self._io:

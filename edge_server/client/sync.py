@@ -88,9 +88,11 @@ class Client(ClientBase):
     ) -> Future[dict[str, Any]]:
         """Send a request and return at once; keep hundreds in flight from one thread."""
         call = self._queue(
-            self._infer_request(model, inputs, version, outputs, priority, timeout, queue_timeout_us)
+            self._infer_request(model, inputs, version, outputs, priority, timeout, queue_timeout_us),
+            future=True,
         )
         self._t.kick()
+        assert call.future is not None
         return call.future
 
     def infer(
@@ -114,8 +116,10 @@ class Client(ClientBase):
         request = self._infer_request(model, inputs, version, outputs, priority, timeout, queue_timeout_us)
         return self._t.wait(self._queue(request))  # type: ignore[no-any-return]
 
-    def _queue(self, request: Request) -> Call:
-        return self._t.enqueue(request.rid, request.frames, request.decode, request.timeout, request.nbytes)
+    def _queue(self, request: Request, *, future: bool = False) -> Call:
+        return self._t.enqueue(
+            request.rid, request.frames, request.decode, request.timeout, request.nbytes, future=future
+        )
 
     # -- control --------------------------------------------------------------------------------
 
