@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
+# A leader that starts after the socket went this long without a poll checks the monitor first.
+_UNWATCHED_S = 0.001
 
 
 class Call:
@@ -113,6 +115,10 @@ class Transport:
             (self._wake_fd, zmq.POLLIN),
         ]
         self._pollout = False
+        # The monitor is read when a poll reports it, and before sending after the socket went
+        # unwatched for a while; between back-to-back round trips asking ZMQ_EVENTS would cost more.
+        self._monitor_due = True
+        self._polled_at = 0.0
         self._io = threading.Lock()  # leadership
         self._lock = threading.Lock()  # _pending, _outbox, _deadlines
         self._work = threading.Condition(self._lock)
@@ -236,9 +242,13 @@ class Transport:
     def _drive(self, until: Call | None) -> None:
         """Send, receive and expire until ``until`` is settled (None: until nothing is pending)."""
         sock, monitor = self._sock, self._monitor
+        if time.monotonic() - self._polled_at > _UNWATCHED_S:
+            self._monitor_due = True  # no one polled for a while: connection events may be waiting
         while True:
-            if cast(int, monitor.get(_EVENTS)) & _POLLIN:
-                self._service_monitor()
+            if self._monitor_due:
+                self._monitor_due = False
+                if cast(int, monitor.get(_EVENTS)) & _POLLIN:
+                    self._service_monitor()
             blocked = self._flush() if self._outbox else False
             if blocked != self._pollout:
                 self._poll_items[0] = (sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
@@ -254,12 +264,15 @@ class Transport:
                     if revents & _POLLIN:
                         self._receive(until)
                         received = True
-                elif item == self._wake_fd:
+                elif item is monitor:
+                    self._monitor_due = True  # serviced at the top, before anything more is sent
+                else:
                     try:
                         os.eventfd_read(self._wake_fd)
                     except BlockingIOError:
                         pass
-            if self._deadlines and self._deadlines[0][0] <= time.monotonic():
+            now = self._polled_at = time.monotonic()
+            if self._deadlines and self._deadlines[0][0] <= now:
                 self._expire()
             if received and self._finished(until) and not self._outbox:
                 return  # the usual round trip ends here; monitor events wait for the next turn

@@ -48,11 +48,11 @@ class RequestQueue:
         self._delayed = [deque[QueuedRequest]() for _ in range(count)]
         self._policies = policies
         self._with_deadline = 0  # requests in main queues with a deadline: skip expiry scans without
+        #: requests queued at every level (a plain attribute: the scheduler asks it twice per request)
+        self.size = 0
 
     def __len__(self) -> int:
-        if len(self._main) == 1:  # one priority level, the usual case: asked twice per inline request
-            return len(self._main[0]) + len(self._delayed[0])
-        return sum(len(q) for q in self._main) + sum(len(q) for q in self._delayed)
+        return self.size
 
     def push(self, request: QueuedRequest) -> None:
         index = request.level - 1
@@ -63,6 +63,7 @@ class RequestQueue:
                 "retry later"
             )
         self._main[index].append(request)
+        self.size += 1
         if request.deadline_ns:
             self._with_deadline += 1
 
@@ -90,6 +91,7 @@ class RequestQueue:
                     )
                 rejected.append(request)
             self._main[index] = keep
+        self.size -= len(rejected)
         return rejected
 
     def _ordered(self) -> Iterator[deque[QueuedRequest]]:
@@ -114,6 +116,7 @@ class RequestQueue:
                 taken.append(delayed.popleft())
             if len(taken) == count:
                 break
+        self.size -= len(taken)
         return taken
 
     def drain(self) -> list[QueuedRequest]:

@@ -140,7 +140,7 @@ class ModelScheduler:
             with self._lock:
                 self._borrowed.discard(lent)
                 self._in_flight -= 1
-                if len(self._queue) or not self._accepting:
+                if self._queue.size or not self._accepting:
                     self._cond.notify_all()  # the instance's worker may be waiting for it
         return result
 
@@ -169,7 +169,7 @@ class ModelScheduler:
 
     def _lend(self) -> Backend | None:
         """An idle instance for the caller's thread, when inline execution pays (lock held)."""
-        if not self._inline_capable or self._compute_ema_ns >= INLINE_BUDGET_NS or len(self._queue):
+        if not self._inline_capable or self._compute_ema_ns >= INLINE_BUDGET_NS or self._queue.size:
             return None
         for backend in self._waiting:
             if backend not in self._borrowed:
@@ -323,13 +323,8 @@ class ModelScheduler:
             result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
         end = time.monotonic_ns()
         self._observe(end - start)
-        self._stats.record_one(
-            batch_size=item.batch_size,
-            queue_ns=start - enqueue_ns,
-            request_ns=end - enqueue_ns,
-            succeeded=not isinstance(result, Exception),
-            timing=timing,
-        )
+        ok = not isinstance(result, Exception)
+        self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
         return result
 
     def _execute(self, backend: Backend, batch: list[QueuedRequest], *, seq: int | None) -> None:

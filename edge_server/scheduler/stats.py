@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,11 @@ class _BatchStats:
     compute_output: _Duration = field(default_factory=_Duration)
 
 
+# Inline requests are recorded by appending to a deque and folded into the counters in batches of
+# this many, or when the statistics are read: a deque append is atomic, so no lock on the way.
+_FOLD_EVERY = 256
+
+
 class ModelStats:
     """Counters updated by the instances; read by frontends and metrics.  One lock, short sections."""
 
@@ -47,6 +53,7 @@ class ModelStats:
         self._compute_infer = _Duration()
         self._compute_output = _Duration()
         self._batches: dict[int, _BatchStats] = {}
+        self._unfolded: collections.deque[tuple[int, int, int, bool, Timing, int]] = collections.deque()
 
     def record_batch(
         self,
@@ -58,47 +65,55 @@ class ModelStats:
         timing: Timing,
     ) -> None:
         """One executed batch: durations per request (queue, end to end) and for the whole batch."""
-        n = len(succeeded)
         with self._lock:
-            self._count_execution(batch_size, n, timing)
-            for q, total, ok in zip(queue_ns, request_ns, succeeded, strict=True):
-                (self._success if ok else self._fail).add(total)
-                self._queue.add(q)
+            self._last_inference_ms = int(time.time() * 1000)
+            self._count_batch(batch_size, queue_ns, request_ns, succeeded, timing)
 
     def record_one(
-        self, *, batch_size: int, queue_ns: int, request_ns: int, succeeded: bool, timing: Timing
+        self, batch_size: int, queue_ns: int, request_ns: int, succeeded: bool, timing: Timing, end_ns: int
     ) -> None:
-        """:meth:`record_batch` for a batch of one request (inline execution), without the lists."""
-        with self._lock:
-            self._count_execution(batch_size, 1, timing)
-            outcome = self._success if succeeded else self._fail
-            outcome.count += 1
-            outcome.ns += request_ns
-            self._queue.count += 1
-            self._queue.ns += queue_ns
+        """A batch of one request (inline execution) that ended at ``end_ns`` (monotonic)."""
+        unfolded = self._unfolded
+        unfolded.append((batch_size, queue_ns, request_ns, succeeded, timing, end_ns))
+        if len(unfolded) >= _FOLD_EVERY:
+            with self._lock:
+                self._fold()
 
-    def _count_execution(self, batch_size: int, requests: int, timing: Timing) -> None:
-        self._last_inference_ms = int(time.time() * 1000)
+    def _fold(self) -> None:
+        """Count the requests recorded by :meth:`record_one` (lock held)."""
+        unfolded = self._unfolded
+        if not unfolded:
+            return
+        last_end_ns = 0
+        for _ in range(len(unfolded)):  # appends may go on meanwhile; they wait for the next fold
+            batch_size, queue_ns, request_ns, succeeded, timing, end_ns = unfolded.popleft()
+            self._count_batch(batch_size, [queue_ns], [request_ns], [succeeded], timing)
+            last_end_ns = max(last_end_ns, end_ns)
+        ended_ms = (time.time_ns() - (time.monotonic_ns() - last_end_ns)) // 1_000_000
+        self._last_inference_ms = max(self._last_inference_ms, ended_ms)
+
+    def _count_batch(
+        self,
+        batch_size: int,
+        queue_ns: list[int],
+        request_ns: list[int],
+        succeeded: list[bool],
+        timing: Timing,
+    ) -> None:
+        n = len(succeeded)
         self._execution_count += 1
         self._inference_count += batch_size
-        # Triton charges each request the full compute time of its batch.  (Attribute arithmetic, not
-        # _Duration.add: every inline request comes through here, and a call costs more than the sum.)
-        cin, cinf, cout = timing.compute_input_ns, timing.compute_infer_ns, timing.compute_output_ns
-        self._compute_input.count += requests
-        self._compute_input.ns += cin * requests
-        self._compute_infer.count += requests
-        self._compute_infer.ns += cinf * requests
-        self._compute_output.count += requests
-        self._compute_output.ns += cout * requests
-        stats = self._batches.get(batch_size)
-        if stats is None:
-            stats = self._batches[batch_size] = _BatchStats()
-        stats.compute_input.count += 1
-        stats.compute_input.ns += cin
-        stats.compute_infer.count += 1
-        stats.compute_infer.ns += cinf
-        stats.compute_output.count += 1
-        stats.compute_output.ns += cout
+        for q, total, ok in zip(queue_ns, request_ns, succeeded, strict=True):
+            (self._success if ok else self._fail).add(total)
+            self._queue.add(q)
+        # Triton charges each request the full compute time of its batch.
+        self._compute_input.add(timing.compute_input_ns * n, n)
+        self._compute_infer.add(timing.compute_infer_ns * n, n)
+        self._compute_output.add(timing.compute_output_ns * n, n)
+        stats = self._batches.setdefault(batch_size, _BatchStats())
+        stats.compute_input.add(timing.compute_input_ns)
+        stats.compute_infer.add(timing.compute_infer_ns)
+        stats.compute_output.add(timing.compute_output_ns)
 
     def record_failure(self, queue_ns: int, request_ns: int) -> None:
         """A request that failed without running (timeout, cancelled on shutdown)."""
@@ -109,6 +124,7 @@ class ModelStats:
     def as_dict(self) -> dict[str, Any]:
         """Triton's statistics JSON for this version."""
         with self._lock:
+            self._fold()
             return {
                 "name": self.name,
                 "version": str(self.version),
