@@ -34,6 +34,8 @@ class _BatchStats:
 # Inline requests are recorded by appending to a deque and folded into the counters in batches of
 # this many, or when the statistics are read: a deque append is atomic, so no lock on the way.
 _FOLD_EVERY = 256
+# batch size, queue ns, request ns, succeeded, compute input/infer/output ns, end (monotonic ns)
+_Inline = tuple[int, int, int, bool, int, int, int, int]
 
 
 class ModelStats:
@@ -53,7 +55,9 @@ class ModelStats:
         self._compute_infer = _Duration()
         self._compute_output = _Duration()
         self._batches: dict[int, _BatchStats] = {}
-        self._unfolded: collections.deque[tuple[int, int, int, bool, Timing, int]] = collections.deque()
+        self._unfolded: collections.deque[tuple[int, int, int, bool, int, int, int, int]] = (
+            collections.deque()
+        )
 
     def record_batch(
         self,
@@ -74,22 +78,56 @@ class ModelStats:
     ) -> None:
         """A batch of one request (inline execution) that ended at ``end_ns`` (monotonic)."""
         unfolded = self._unfolded
-        unfolded.append((batch_size, queue_ns, request_ns, succeeded, timing, end_ns))
+        unfolded.append(
+            (
+                batch_size,
+                queue_ns,
+                request_ns,
+                succeeded,
+                timing.compute_input_ns,
+                timing.compute_infer_ns,
+                timing.compute_output_ns,
+                end_ns,
+            )
+        )
         if len(unfolded) >= _FOLD_EVERY:
             with self._lock:
                 self._fold()
 
     def _fold(self) -> None:
-        """Count the requests recorded by :meth:`record_one` (lock held)."""
+        """Count the requests recorded by :meth:`record_one`, column by column (lock held)."""
         unfolded = self._unfolded
         if not unfolded:
             return
-        last_end_ns = 0
-        for _ in range(len(unfolded)):  # appends may go on meanwhile; they wait for the next fold
-            batch_size, queue_ns, request_ns, succeeded, timing, end_ns = unfolded.popleft()
-            self._count_batch(batch_size, [queue_ns], [request_ns], [succeeded], timing)
-            last_end_ns = max(last_end_ns, end_ns)
-        ended_ms = (time.time_ns() - (time.monotonic_ns() - last_end_ns)) // 1_000_000
+        # Appends may go on meanwhile: they wait for the next fold.
+        entries = [unfolded.popleft() for _ in range(len(unfolded))]
+        sizes, queue_ns, request_ns, succeeded, cin, cinf, cout, end_ns = zip(*entries, strict=True)
+        n = len(entries)
+        self._execution_count += n
+        self._inference_count += sum(sizes)
+        self._queue.add(sum(queue_ns), n)
+        if all(succeeded):
+            self._success.add(sum(request_ns), n)
+        else:
+            for total, ok in zip(request_ns, succeeded, strict=True):
+                (self._success if ok else self._fail).add(total)
+        # Each request is a batch of its own: it is charged its own compute time.
+        self._compute_input.add(sum(cin), n)
+        self._compute_infer.add(sum(cinf), n)
+        self._compute_output.add(sum(cout), n)
+        if min(sizes) == max(sizes):
+            by_size = {sizes[0]: (n, sum(cin), sum(cinf), sum(cout))}
+        else:
+            by_size = {}
+            for size, i, f, o in zip(sizes, cin, cinf, cout, strict=True):
+                c, si, sf, so = by_size.get(size, (0, 0, 0, 0))
+                by_size[size] = (c + 1, si + i, sf + f, so + o)
+        for size, (count, si, sf, so) in by_size.items():
+            stats = self._batches.setdefault(size, _BatchStats())
+            stats.compute_input.add(si, count)
+            stats.compute_infer.add(sf, count)
+            stats.compute_output.add(so, count)
+        ended_ms = (time.time_ns() - (time.monotonic_ns() - max(end_ns))) // 1_000_000
         self._last_inference_ms = max(self._last_inference_ms, ended_ms)
 
     def _count_batch(
