@@ -322,7 +322,7 @@ class Transport:
 
     def _reply(self, frames: list[Any]) -> None:
         try:
-            header = protocol.unpack(frames[0].buffer)
+            header = protocol.unpack(frames[0])
         except EdgeServerError as exc:
             log.warning("ignoring a reply that is not protocol: %s", exc.message)
             return

@@ -114,7 +114,7 @@ def infer_outputs(
         slot = desc.get("frame")
         if type(slot) is not int or not 0 <= slot < len(frames):
             raise MalformedMessage(f"output {name!r} refers to frame {slot!r}; the reply has {len(frames)}")
-        result[name] = protocol.tensor_array(desc, frames[slot].buffer, "output", name)
+        result[name] = protocol.tensor_array(desc, frames[slot], "output", name)
     return result
 
 

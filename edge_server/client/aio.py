@@ -126,7 +126,7 @@ class AsyncClient(ClientBase):
         while True:
             frames = await self._sock.recv_multipart(copy=False)
             try:
-                header = protocol.unpack(frames[0].buffer)
+                header = protocol.unpack(frames[0])
             except EdgeServerError as exc:
                 log.warning("ignoring a reply that is not protocol: %s", exc.message)
                 continue

@@ -30,7 +30,7 @@ class Client(ClientBase):
     ``max_message_bytes`` caps a request's size on top of the daemon's ``--max-message-bytes``, which
     the client learns on connecting (None: the daemon's limit alone).
 
-    Output arrays are read-only views over the received message (no copy), or, for outputs requested
+    Output arrays are views over the received message (no copy; yours to modify), or, for outputs requested
     into shared memory, views into your region.  Don't modify an input array until its request is
     answered: its bytes are sent without a copy.
     """

@@ -67,6 +67,7 @@ class IpcFrontend:
     ) -> None:
         self.server = server
         self._dataplane = server.dataplane
+        self._pack = protocol.packer()  # the frontend thread's own
         self.address = address or addresses.default_address()
         self.max_message_bytes = max_message_bytes
         self.shm_prefix = shm_prefix
@@ -245,7 +246,7 @@ class IpcFrontend:
                 total += len(frame)
             header: dict[str, Any] | None = None
             if len(head) <= self.max_message_bytes:
-                header = protocol.unpack(head.buffer)
+                header = protocol.unpack(head)
                 rid = protocol.request_id(header)
             if total > self.max_message_bytes:
                 raise MessageTooLarge(
@@ -295,7 +296,7 @@ class IpcFrontend:
         outcome = self._dataplane.dispatch(request)
         if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
             assert self._sock is not None
-            self._send(self._sock, identity, handlers.encode_result(ctx, outcome))
+            self._send(self._sock, identity, handlers.encode_result(ctx, outcome, self._pack))
             return
         peer.in_flight.add(outcome)
         outcome.add_done_callback(partial(self._infer_done, identity, ctx))
@@ -323,7 +324,7 @@ class IpcFrontend:
         self._wake()
 
     def _queue(self, identity: bytes, header: dict[str, Any]) -> None:
-        self._replies.append((identity, [protocol.pack(header)], None))
+        self._replies.append((identity, [self._pack(header)], None))
 
     # -- replies --------------------------------------------------------------------------------
 

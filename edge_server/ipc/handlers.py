@@ -80,7 +80,7 @@ def decode_infer(
         if type(slot) is not int or not 0 <= slot < len(frames) or used[slot]:
             _bad_slot(name, slot, len(frames))
         used[slot] = True
-        inputs[name] = protocol.tensor_array(desc, frames[slot].buffer, "input", name)
+        inputs[name] = protocol.tensor_array(desc, frames[slot], "input", name)
     if not all(used):
         raise MalformedMessage(
             f"the message has {len(frames)} tensor frames but the header refers to {sum(used)} of them"
@@ -172,8 +172,15 @@ def _decode_outputs(
     return order, shm
 
 
-def encode_result(ctx: InferContext, outputs: Mapping[str, np.ndarray]) -> list[Any]:
-    """Reply frames for a finished request: inline outputs as raw frames, shm outputs written in place."""
+def encode_result(
+    ctx: InferContext,
+    outputs: Mapping[str, np.ndarray],
+    pack: protocol.Pack = protocol.pack,
+) -> list[Any]:
+    """Reply frames for a finished request: inline outputs as raw frames, shm outputs written in place.
+
+    ``pack``: the header packer (one thread's own :func:`protocol.packer` is faster).
+    """
     names = ctx.order if ctx.order is not None else list(outputs)
     descs: list[dict[str, Any]] = []
     frames: list[Any] = [b""]
@@ -196,7 +203,7 @@ def encode_result(ctx: InferContext, outputs: Mapping[str, np.ndarray]) -> list[
             region.write(offset, data, f"output {name!r}")  # checks the segment's size again
             desc["shm"] = {"region": region.name, "offset": offset, "byte_size": nbytes}
         descs.append(desc)
-    frames[0] = protocol.pack(protocol.ok_header(ctx.rid, outputs=descs))
+    frames[0] = pack({"v": protocol.PROTOCOL_VERSION, "id": ctx.rid, "ok": True, "outputs": descs})
     return frames
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgpack
@@ -71,6 +71,14 @@ _LEN = struct.Struct("<I")
 def pack(header: Mapping[str, Any]) -> bytes:
     """Msgpack a header (str keys, bin for bytes); never pickles."""
     return msgpack.packb(header, use_bin_type=True)
+
+
+Pack = Callable[[Mapping[str, Any]], bytes]
+
+
+def packer() -> Pack:
+    """:func:`pack` for the use of one thread: it reuses its buffer, which halves the cost."""
+    return msgpack.Packer(use_bin_type=True).pack  # type: ignore[no-any-return]
 
 
 def unpack(frame: Any) -> dict[str, Any]:
