@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import sys
+import threading
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ import zmq
 from edge_server.client import _wire
 from edge_server.client.shm import SharedMemoryRegion, ShmRing, stride
 from edge_server.errors import InvalidArgument, MessageTooLarge
+from edge_server.ipc import protocol
 from edge_server.ipc.addresses import default_address
 
 T = TypeVar("T")
@@ -164,6 +166,7 @@ class ClientBase:
         self._ids: Iterator[int] = itertools.count(1)  # next() on it is atomic: threads may share it
         self._regions: dict[str, SharedMemoryRegion] = {}  # registered: registered again on reconnect
         self._owned: dict[str, SharedMemoryRegion] = {}  # created by this client: unlinked at close
+        self._packers = threading.local()  # one msgpack packer per calling thread
 
     @property
     def max_message_bytes(self) -> int | None:
@@ -175,6 +178,14 @@ class ClientBase:
         self._limit.capped(value)
 
     # -- building requests ----------------------------------------------------------------------
+
+    def _packer(self) -> protocol.Pack:
+        """The calling thread's msgpack packer: threads may share a client, a packer is not thread-safe."""
+        try:
+            return self._packers.pack  # type: ignore[no-any-return]
+        except AttributeError:
+            self._packers.pack = protocol.packer()
+            return self._packers.pack  # type: ignore[no-any-return]
 
     def _reply_timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -198,6 +209,7 @@ class ClientBase:
             outputs=outputs,
             priority=priority,
             timeout_us=None if queue_timeout is None else queue_timeout_us(queue_timeout),
+            pack=self._packer(),
         )
         if nbytes > self._limit.allowed:  # checked again before sending, once the daemon's is known
             self._limit.check(nbytes)

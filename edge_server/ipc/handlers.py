@@ -86,16 +86,10 @@ def decode_infer(
             f"the message has {len(frames)} tensor frames but the header refers to {sum(used)} of them"
         )
     order, shm_outputs = _decode_outputs(header.get("outputs"), registry)
-    request = InferRequest(
-        model=model,
-        inputs=inputs,
-        version=version,
-        outputs=order,
-        priority=priority,
-        timeout_us=timeout_us,
-        request_id=str(rid) if rid is not None else "",
-    )
-    return request, InferContext(rid=rid, order=order, shm_outputs=shm_outputs)
+    # Positional: keyword arguments cost a good part of building these, once per message.
+    request_id = str(rid) if rid is not None else ""
+    request = InferRequest(model, inputs, version, order, priority, timeout_us, request_id)
+    return request, InferContext(rid, order, shm_outputs)
 
 
 def _shm_input(desc: Mapping[str, Any], name: str, registry: ShmRegistry | None) -> np.ndarray:
