@@ -242,7 +242,8 @@ class Transport:
     def _drive(self, until: Call | None) -> None:
         """Send, receive and expire until ``until`` is settled (None: until nothing is pending)."""
         sock, monitor = self._sock, self._monitor
-        if time.monotonic() - self._polled_at > _UNWATCHED_S:
+        now = time.monotonic()
+        if now - self._polled_at > _UNWATCHED_S:
             self._monitor_due = True  # no one polled for a while: connection events may be waiting
         while True:
             if self._monitor_due:
@@ -257,7 +258,8 @@ class Transport:
                 return
             timeout_ms = -1
             if self._deadlines:
-                timeout_ms = max(0, int((self._deadlines[0][0] - time.monotonic()) * 1000.0) + 1)
+                # ``now`` may be a flush old: a deadline then fires that much late (microseconds).
+                timeout_ms = max(0, int((self._deadlines[0][0] - now) * 1000.0) + 1)
             received = False
             for item, revents in zmq.zmq_poll(self._poll_items, timeout_ms):
                 if item is sock:
