@@ -62,6 +62,7 @@ class RequestValidator:
         self.model = config.name
         self._rules = tuple(_rule(config.name, spec) for spec in config.inputs)
         self._by_name = {rule.name: rule for rule in self._rules}
+        self._names = frozenset(self._by_name)
         self._required = tuple(rule.name for rule in self._rules if not rule.optional)
         self._batched = config.max_batch_size > 0
         self._max_batch_size = config.max_batch_size
@@ -74,15 +75,8 @@ class RequestValidator:
         inputs = request.inputs
         if type(inputs) is not dict and not isinstance(inputs, Mapping):
             raise InvalidArgument(f"inputs must be a mapping of name to array, got {type(inputs).__name__}")
-        by_name = self._by_name
-        for name in inputs:
-            if name not in by_name:
-                raise InvalidArgument(
-                    f"model {self.model!r} has no input {name!r}; its inputs are {sorted(by_name)}"
-                )
-        for name in self._required:
-            if name not in inputs:
-                raise InvalidArgument(f"model {self.model!r}: missing input {name!r}")
+        if inputs.keys() != self._names:  # not simply every input: look for unknown and missing ones
+            self._check_names(inputs)
         batched = self._batched
         batch_size = 0
         prepared: dict[str, np.ndarray] = {}
@@ -112,6 +106,17 @@ class RequestValidator:
             request.request_id,
         )
         return item, key
+
+    def _check_names(self, inputs: Mapping[str, object]) -> None:
+        by_name = self._by_name
+        for name in inputs:
+            if name not in by_name:
+                raise InvalidArgument(
+                    f"model {self.model!r} has no input {name!r}; its inputs are {sorted(by_name)}"
+                )
+        for name in self._required:
+            if name not in inputs:
+                raise InvalidArgument(f"model {self.model!r}: missing input {name!r}")
 
     def _check(self, rule: _InputRule, array: object) -> np.ndarray:
         """``array`` as a C-contiguous ndarray of the rule's dtype and shape, or InvalidArgument."""

@@ -189,7 +189,13 @@ class IpcFrontend:
             timeout_ms = min(timeout_ms, 50)
         for item, _revents in zmq.zmq_poll(items, timeout_ms):
             if item is sock:
-                self._receive(sock)
+                # One message per wake-up: asking the socket whether more are queued (ZMQ_EVENTS)
+                # costs as much as the next zmq_poll, which also gives replies and the monitor a turn.
+                try:
+                    frames = zmqio.recv_frames(sock, _NOBLOCK)
+                except zmq.Again:
+                    continue
+                self._handle(frames)
             elif item is monitor:
                 while cast(int, monitor.get(_EVENTS)) & _POLLIN:
                     event = recv_monitor_message(monitor)
@@ -202,21 +208,12 @@ class IpcFrontend:
                     pass
         if self._replies:
             self._send_replies(sock)
-        if time.monotonic() >= min(deadline, peers.next_deadline()):
+        if time.monotonic() >= peers.next_deadline():  # handling may have brought probes forward
             for identity in peers.due_probes():
                 self._send(sock, identity, [_PING])
         if self._stopping:
             return not peers.busy() or time.monotonic() >= self._stop_deadline
         return False
-
-    def _receive(self, sock: zmq.Socket) -> None:
-        # One message per wake-up: asking the socket whether more are queued (ZMQ_EVENTS) costs as much
-        # as the next zmq_poll, which also gives replies and the monitor their turn.
-        try:
-            frames = zmqio.recv_frames(sock, _NOBLOCK)
-        except zmq.Again:
-            return
-        self._handle(frames)
 
     def _shutdown(self) -> None:
         assert self._sock is not None and self._monitor is not None and self._ctx is not None

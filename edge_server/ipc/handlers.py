@@ -85,7 +85,8 @@ def decode_infer(
         raise MalformedMessage(
             f"the message has {len(frames)} tensor frames but the header refers to {sum(used)} of them"
         )
-    order, shm_outputs = _decode_outputs(header.get("outputs"), registry)
+    outputs = header.get("outputs")
+    order, shm_outputs = (None, {}) if outputs is None else _decode_outputs(outputs, registry)
     # Positional: keyword arguments cost a good part of building these, once per message.
     request_id = str(rid) if rid is not None else ""
     request = InferRequest(model, inputs, version, order, priority, timeout_us, request_id)
@@ -144,9 +145,7 @@ def _registry(registry: ShmRegistry | None) -> ShmRegistry:
 
 def _decode_outputs(
     descs: Any, registry: ShmRegistry | None
-) -> tuple[list[str] | None, dict[str, tuple[MappedRegion, int, int]]]:
-    if descs is None:
-        return None, {}
+) -> tuple[list[str], dict[str, tuple[MappedRegion, int, int]]]:
     if not isinstance(descs, list):
         raise MalformedMessage("field 'outputs' must be an array of maps")
     order: list[str] = []
