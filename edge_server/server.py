@@ -129,9 +129,11 @@ class Server:
         timeout_us: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Run one request and wait for its outputs; failures raise an :class:`EdgeServerError`."""
-        return self.submit(
-            model, inputs, version=version, outputs=outputs, priority=priority, timeout_us=timeout_us
-        ).result()
+        self._check_open()
+        outcome = self._dataplane.dispatch(
+            InferRequest(model, inputs, version, outputs, priority, timeout_us)
+        )  # the outputs themselves when the request ran in this thread
+        return outcome.result() if isinstance(outcome, Future) else outcome
 
     async def infer_async(
         self,

@@ -55,9 +55,7 @@ class ModelStats:
         self._compute_infer = _Duration()
         self._compute_output = _Duration()
         self._batches: dict[int, _BatchStats] = {}
-        self._unfolded: collections.deque[tuple[int, int, int, bool, int, int, int, int]] = (
-            collections.deque()
-        )
+        self._unfolded: collections.deque[_Inline] = collections.deque()
 
     def record_batch(
         self,
@@ -71,7 +69,20 @@ class ModelStats:
         """One executed batch: durations per request (queue, end to end) and for the whole batch."""
         with self._lock:
             self._last_inference_ms = int(time.time() * 1000)
-            self._count_batch(batch_size, queue_ns, request_ns, succeeded, timing)
+            n = len(succeeded)
+            self._execution_count += 1
+            self._inference_count += batch_size
+            for q, total, ok in zip(queue_ns, request_ns, succeeded, strict=True):
+                (self._success if ok else self._fail).add(total)
+                self._queue.add(q)
+            # Triton charges each request the full compute time of its batch.
+            self._compute_input.add(timing.compute_input_ns * n, n)
+            self._compute_infer.add(timing.compute_infer_ns * n, n)
+            self._compute_output.add(timing.compute_output_ns * n, n)
+            stats = self._batches.setdefault(batch_size, _BatchStats())
+            stats.compute_input.add(timing.compute_input_ns)
+            stats.compute_infer.add(timing.compute_infer_ns)
+            stats.compute_output.add(timing.compute_output_ns)
 
     def record_one(
         self, batch_size: int, queue_ns: int, request_ns: int, succeeded: bool, timing: Timing, end_ns: int
@@ -129,29 +140,6 @@ class ModelStats:
             stats.compute_output.add(so, count)
         ended_ms = (time.time_ns() - (time.monotonic_ns() - max(end_ns))) // 1_000_000
         self._last_inference_ms = max(self._last_inference_ms, ended_ms)
-
-    def _count_batch(
-        self,
-        batch_size: int,
-        queue_ns: list[int],
-        request_ns: list[int],
-        succeeded: list[bool],
-        timing: Timing,
-    ) -> None:
-        n = len(succeeded)
-        self._execution_count += 1
-        self._inference_count += batch_size
-        for q, total, ok in zip(queue_ns, request_ns, succeeded, strict=True):
-            (self._success if ok else self._fail).add(total)
-            self._queue.add(q)
-        # Triton charges each request the full compute time of its batch.
-        self._compute_input.add(timing.compute_input_ns * n, n)
-        self._compute_infer.add(timing.compute_infer_ns * n, n)
-        self._compute_output.add(timing.compute_output_ns * n, n)
-        stats = self._batches.setdefault(batch_size, _BatchStats())
-        stats.compute_input.add(timing.compute_input_ns)
-        stats.compute_infer.add(timing.compute_infer_ns)
-        stats.compute_output.add(timing.compute_output_ns)
 
     def record_failure(self, queue_ns: int, request_ns: int) -> None:
         """A request that failed without running (timeout, cancelled on shutdown)."""
