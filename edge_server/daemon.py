@@ -16,6 +16,7 @@ from types import FrameType
 from edge_server.errors import EdgeServerError
 from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
 from edge_server.lifecycle import ModelState
+from edge_server.memory import limit_malloc_arenas
 from edge_server.server import ControlMode, Server
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Daemon:
 
     def run(self) -> int:
         options = self._options
+        limit_malloc_arenas()  # before any thread starts: see edge_server.memory
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record)
         server = Server(

@@ -19,10 +19,7 @@ back.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import enum
-import gc
 import logging
 import threading
 import time
@@ -33,6 +30,7 @@ from pathlib import Path
 from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
+from edge_server.memory import settle_heap
 from edge_server.repository import ModelSource, scan, scan_model
 
 log = logging.getLogger(__name__)
@@ -396,33 +394,3 @@ class ModelManager:
 
 def _summary(failed: dict[int, str]) -> str:
     return "; ".join(f"v{v}: {reason}" for v, reason in sorted(failed.items())) or "nothing to load"
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        libc = ctypes.CDLL(name)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _load_libc()
-
-
-def settle_heap() -> None:
-    """After versions were loaded or unloaded: collect, hand freed pages back, freeze what is left.
-
-    glibc keeps the pages of freed arenas (a closed session's weights), so RSS would only grow across
-    reloads; ``malloc_trim`` returns them.  ``gc.freeze`` then moves every object alive now (configs,
-    sessions, threads: tens of thousands) out of the collector's generations, so the collections that
-    the garbage of requests triggers no longer walk them: about 3 us a request on a 2-core machine.
-    Unfreezing first lets this collection find what an unload left in reference cycles.
-    """
-    gc.unfreeze()
-    gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-    gc.freeze()
