@@ -7,8 +7,8 @@ version is written to a staging directory on the same filesystem and renamed int
 recommended OTA procedure); the client threads record every answer with its arrival time.  Measured:
 
 * failed requests (must be 0): any error a client gets during the whole run;
-* the server's resident memory 1 s after a first, uncounted reload and 1 s after the last one, both
-  under traffic (growth under 10%);
+* the server's resident memory after each reload, under traffic: the median over the last tenth of the
+  reloads against the median over the first tenth (growth under 10%), after one uncounted reload;
 * the time from the rename to the first answer from the new version (median, p90, max).
 
 Each version carries ``--weights-mb`` of weights that every request uses (``pad_bytes`` of
@@ -188,7 +188,7 @@ def main() -> int:
     target: Target = DaemonTarget(repo, work) if args.target == "daemon" else InProcess(repo, quiet)
     clients = Clients(target, args.clients)
     latencies: list[float] = []
-    trail: list[int] = []  # RSS every 10 reloads: growth that goes on would show here
+    rss: list[int] = []  # after every counted reload, once the old version is unloaded
 
     def reload(version: int) -> float:
         """Drop ``version``, wait for its first answer and for the old version's unload."""
@@ -205,27 +205,24 @@ def main() -> int:
     try:
         clients.start()
         time.sleep(args.warmup)  # traffic only: nothing to synchronise with
-        # Both RSS readings are taken at the same point of a reload cycle, 1 s after one (the first,
-        # uncounted, here): a reading before any reload would compare memory the loader has not yet
-        # freed and trimmed, in either direction, with memory after a trim.
-        reload(2)
-        time.sleep(1.0)
-        rss_before = rss_bytes(target.pid)
+        reload(2)  # uncounted: the first load after start-up also frees what start-up left behind
         count_before = clients.count()
         started = time.monotonic()
         for version in range(3, args.reloads + 3):
             latencies.append(reload(version))
-            if (version - 2) % 10 == 0:
-                trail.append(rss_bytes(target.pid))
+            rss.append(rss_bytes(target.pid))
         elapsed = time.monotonic() - started
         requests = clients.count() - count_before
-        time.sleep(1.0)  # the same point of the cycle as the first reading
-        rss_after = rss_bytes(target.pid)
     finally:
         clients.stop()
         target.close()
         shutil.rmtree(work, ignore_errors=True)
 
+    # One reading moves by two versions' weights with the moment it is taken (a load may just have
+    # allocated, an unload not yet been trimmed), so "before" and "after" are medians over the first and
+    # the last tenth of the reloads (at least 5 each): growth that goes on shows between them.
+    window = max(5, len(rss) // 10)
+    rss_before, rss_after = statistics.median(rss[:window]), statistics.median(rss[-window:])
     growth = (rss_after - rss_before) / rss_before * 100
     ms = sorted(x * 1000 for x in latencies)
     rows = [
@@ -235,10 +232,10 @@ def main() -> int:
         ("weights per version (MB)", f"{args.weights_mb:g}"),
         ("requests answered during the reloads", f"{requests} ({requests / elapsed:.0f}/s)"),
         ("failed requests", str(len(clients.errors))),
-        ("server RSS 1 s after a first, uncounted reload (MiB)", f"{rss_before / 2**20:.1f}"),
-        (f"server RSS 1 s after {len(latencies)} more reloads (MiB)", f"{rss_after / 2**20:.1f}"),
+        (f"server RSS, median after the first {window} reloads (MiB)", f"{rss_before / 2**20:.1f}"),
+        (f"server RSS, median after the last {window} reloads (MiB)", f"{rss_after / 2**20:.1f}"),
         ("RSS growth", f"{growth:+.1f}%"),
-        ("RSS every 10 reloads (MiB)", " ".join(f"{r / 2**20:.0f}" for r in trail)),
+        ("RSS after every 10th reload (MiB)", " ".join(f"{r / 2**20:.0f}" for r in rss[9::10])),
         ("rename -> first answer from new version, median (ms)", f"{statistics.median(ms):.0f}"),
         ("rename -> first answer from new version, p90 (ms)", f"{ms[int(0.9 * (len(ms) - 1))]:.0f}"),
         ("rename -> first answer from new version, max (ms)", f"{ms[-1]:.0f}"),
