@@ -6,6 +6,7 @@ import asyncio
 import logging
 import re
 import textwrap
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from edge_server import ModelState, Server
+from edge_server.dataplane import InferRequest
 from edge_server.errors import (
     InvalidArgument,
     ModelExecutionError,
@@ -439,3 +441,27 @@ def test_unloaded_model_stays_unloaded_across_rescans_until_loaded(repo: Path) -
             server.infer("pyscale", {"IN": np.ones(1, np.float32)})
         server.load_model("pyscale")
         assert server.infer("pyscale", {"IN": np.ones(1, np.float32)})["OUT"][0] == 3.0
+
+
+def test_dispatch_returns_inline_outputs_and_queued_futures(server: Server) -> None:
+    """What a frontend that can answer at once calls: outputs for an inline run, a future otherwise."""
+    x = np.array([1.0, 2.0], np.float32)
+    kinds = []
+    for _ in range(200):
+        outcome = server.dataplane.dispatch(InferRequest("renamed", {"INPUT0": x}))
+        kinds.append(type(outcome))
+        out = outcome.result() if isinstance(outcome, Future) else outcome
+        np.testing.assert_array_equal(out["OUTPUT0"], x + 7.0)
+        if kinds[-5:] == [dict] * 5:
+            break
+    # The first requests go through the queue, until the scheduler's timing of this cheap model (a
+    # moving average that starts from a cold first run) falls under the inline budget; then it stays.
+    assert kinds[-5:] == [dict] * 5, kinds
+    assert kinds[0] is Future
+    stats = server.statistics("renamed")[0]
+    assert stats["inference_stats"]["success"]["count"] == len(kinds)  # inline runs are counted too
+    batched = server.dataplane.dispatch(InferRequest("adder", {"INPUT0": np.ones((1, 4), np.float32)}))
+    assert isinstance(batched, Future)  # dynamic batching: always through the queue
+    np.testing.assert_array_equal(batched.result()["OUTPUT0"], np.full((1, 4), 4.0, np.float32))
+    with pytest.raises(InvalidArgument, match="expected shape"):
+        server.dataplane.dispatch(InferRequest("renamed", {"INPUT0": np.ones(3, np.float32)}))
