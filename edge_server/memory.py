@@ -6,9 +6,9 @@ Two things, both about glibc (on any other C library they do nothing):
   and freeze the survivors for the garbage collector.
 * :func:`limit_malloc_arenas` once, at daemon start-up: glibc gives threads up to 8 arenas per core,
   and a model loaded on one thread and freed after running on others leaves its pages scattered over
-  several of them, where ``malloc_trim`` cannot always return them.  A 150-reload soak drifted from
-  about 140 to 215 MiB with glibc's default and stayed flat (106 to 165 MiB, ending at 137 MiB) with two
-  arenas (``bench/bench_reload.py --reloads 150``).
+  several of them, where ``malloc_trim`` cannot always return them.  Over 150 reloads
+  (``bench/bench_reload.py --reloads 150``) the median RSS grew 32% with glibc's default and 17-22%
+  with two arenas; 50 reloads stay under 10%.  What remains of the drift is not explained yet.
 """
 
 from __future__ import annotations
