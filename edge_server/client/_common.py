@@ -24,7 +24,7 @@ import zmq
 
 from edge_server.client import _wire
 from edge_server.client.shm import SharedMemoryRegion, ShmRing, stride
-from edge_server.errors import InvalidArgument, MessageTooLarge
+from edge_server.errors import EdgeServerError, InvalidArgument, MessageTooLarge
 from edge_server.ipc import protocol
 from edge_server.ipc.addresses import default_address
 
@@ -97,6 +97,18 @@ class MessageLimit:
 def daemon_limit(header: dict[str, Any], frames: list[Any]) -> Any:
     """Decoder of the ``live`` reply a client sends first on each connection."""
     return header.get("max_message_bytes")
+
+
+def reply_outcome(
+    header: dict[str, Any], frames: list[Any], decode: Decoder
+) -> tuple[Any, BaseException | None]:
+    """(value, None) for an ok reply, decoded; (None, error) for an error or a reply that fails to decode."""
+    if header.get("ok") is not True:
+        return None, protocol.error_from_wire(header.get("error"))
+    try:
+        return decode(header, frames), None
+    except EdgeServerError as exc:
+        return None, exc
 
 
 def queue_timeout_us(value: int | None) -> int | None:

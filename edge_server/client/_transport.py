@@ -32,7 +32,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from edge_server.client import _wire
-from edge_server.client._common import Decoder, MessageLimit, daemon_limit, dealer
+from edge_server.client._common import Decoder, MessageLimit, daemon_limit, dealer, reply_outcome
 from edge_server.client.shm import SharedMemoryRegion
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, MessageTooLarge, ReplyTimeout
 from edge_server.ipc import protocol, zmqio
@@ -336,13 +336,7 @@ class Transport:
                 heapq.heappop(deadlines)  # answered: its deadline is moot (the others expire lazily)
         if call is None:
             return  # a ping, or the reply to a request that already timed out
-        if header.get("ok") is True:
-            try:
-                self._settle(call, call.decode(header, frames[1:]))
-            except EdgeServerError as exc:
-                self._settle(call, exc=exc)
-        else:
-            self._settle(call, exc=protocol.error_from_wire(header.get("error")))
+        self._settle(call, *reply_outcome(header, frames[1:], call.decode))
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -23,7 +23,16 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from edge_server.client import _wire
-from edge_server.client._common import ClientBase, Control, Decoder, Steps, T, daemon_limit, dealer
+from edge_server.client._common import (
+    ClientBase,
+    Control,
+    Decoder,
+    Steps,
+    T,
+    daemon_limit,
+    dealer,
+    reply_outcome,
+)
 from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, ReplyTimeout
 from edge_server.ipc import protocol
@@ -134,13 +143,11 @@ class AsyncClient(ClientBase):
             pending = self._pending.pop(rid, None) if isinstance(rid, int) else None
             if pending is None or pending.future.done():
                 continue  # a ping, a re-registration, or the reply to a request that timed out
-            if header.get("ok") is True:
-                try:
-                    pending.future.set_result(pending.decode(header, frames[1:]))
-                except EdgeServerError as exc:
-                    pending.future.set_exception(exc)
+            value, error = reply_outcome(header, frames[1:], pending.decode)
+            if error is not None:
+                pending.future.set_exception(error)
             else:
-                pending.future.set_exception(protocol.error_from_wire(header.get("error")))
+                pending.future.set_result(value)
 
     async def _watch(self) -> None:
         while True:
