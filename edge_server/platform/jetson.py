@@ -196,7 +196,7 @@ def identify(root: Path) -> JetsonIdentity | None:
 
 
 def dla_generation(identity: JetsonIdentity | None) -> str:
-    """ "v2" (Orin), "v1" (Xavier) or "" where the module has no DLA or is unknown."""
+    """The DLA generation: "v2" (Orin), "v1" (Xavier), "" where the module has none or is unknown."""
     if identity is None:
         return ""
     if identity.module is not None:
