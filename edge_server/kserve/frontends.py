@@ -25,7 +25,7 @@ class KServeOptions:
     allow_http: bool = True
     http_address: str = "127.0.0.1"
     http_port: int = 8000
-    allow_grpc: bool = True
+    allow_grpc: bool | None = None  # None: on when the grpc extra is installed
     grpc_address: str = "127.0.0.1"
     grpc_port: int = 8001
     allow_client_shm: bool = False
@@ -96,8 +96,14 @@ class KServeFrontends:
                 max_body_bytes=self.max_message_bytes,
             )
             self.http.start()
-        if options.allow_grpc:
-            from edge_server.kserve.grpc_frontend import GrpcFrontend
+        if options.allow_grpc is not False:
+            try:
+                from edge_server.kserve.grpc_frontend import GrpcFrontend
+            except ImportError as exc:
+                if options.allow_grpc:
+                    raise
+                log.warning("gRPC frontend off: %s (install edge-server[grpc])", exc)
+                return
 
             self.grpc = GrpcFrontend(
                 self.service,
