@@ -16,6 +16,7 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.errors import EdgeServerError
 from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.server import CONTROL_MODES
 
 log = logging.getLogger("edge_server")
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shm-prefix", default=DEFAULT_SHM_PREFIX, help="only shared-memory names with this prefix register"
     )
+    add_kserve_arguments(serve)
     serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
     )
@@ -163,6 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
+        kserve=kserve_options(args),
     )
     return Daemon(options).run()
 

@@ -82,6 +82,13 @@ class Cancelled(EdgeServerError):
     http_status = 499
 
 
+class Unsupported(EdgeServerError):
+    """The request asks for a protocol feature this server does not implement (e.g. CUDA shared memory)."""
+
+    code = "UNSUPPORTED"
+    http_status = 501
+
+
 class BackendUnavailable(EdgeServerError):
     """The backend named by the config needs software or hardware this machine lacks."""
 
