@@ -1,7 +1,13 @@
-"""Triton data type names and their numpy, ONNX and wire equivalents, in one table."""
+"""Triton data type names and their numpy, ONNX and wire equivalents, in one table.
+
+``TYPE_BF16`` is ``ml_dtypes.bfloat16`` (numpy has no bfloat16; ml_dtypes is the numpy extension type
+JAX and TensorFlow use): two bytes per element on the wire, as in KServe v2's ``BF16``.  ONNX Runtime's
+Python API does not take or return such arrays; its backend converts at its edge.
+"""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from edge_server.errors import InvalidArgument
@@ -22,6 +28,7 @@ _TABLE: dict[str, tuple[str, np.dtype]] = {
     "TYPE_FP32": ("FP32", np.dtype(np.float32)),
     "TYPE_FP64": ("FP64", np.dtype(np.float64)),
     "TYPE_STRING": ("BYTES", np.dtype(np.object_)),
+    "TYPE_BF16": ("BF16", np.dtype(ml_dtypes.bfloat16)),
 }
 
 _WIRE_TO_CONFIG = {wire: name for name, (wire, _) in _TABLE.items()}
@@ -41,6 +48,7 @@ _ORT_TO_CONFIG = {
     "tensor(float)": "TYPE_FP32",
     "tensor(double)": "TYPE_FP64",
     "tensor(string)": "TYPE_STRING",
+    "tensor(bfloat16)": "TYPE_BF16",
 }
 
 

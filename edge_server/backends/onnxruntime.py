@@ -8,6 +8,7 @@ instead of each spawning a pool as large as the machine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,7 @@ def _check_or_fill(
             TensorSpec(name=name, data_type=dtype, dims=tuple(dims[1:] if batched else dims))
             for name, dtype, dims in graph
         )
+    completed = []
     for spec in configured:
         if spec.name not in by_name:
             raise ConfigError(
@@ -57,6 +59,8 @@ def _check_or_fill(
                 f"{sorted(by_name)}"
             )
         dtype, dims = by_name[spec.name]
+        spec = _fill_from_graph(spec, dtype, dims, batched=batched)
+        completed.append(spec)
         if spec.data_type != dtype:
             raise ConfigError(
                 f"{source}: {role} {spec.name!r} has data_type {spec.data_type} "
@@ -82,7 +86,17 @@ def _check_or_fill(
                 f"{source}: max_batch_size > 0 but the ONNX model's {role} {spec.name!r} has a fixed first "
                 f"dimension {dims[0]}; export it with a dynamic batch axis or set max_batch_size: 0"
             )
-    return configured
+    return tuple(completed)
+
+
+def _fill_from_graph(spec: TensorSpec, dtype: str, dims: list[int], *, batched: bool) -> TensorSpec:
+    """Fill a data_type or dims the config left out (TYPE_INVALID, no dims) from the graph."""
+    changes: dict[str, Any] = {}
+    if spec.data_type == "TYPE_INVALID":
+        changes["data_type"] = dtype
+    if not spec.dims and spec.reshape is None:
+        changes["dims"] = tuple(dims[1:] if batched and dims else dims)
+    return dataclasses.replace(spec, **changes) if changes else spec
 
 
 class OnnxRuntimeBackend(TensorBackend):

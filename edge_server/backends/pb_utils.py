@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from edge_server import dtypes
+from edge_server.backends.pb_autocomplete import ModelConfig as ModelConfig
 
 
 class TritonError(Exception):
@@ -123,35 +124,6 @@ def triton_string_to_numpy(triton_type: str) -> type:
 
 def numpy_to_triton_string(dtype: Any) -> str:
     return dtypes.from_numpy(np.dtype(dtype))
-
-
-class ModelConfig:
-    """The object ``auto_complete_config(auto_complete_model_config)`` receives."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self._config = config
-
-    def as_dict(self) -> dict[str, Any]:
-        return self._config
-
-    def set_max_batch_size(self, max_batch_size: int) -> None:
-        self._config["max_batch_size"] = int(max_batch_size)
-
-    def set_dynamic_batching(self) -> None:
-        self._config.setdefault("dynamic_batching", {})
-
-    def add_input(self, spec: dict[str, Any]) -> None:
-        self._add("input", spec)
-
-    def add_output(self, spec: dict[str, Any]) -> None:
-        self._add("output", spec)
-
-    def _add(self, role: str, spec: dict[str, Any]) -> None:
-        if not {"name", "data_type", "dims"} <= spec.keys():
-            raise TritonError(f"auto_complete_config: {role} needs name, data_type and dims, got {spec}")
-        existing = [t for t in self._config.setdefault(role, []) if t["name"] == spec["name"]]
-        if not existing:
-            self._config[role].append(dict(spec))
 
 
 def serialize_config(config: dict[str, Any]) -> str:

@@ -56,13 +56,51 @@ def _import_model(path: Path) -> ModuleType:
 
 
 def _tensor_from_dict(spec: dict[str, Any]) -> TensorSpec:
-    reshape = spec.get("reshape", {}).get("shape")
+    reshape = (spec.get("reshape") or {}).get("shape")
     return TensorSpec(
         name=str(spec["name"]),
-        data_type=str(spec["data_type"]),
-        dims=tuple(int(d) for d in spec["dims"]),
+        data_type=str(spec.get("data_type", "TYPE_INVALID")),
+        dims=tuple(int(d) for d in spec.get("dims", ())),
         reshape=tuple(int(d) for d in reshape) if reshape is not None else None,
         optional=bool(spec.get("optional", False)),
+        format=str(spec.get("format", "FORMAT_NONE")),
+        label_filename=str(spec.get("label_filename", "")),
+    )
+
+
+def _auto_complete(config: ModelConfig, model_cls: Any, model_path: Path) -> ModelConfig:
+    """Run the model's ``auto_complete_config`` and take back what Triton lets it change."""
+    holder = pb_utils.ModelConfig(config.to_triton_dict())
+    try:
+        result = model_cls.auto_complete_config(holder)
+    except Exception as exc:
+        raise ConfigError(f"{model_path}: auto_complete_config failed: {exc}") from exc
+    if result is None:
+        raise ConfigError(
+            f"{model_path}: auto_complete_config returned None; it must return the config object it "
+            "was given (as Triton requires)"
+        )
+    if not isinstance(result, pb_utils.ModelConfig):
+        raise ConfigError(
+            f"{model_path}: auto_complete_config returned {type(result).__name__}, "
+            "expected the pb_utils.ModelConfig it was given"
+        )
+    completed = result.as_dict()
+    max_batch_size = int(completed.get("max_batch_size", config.max_batch_size))
+    batching = config.dynamic_batching
+    if batching is None and "dynamic_batching" in completed and max_batch_size > 0:
+        batching = DynamicBatching()  # set_dynamic_batching(): Triton's defaults
+    written = dict(config.written)
+    if "model_transaction_policy" in completed:
+        written["model_transaction_policy"] = dict(completed["model_transaction_policy"])
+    # TODO(issue 9, decoupled): when ModelConfig models the transaction policy itself, set it here
+    # from completed["model_transaction_policy"] as well.
+    return config.replace(
+        max_batch_size=max_batch_size,
+        inputs=tuple(_tensor_from_dict(t) for t in completed.get("input", [])),
+        outputs=tuple(_tensor_from_dict(t) for t in completed.get("output", [])),
+        dynamic_batching=batching,
+        written=written,
     )
 
 
@@ -71,24 +109,8 @@ class PythonBackend(Backend):
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
         module = _import_model(model_path)
         model_cls = getattr(module, _CLASS_NAME)
-        auto = getattr(model_cls, "auto_complete_config", None)
-        if auto is not None:
-            holder = pb_utils.ModelConfig(config.to_triton_dict())
-            try:
-                result = auto(holder)
-            except Exception as exc:
-                raise ConfigError(f"{model_path}: auto_complete_config failed: {exc!r}") from exc
-            completed = (result or holder).as_dict()
-            max_batch_size = int(completed.get("max_batch_size", config.max_batch_size))
-            batching = config.dynamic_batching
-            if batching is None and "dynamic_batching" in completed and max_batch_size > 0:
-                batching = DynamicBatching()  # set_dynamic_batching(): Triton's defaults
-            config = config.replace(
-                max_batch_size=max_batch_size,
-                inputs=tuple(_tensor_from_dict(t) for t in completed.get("input", [])),
-                outputs=tuple(_tensor_from_dict(t) for t in completed.get("output", [])),
-                dynamic_batching=batching,
-            )
+        if hasattr(model_cls, "auto_complete_config"):
+            config = _auto_complete(config, model_cls, model_path)
         if not config.outputs:
             raise ConfigError(f"{config.source or model_path}: a Python model must declare its outputs")
         return config
