@@ -8,35 +8,17 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends.base import Result
 from edge_server.config.model import ModelConfig, TensorSpec
 from edge_server.lifecycle import ModelManager
+from edge_server.request import InferRequest, Result
 from edge_server.scheduler.scheduler import ModelScheduler, SchedulerClosed
-
-
-@dataclass(slots=True)
-class InferRequest:
-    """One inference request as every frontend hands it to the data plane; not changed afterwards.
-
-    (Not frozen: a frozen dataclass costs three times as much to build, and every request builds one.)
-    """
-
-    model: str
-    inputs: Mapping[str, np.ndarray]
-    version: int | None = None
-    outputs: Sequence[str] | None = None  # None: every output
-    priority: int = 0
-    timeout_us: int | None = None
-    request_id: str = ""
-
 
 _Outcome = Result | Future[dict[str, np.ndarray]]
 

@@ -20,9 +20,10 @@ from typing import Any, Literal
 import numpy as np
 
 from edge_server.config.model import ModelConfig
-from edge_server.dataplane import DataPlane, InferRequest
+from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
 from edge_server.lifecycle import ModelManager, VersionStatus
+from edge_server.request import InferRequest
 from edge_server.watcher import RepositoryWatcher
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,14 @@ class Server:
         """Run one request and wait for its outputs; failures raise an :class:`EdgeServerError`."""
         self._check_open()
         outcome = self._dataplane.dispatch(
-            InferRequest(model, inputs, version, outputs, priority, timeout_us)
+            InferRequest(
+                model=model,
+                inputs=inputs,
+                version=version,
+                outputs=outputs,
+                priority=priority,
+                timeout_us=timeout_us,
+            )
         )  # the outputs themselves when the request ran in this thread
         return outcome.result() if isinstance(outcome, Future) else outcome
 

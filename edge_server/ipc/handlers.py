@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_server.dataplane import InferRequest
 from edge_server.errors import (
     InvalidArgument,
     MalformedMessage,
@@ -22,6 +21,7 @@ from edge_server.errors import (
 )
 from edge_server.ipc import protocol
 from edge_server.ipc.shm import MappedRegion, ShmRegistry
+from edge_server.request import InferRequest
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -87,9 +87,15 @@ def decode_infer(
         )
     outputs = header.get("outputs")
     order, shm_outputs = (None, {}) if outputs is None else _decode_outputs(outputs, registry)
-    # Positional: keyword arguments cost a good part of building these, once per message.
-    request_id = str(rid) if rid is not None else ""
-    request = InferRequest(model, inputs, version, order, priority, timeout_us, request_id)
+    request = InferRequest(
+        model=model,
+        inputs=inputs,
+        version=version,
+        outputs=order,
+        priority=priority,
+        timeout_us=timeout_us,
+        request_id=str(rid) if rid is not None else "",
+    )
     return request, InferContext(rid, order, shm_outputs)
 
 
