@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends.base import Backend, BatchItem, Timing
+from edge_server.backends.base import Backend
+from edge_server.request import BatchItem, Timing
 from edge_server.config.model import ModelConfig, TensorSpec, Warmup, WarmupInput
 from edge_server.errors import ConfigError, EdgeServerError
 
