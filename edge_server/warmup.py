@@ -16,9 +16,9 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.backends.base import Backend
-from edge_server.request import BatchItem, Timing
 from edge_server.config.model import ModelConfig, TensorSpec, Warmup, WarmupInput
 from edge_server.errors import ConfigError, EdgeServerError
+from edge_server.request import BatchItem, Timing
 
 
 def _strings_from_file(raw: bytes, count: int, where: str) -> np.ndarray:
