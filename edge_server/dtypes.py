@@ -97,3 +97,58 @@ def from_onnxruntime(ort_type: str) -> str:
         return _ORT_TO_CONFIG[ort_type]
     except KeyError:
         raise InvalidArgument(f"ONNX element type {ort_type!r} is not supported") from None
+
+
+def as_bytes_array(array: np.ndarray, *, where: str = "tensor") -> np.ndarray:
+    """``array`` as TYPE_STRING travels everywhere: a numpy object array of ``bytes`` (Triton's form).
+
+    ``str`` elements and unicode arrays are UTF-8 encoded, fixed-width bytes arrays (``S``) become
+    objects; an array that already holds only ``bytes`` is returned as is.  Anything else (numbers,
+    None inside an object array) is an InvalidArgument naming ``where``.
+    """
+    kind = array.dtype.kind
+    if kind in "SU":
+        encoded = np.empty(array.size, dtype=object)
+        if kind == "S":
+            encoded[:] = [bytes(x) for x in array.flat]
+        else:
+            encoded[:] = [str(x).encode("utf-8") for x in array.flat]
+        return encoded.reshape(array.shape)
+    if kind != "O":
+        raise InvalidArgument(f"{where}: expected TYPE_STRING (bytes), got {array.dtype}")
+    flat = array.reshape(-1)
+    if all(type(x) is bytes for x in flat):
+        return array
+    encoded = np.empty(array.size, dtype=object)
+    for index, item in enumerate(flat):
+        if isinstance(item, bytes):
+            encoded[index] = bytes(item)
+        elif isinstance(item, str):
+            encoded[index] = item.encode("utf-8")
+        else:
+            raise InvalidArgument(
+                f"{where}: TYPE_STRING element {index} is {type(item).__name__}, expected bytes or str"
+            )
+    return encoded.reshape(array.shape)
+
+
+def as_str_array(array: np.ndarray, *, where: str = "tensor") -> np.ndarray:
+    """An object array of ``bytes`` as ONNX Runtime's Python API needs it: ``str`` (UTF-8 decoded).
+
+    ONNX Runtime turns a ``bytes`` element into the text of its repr (``"b'a'"``) without a word, so
+    every string tensor is converted at its edge; bytes that are not UTF-8 cannot be passed at all.
+    """
+    flat = array.reshape(-1)
+    decoded = np.empty(array.size, dtype=object)
+    for index, item in enumerate(flat):
+        if isinstance(item, bytes):
+            try:
+                decoded[index] = item.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidArgument(
+                    f"{where}: element {index} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                    "ONNX Runtime string tensors must be UTF-8"
+                ) from None
+        else:
+            decoded[index] = str(item)
+    return decoded.reshape(array.shape)

@@ -156,6 +156,8 @@ class OnnxRuntimeBackend(TensorBackend):
         self.device = "cpu" if used == "CPUExecutionProvider" else f"cuda:{ctx.instance.device_id}"
         self.output_names = tuple(t.name for t in config.outputs)
         self.batched = config.max_batch_size > 0
+        self._string_inputs = frozenset(t.name for t in config.inputs if t.data_type == "TYPE_STRING")
+        self._string_outputs = frozenset(t.name for t in config.outputs if t.data_type == "TYPE_STRING")
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
 
     @staticmethod
@@ -203,11 +205,19 @@ class OnnxRuntimeBackend(TensorBackend):
         return providers
 
     def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        feed: dict[str, Any] = inputs
+        if self._string_inputs:  # bytes in, str for onnxruntime (see dtypes.as_str_array)
+            feed = dict(inputs)
+            for name in self._string_inputs.intersection(inputs):
+                feed[name] = dtypes.as_str_array(inputs[name], where=f"input {name!r}")
         try:
-            values = self._session.run(list(output_names), inputs)
+            values = self._session.run(list(output_names), feed)
         except Exception as exc:
             raise ModelExecutionError(f"onnxruntime failed: {exc}") from exc
-        return dict(zip(output_names, values, strict=True))
+        outputs = dict(zip(output_names, values, strict=True))
+        for name in self._string_outputs.intersection(outputs):
+            outputs[name] = dtypes.as_bytes_array(outputs[name], where=f"output {name!r}")
+        return outputs
 
     def close(self) -> None:
         self._session = None  # type: ignore[assignment]
