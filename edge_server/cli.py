@@ -16,6 +16,7 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.errors import EdgeServerError
 from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.server import CONTROL_MODES
 
 log = logging.getLogger("edge_server")
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shm-prefix", default=DEFAULT_SHM_PREFIX, help="only shared-memory names with this prefix register"
     )
+    add_kserve_arguments(serve)
     serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
     )
@@ -119,7 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
             )
             sub.add_argument("--output", action="append", default=None, metavar="NAME")
             sub.add_argument("--top", type=int, default=3, help="classes to print for classification outputs")
+    _add_tools(commands)
     return parser
+
+
+def _add_tools(commands: Any) -> None:
+    """Register the tools in edge_server/tools (dla-report, build-engine, doctor); each sets ``tool_run``."""
+    import importlib
+
+    from edge_server.tools import TOOLS
+
+    for name in TOOLS:
+        importlib.import_module(f"edge_server.tools.{name}").add_parser(commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "models":
             return _models(args)
+        if hasattr(args, "tool_run"):  # a tool from edge_server/tools
+            return int(args.tool_run(args))
         return _infer(args)
     except EdgeServerError as exc:
         print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
@@ -150,6 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
+        kserve=kserve_options(args),
     )
     return Daemon(options).run()
 

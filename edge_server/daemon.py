@@ -15,6 +15,7 @@ from types import FrameType
 
 from edge_server.errors import EdgeServerError
 from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
 from edge_server.server import ControlMode, Server
@@ -32,6 +33,7 @@ class DaemonOptions:
     shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
+    kserve: KServeOptions = KServeOptions()
 
 
 class Daemon:
@@ -55,7 +57,9 @@ class Daemon:
             watch_quiet_s=options.watch_quiet_s,
         )
         frontend = None
+        kserve = KServeFrontends(server, options.kserve, max_message_bytes=options.max_message_bytes)
         try:
+            kserve.start()
             if options.ipc_address != "":
                 from edge_server.ipc.addresses import default_address
                 from edge_server.ipc.frontend import IpcFrontend
@@ -77,6 +81,7 @@ class Daemon:
             log.info("stopping: draining requests")
             if frontend is not None:
                 frontend.close()
+            kserve.close()
             server.close()
             log.info("stopped")
         return 0

@@ -92,13 +92,6 @@ class NotFound(EdgeServerError):
     http_status = 404
 
 
-class Unsupported(EdgeServerError):
-    """A model said the request asks for something it does not support (``TritonError.UNSUPPORTED``)."""
-
-    code = "UNSUPPORTED"
-    http_status = 501
-
-
 class AlreadyExists(EdgeServerError):
     """A model said that what the request would create exists already (``TritonError.ALREADY_EXISTS``)."""
 
@@ -111,6 +104,17 @@ class Cancelled(EdgeServerError):
 
     code = "CANCELLED"
     http_status = 499
+
+
+class Unsupported(EdgeServerError):
+    """The request asks for something not implemented.
+
+    A protocol feature (e.g. CUDA shared memory), or what a Python model refused with
+    ``TritonError.UNSUPPORTED``.
+    """
+
+    code = "UNSUPPORTED"
+    http_status = 501
 
 
 class BackendUnavailable(EdgeServerError):
@@ -219,3 +223,13 @@ class ReplyTimeout(RequestTimeout):
     """Client side: no reply within the caller's timeout (the daemon may be down or overloaded)."""
 
     code = "TIMEOUT"
+
+
+# -- tools (edge_server.tools, edge_server.dla) ------------------------------------------------------
+
+
+class MissingDependency(EdgeServerError):
+    """An optional package a tool needs is not installed; the message names the package and the extra."""
+
+    code = "MISSING_DEPENDENCY"
+    http_status = 500

@@ -1,4 +1,4 @@
-"""Python models use Triton's pb_utils API as Triton's own examples and QA models do, in-process and over IPC."""
+"""Python models use pb_utils as Triton's own examples and QA models do, in-process and over IPC."""
 
 from __future__ import annotations
 

@@ -147,6 +147,7 @@ class ModelConfig:
     default_model_filename: str = ""
     gpu_accelerators: tuple[Accelerator, ...] = ()
     cpu_accelerators: tuple[Accelerator, ...] = ()
+    decoupled: bool = False  # model_transaction_policy: responses are streamed, zero or many per request
     source: str = ""
     #: the whole config as written, in Triton's JSON form (config.triton_json): the fields edge-server
     #: does not model (sequence_batching, model_transaction_policy, ...) reach models from here
@@ -181,6 +182,7 @@ class ModelConfig:
             default_model_filename=self.default_model_filename,
             version_policy=_version_policy_dict(self.version_policy),
             parameters={k: {"string_value": v} for k, v in self.parameters.items()},
+            model_transaction_policy={"decoupled": self.decoupled},
         )
         for side, message, tensors in (
             ("input", "ModelInput", self.inputs),
