@@ -117,6 +117,16 @@ class Unsupported(EdgeServerError):
     http_status = 501
 
 
+class UnsupportedBackend(ConfigError):
+    """The config names a backend (or platform) edge-server does not have at all: pytorch, openvino, ...
+
+    Different from :class:`BackendUnavailable`, which is a backend edge-server has but this machine
+    cannot run.
+    """
+
+    code = "UNSUPPORTED_BACKEND"
+
+
 class BackendUnavailable(EdgeServerError):
     """The backend named by the config needs software or hardware this machine lacks."""
 

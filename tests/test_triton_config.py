@@ -222,3 +222,72 @@ def test_reshape_element_count_follows_tritons_rules(
     else:
         with pytest.raises(ConfigError, match=r"field 'input\[0\].reshape'"):
             parse(text)
+
+
+@pytest.mark.parametrize(
+    ("config", "files", "reason"),
+    [
+        (
+            'backend: "pytorch"',
+            {"1/model.pt": b"torchscript"},
+            "field 'backend': backend 'pytorch' is not supported by edge-server, which serves "
+            "onnxruntime, tensorrt, python, ensemble models; export the model to ONNX",
+        ),
+        ('backend: "vllm"', {"1/model.json": b"{}"}, "LLM serving is not part of edge-server"),
+        ('backend: "openvino"', {"1/model.xml": b"<xml/>"}, "backend 'openvino' is not supported"),
+        (
+            'platform: "tensorflow_graphdef"',
+            {"1/model.graphdef": b"graph"},
+            "platform 'tensorflow_graphdef' (Triton's tensorflow backend) is not supported by edge-server",
+        ),
+        (
+            'platform: "tensorrt_plan"',
+            {"1/model.plan": b"engine"},
+            "backend 'tensorrt' is supported by edge-server but cannot run here: it needs TensorRT",
+        ),
+    ],
+)
+def test_unknown_and_unrunnable_backends_are_different_clear_errors(
+    tmp_path: Path, config: str, files: dict[str, bytes], reason: str
+) -> None:
+    model = tmp_path / "repo" / "m"
+    model.mkdir(parents=True)
+    (model / "config.pbtxt").write_text(config + "\nmax_batch_size: 0\n")
+    for name, data in files.items():
+        (model / name).parent.mkdir(parents=True, exist_ok=True)
+        (model / name).write_bytes(data)
+    with Server(tmp_path / "repo") as server:
+        (status,) = server.models()
+        assert status.state.value == "UNAVAILABLE"
+        assert reason in status.reason, status.reason
+        if "cannot run here" in reason:
+            assert "backends this machine runs: onnxruntime, python" in status.reason
+
+
+def test_gpu_ids_missing_here_are_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    repo = tmp_path / "repo"
+    affine_model(repo / "gpus" / "1" / "model.onnx", dims=("batch", 4))
+    (repo / "gpus" / "config.pbtxt").write_text(
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n'
+        "instance_group [ { kind: KIND_AUTO gpus: [ 7 ] } ]\n"
+    )
+    with Server(repo) as server:
+        out = server.infer("gpus", {"INPUT0": np.zeros((1, 4), np.float32)})["OUTPUT0"]
+        np.testing.assert_array_equal(out, np.ones((1, 4), np.float32))
+    assert any(
+        "names GPU ids [7] that do not exist on this machine" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_gpu_ids_come_from_device_nodes(tmp_path: Path) -> None:
+    from edge_server.platform.gpus import gpu_ids
+
+    (tmp_path / "dev").mkdir()
+    assert gpu_ids(tmp_path) == ()
+    for name in ("nvidia1", "nvidia0", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / "dev" / name).touch()
+    assert gpu_ids(tmp_path) == (0, 1)
+    jetson = tmp_path / "jetson"
+    (jetson / "dev").mkdir(parents=True)
+    (jetson / "dev" / "nvhost-ctrl-gpu").touch()
+    assert gpu_ids(jetson) == (0,)
