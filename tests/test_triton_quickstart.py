@@ -170,6 +170,36 @@ class TritonPythonModel:
         return responses
 """
 
+# python_backend's decoupled "square" example: n responses for IN = [n], each OUT = [n], from a thread
+# per request that sends after execute() returned, then the final flag.
+SQUARE_MODEL = """
+import json
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException("the square model must be decoupled")
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self.respond, args=(request,), daemon=True).start()
+        return None
+
+    def respond(self, request):
+        n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+        sender = request.get_response_sender()
+        for _ in range(n):
+            out = pb_utils.Tensor("OUT", np.array([n], np.int32))
+            sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
 # Triton's older quick-start had a TensorFlow model; a repository may hold one.
 INCEPTION_GRAPHDEF = """
 name: "inception_graphdef"
@@ -186,8 +216,10 @@ SERVED = ("densenet_onnx", "inception_onnx", "simple", "simple_int8", "simple_st
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("quickstart") / "model_repository"
-    for name in (*SERVED, "add_sub"):
+    for name in (*SERVED, "add_sub", "square_int32"):
         shutil.copytree(CONFIGS / name, root / name)
+    (root / "square_int32" / "1").mkdir()
+    (root / "square_int32" / "1" / "model.py").write_text(SQUARE_MODEL)
     densenet_standin(root / "densenet_onnx" / "1" / "model.onnx")
     (root / "densenet_onnx" / "densenet_labels.txt").write_text("".join(f"c{i}\n" for i in range(1000)))
     inception_standin(root / "inception_onnx" / "1" / "model.onnx")
@@ -215,14 +247,19 @@ def server(repository: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def client(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+def daemon(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("sock")
-    daemon = Daemon(repository, f"ipc://{root}/q.sock", root / "q.log").start()
+    proc = Daemon(repository, f"ipc://{root}/q.sock", root / "q.log").start()
     try:
-        with Client(daemon.address, timeout=30) as c:
-            yield c
+        yield proc
     finally:
-        assert daemon.stop() == 0, daemon.log()
+        assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Daemon) -> Iterator[Client]:
+    with Client(daemon.address, timeout=30) as c:
+        yield c
 
 
 def direct(repository: Path, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -235,7 +272,7 @@ def direct(repository: Path, model: str, inputs: dict[str, np.ndarray]) -> dict[
 
 def test_every_supported_model_loads_and_the_tensorflow_one_says_why_not(server: Server) -> None:
     states = {s.name: (s.state.value, s.reason) for s in server.models()}
-    for name in (*SERVED, "add_sub", "nobatch_auto_complete", "batch_auto_complete"):
+    for name in (*SERVED, "add_sub", "square_int32", "nobatch_auto_complete", "batch_auto_complete"):
         assert states[name][0] == "READY", (name, states[name])
     state, reason = states["inception_graphdef"]
     assert state == "UNAVAILABLE"
@@ -314,3 +351,12 @@ def test_sequence_configs_parse_and_name_what_is_not_acted_on(name: str) -> None
     config, warnings = load_config_file(CONFIGS / name / "config.pbtxt", default_name=name)
     assert config.inputs[0].name == "INPUT"
     assert any("'sequence_batching'" in w for w in warnings)
+
+
+def test_decoupled_square_example_streams_what_its_client_expects(daemon: Daemon) -> None:
+    # square_client.py: for IN = [n], n responses, each with OUT == [n].
+    with Client(daemon.address, timeout=30) as client:
+        for n in (0, 1, 4):
+            with client.stream("square_int32", {"IN": np.array([n], np.int32)}) as responses:
+                outs = [r["OUT"].tolist() for r in responses]
+            assert outs == [[n]] * n
