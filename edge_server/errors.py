@@ -92,6 +92,16 @@ class NotFound(EdgeServerError):
     http_status = 404
 
 
+class Unsupported(EdgeServerError):
+    """Something asked for is not supported: a protocol feature, or what a model refuses.
+
+    CUDA shared memory over KServe, or ``TritonError.UNSUPPORTED`` from a model.
+    """
+
+    code = "UNSUPPORTED"
+    http_status = 501
+
+
 class AlreadyExists(EdgeServerError):
     """A model said that what the request would create exists already (``TritonError.ALREADY_EXISTS``)."""
 
@@ -104,17 +114,6 @@ class Cancelled(EdgeServerError):
 
     code = "CANCELLED"
     http_status = 499
-
-
-class Unsupported(EdgeServerError):
-    """The request asks for something not implemented.
-
-    A protocol feature (e.g. CUDA shared memory), or what a Python model refused with
-    ``TritonError.UNSUPPORTED``.
-    """
-
-    code = "UNSUPPORTED"
-    http_status = 501
 
 
 class UnsupportedBackend(ConfigError):

@@ -20,7 +20,16 @@ from edge_server.backends.pb_context import Logger as Logger
 from edge_server.backends.pb_context import LogLevel as LogLevel
 from edge_server.backends.pb_context import get_model_dir as get_model_dir
 from edge_server.config import schema
-from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+
+class TritonModelException(Exception):
+    """What Triton raises into model code when a call it made fails (and what models raise)."""
 
 
 class TritonError(Exception):
@@ -112,20 +121,6 @@ class Tensor:
                 f"tensor {name!r}: cannot import from DLPack ({exc}); only CPU tensors are supported here"
             ) from exc
         return Tensor(name, array)
-
-
-#: ``InferenceResponseSender.send(flags=...)``: this is the last response of the request.
-TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-#: ``InferenceRequest.flags()`` bits of a sequence's first and last request.
-TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = REQUEST_FLAG_SEQUENCE_START
-TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = REQUEST_FLAG_SEQUENCE_END
-#: ``InferenceRequest.set_release_flags`` values (accepted for compatibility; requests are not rescheduled)
-TRITONSERVER_REQUEST_RELEASE_ALL = 1
-TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
-
-
-class TritonModelException(Exception):
-    """Raised by the server's utilities (a closed response sender, a bad call) into model code."""
 
 
 class InferenceResponseSender:

@@ -190,16 +190,12 @@ class PythonBackend(Backend):
         try:
             with pb_context.running(self._context):
                 responses = self._model.execute(requests)
-        except pb_utils.TritonError as exc:  # raised instead of returned: fails every request alike
-            error: EdgeServerError = model_error(self._config.name, exc)
-            if not self._config.decoupled:
-                raise error from exc
-            for item in batch:
-                _stream(item).put(None, error, final=True)
-            responses = None
         except Exception as exc:
-            log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
-            error = ModelExecutionError(f"model {self._config.name!r} raised {exc!r}")
+            if isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
+                error = model_error(self._config.name, exc)
+            else:
+                log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
+                error = ModelExecutionError(f"model {self._config.name!r} raised {exc!r}")
             if not self._config.decoupled:
                 raise error from exc
             for item in batch:  # ends every stream the model left open; finished ones refuse it
