@@ -260,3 +260,35 @@ def test_auto_complete_errors_fail_the_load_with_the_reason(
         (status,) = server.models()
         assert status.state.value == "UNAVAILABLE"
         assert reason in status.reason
+
+
+DECOUPLED_BY_AUTO_COMPLETE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "N", "data_type": "TYPE_INT32", "dims": [1]})
+        config.add_output({"name": "I", "data_type": "TYPE_INT32", "dims": [1]})
+        config.set_model_transaction_policy({"decoupled": True})
+        return config
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            for i in range(n):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("I", np.array([i], np.int32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def test_auto_complete_can_make_a_model_decoupled(tmp_path: Path) -> None:
+    triton_models.write(tmp_path / "counter" / "1" / "model.py", DECOUPLED_BY_AUTO_COMPLETE)
+    with Server(tmp_path) as server:
+        assert server.model_config("counter").decoupled
+        with server.stream("counter", {"N": np.array([3], np.int32)}) as responses:
+            assert [r["I"].tolist() for r in responses] == [[0], [1], [2]]
