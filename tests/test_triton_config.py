@@ -291,3 +291,41 @@ def test_gpu_ids_come_from_device_nodes(tmp_path: Path) -> None:
     (jetson / "dev").mkdir(parents=True)
     (jetson / "dev" / "nvhost-ctrl-gpu").touch()
     assert gpu_ids(jetson) == (0,)
+
+
+def test_bf16_onnx_model_answers_as_onnxruntime(tmp_path: Path) -> None:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["X"], ["SAME"]),
+            helper.make_node("Cast", ["X"], ["WIDE"], to=TensorProto.FLOAT),
+        ],
+        "bf16",
+        [helper.make_tensor_value_info("X", TensorProto.BFLOAT16, ["n", 3])],
+        [
+            helper.make_tensor_value_info("SAME", TensorProto.BFLOAT16, ["n", 3]),
+            helper.make_tensor_value_info("WIDE", TensorProto.FLOAT, ["n", 3]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "repo" / "bf16" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(model.SerializeToString())
+    x = np.array([[1.5, -2.25, 1e30], [0, 3, 7]], dtype=ml_dtypes.bfloat16)
+    with Server(tmp_path / "repo") as server:
+        config = server.model_config("bf16")
+        assert [t.data_type for t in config.inputs + config.outputs] == [
+            "TYPE_BF16",
+            "TYPE_BF16",
+            "TYPE_FP32",
+        ]
+        out = server.infer("bf16", {"X": x})
+    assert out["SAME"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(out["SAME"].view(np.uint16), x.view(np.uint16))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x.view(np.uint16), TensorProto.BFLOAT16)
+    (wide,) = session.run_with_ort_values(["WIDE"], {"X": value})
+    np.testing.assert_array_equal(out["WIDE"], wide.numpy())
