@@ -292,3 +292,18 @@ def test_auto_complete_can_make_a_model_decoupled(tmp_path: Path) -> None:
         assert server.model_config("counter").decoupled
         with server.stream("counter", {"N": np.array([3], np.int32)}) as responses:
             assert [r["I"].tolist() for r in responses] == [[0], [1], [2]]
+
+
+def test_byte_tensor_serialisation_and_type_numbers() -> None:
+    strings = np.array([[b"ab", b""], ["ü".encode(), b"xyz"]], dtype=object)
+    flat = pb_utils.serialize_byte_tensor(strings)
+    assert flat.dtype == np.uint8
+    assert bytes(flat) == b"\x02\x00\x00\x00ab\x00\x00\x00\x00\x02\x00\x00\x00\xc3\xbc\x03\x00\x00\x00xyz"
+    assert pb_utils.deserialize_bytes_tensor(flat).tolist() == [b"ab", b"", "ü".encode(), b"xyz"]
+    with pytest.raises(pb_utils.TritonModelException, match="length prefix"):
+        pb_utils.deserialize_bytes_tensor(np.array([1, 0], np.uint8))
+    assert pb_utils.triton_to_numpy_type(11) is np.float32
+    assert pb_utils.triton_to_numpy_type(13) is np.object_
+    assert pb_utils.numpy_to_triton_type(np.int64) == 9
+    assert pb_utils.numpy_to_triton_type(np.object_) == 13
+    assert pb_utils.triton_to_numpy_type(0) is None
