@@ -320,7 +320,7 @@ class ModelManager:
             VersionStatus(name, v, ModelState.UNAVAILABLE, r) for v, r in failed.items() if v not in ready
         ]
         for version in ready:
-            reason = ""
+            reason = ready[version].note  # e.g. a TensorRT model serving its ONNX: which, and why
             if version in failed:
                 reason = f"serving the previous files; the new ones failed: {failed[version]}"
             elif removed_but_serving:

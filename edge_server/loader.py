@@ -17,6 +17,7 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, BatchItem, InstanceSpec, LoadContext, Timing
+from edge_server.backends.tensorrt.fallback import choose as choose_runtime
 from edge_server.config import ModelConfig, load_config_file, validate_config
 from edge_server.config.model import InstanceGroup, TensorSpec, Warmup
 from edge_server.errors import ConfigError, EdgeServerError
@@ -40,6 +41,7 @@ class LoadedVersion:
     content_hash: str
     devices: tuple[str, ...]
     validator: RequestValidator
+    note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
 
     def retire(self, deadline: float) -> None:
         """Let queued and running requests finish (until ``deadline``, monotonic), then free everything."""
@@ -72,6 +74,9 @@ def load_version(
 ) -> LoadedVersion:
     """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable."""
     version_dir = source.versions[version]
+    # A TensorRT model whose plan cannot run here serves the ONNX beside it (backends/tensorrt/fallback.py).
+    choice = choose_runtime(config, version_dir)
+    config = choice.config
     model_path = version_dir / config.model_filename
     if not model_path.exists():
         raise ConfigError(
@@ -106,6 +111,7 @@ def load_version(
         content_hash=content_hash,
         devices=tuple(backend.device for _, backend in instances),
         validator=RequestValidator(config),
+        note=choice.note,
     )
 
 

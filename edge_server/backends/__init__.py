@@ -15,6 +15,7 @@ from edge_server.errors import BackendUnavailable
 _REGISTRY: dict[str, str] = {
     "onnxruntime": "edge_server.backends.onnxruntime:OnnxRuntimeBackend",
     "python": "edge_server.backends.python:PythonBackend",
+    "tensorrt": "edge_server.backends.tensorrt:TensorRTBackend",
 }
 
 # The file names that tell which backend a version directory holds when config.pbtxt names none.
