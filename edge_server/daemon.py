@@ -14,7 +14,8 @@ from pathlib import Path
 from types import FrameType
 
 from edge_server.errors import EdgeServerError
-from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
 from edge_server.server import ControlMode, Server
@@ -29,9 +30,11 @@ class DaemonOptions:
     load_models: tuple[str, ...] = ()
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
+    kserve: KServeOptions = KServeOptions()
 
 
 class Daemon:
@@ -55,7 +58,9 @@ class Daemon:
             watch_quiet_s=options.watch_quiet_s,
         )
         frontend = None
+        kserve = KServeFrontends(server, options.kserve, max_message_bytes=options.max_message_bytes)
         try:
+            kserve.start()
             if options.ipc_address != "":
                 from edge_server.ipc.addresses import default_address
                 from edge_server.ipc.frontend import IpcFrontend
@@ -65,6 +70,7 @@ class Daemon:
                     server,
                     address,
                     max_message_bytes=options.max_message_bytes,
+                    max_header_bytes=options.max_header_bytes,
                     shm_prefix=options.shm_prefix,
                     drain_timeout=options.drain_timeout,
                 )
@@ -77,6 +83,7 @@ class Daemon:
             log.info("stopping: draining requests")
             if frontend is not None:
                 frontend.close()
+            kserve.close()
             server.close()
             log.info("stopped")
         return 0
