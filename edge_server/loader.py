@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
 from edge_server.backends.tensorrt.fallback import choose as choose_runtime
+from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig, load_config_file, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import ConfigError
@@ -68,12 +69,18 @@ def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
 
 
 def load_version(
-    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, cpu_count: int | None = None
+    source: ModelSource,
+    version: int,
+    config: ModelConfig,
+    *,
+    content_hash: str,
+    cpu_count: int | None = None,
+    rebuilder: EngineRebuilder | None = None,
 ) -> LoadedVersion:
     """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable."""
     version_dir = source.versions[version]
     # A TensorRT model whose plan cannot run here serves the ONNX beside it (backends/tensorrt/fallback.py).
-    choice = choose_runtime(config, version_dir)
+    choice = choose_runtime(config, version_dir, rebuilder=rebuilder)
     config = choice.config
     model_path = version_dir / config.model_filename
     if not model_path.exists():

@@ -7,6 +7,7 @@ ONNX Runtime's on the same ONNX within FP16 tolerance.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from edge_server import ModelState, Server
 from edge_server.backends.tensorrt import cache, engine
 from edge_server.backends.tensorrt.description import description_from_json
 from edge_server.cli import main
-from tests.daemon import start_daemon
+from tests.daemon import start_daemon, wait_for
 
 CAPS = engine.probe()
 pytestmark = [
@@ -84,7 +85,7 @@ def test_two_instances_serve_one_queue(
     repo = tmp_path / "repo"
     (repo / "cnn").mkdir(parents=True)
     (repo / "cnn" / "config.pbtxt").write_text(text)
-    (repo / "cnn" / "1").symlink_to(plan_repository / "cnn" / "1")
+    shutil.copytree(plan_repository / "cnn" / "1", repo / "cnn" / "1")
     x = np.random.default_rng(1).random((1, 3, 64, 64), dtype=np.float32)
     expected = _reference(example_repository, x)
     with Server(repo) as server:
@@ -136,3 +137,20 @@ def test_dla_build_and_load(tmp_path: Path, example_repository: Path) -> None:
         assert status.state == ModelState.READY, status.reason
         out = server.infer("cnn", {"input": x})["logits"]
     np.testing.assert_allclose(out, _reference(example_repository, x), rtol=5e-2, atol=5e-2)
+
+
+def test_stale_plan_is_rebuilt_on_load(tmp_path: Path, plan_repository: Path, example_repository: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(plan_repository / "cnn", repo / "cnn")
+    plan = repo / "cnn" / "1" / "model.plan"
+    old = cache.read_record(plan)
+    assert old is not None
+    cache.write_record(plan, cache.EngineKey(old.device, None, "1.0.0", old.onnx_sha256))  # "another TensorRT"
+    with Server(repo, engine_build="on-load") as server:
+        (status,) = server.models()
+        assert "serving model.onnx through onnxruntime" in status.reason and "rebuilding" in status.reason
+        wait_for(lambda: server.model_config("cnn").backend == "tensorrt", timeout=600, what="the rebuilt plan")
+        x = np.random.default_rng(4).random((2, 3, 64, 64), dtype=np.float32)
+        out = server.infer("cnn", {"input": x})["logits"]
+    np.testing.assert_allclose(out, _reference(example_repository, x), rtol=RTOL, atol=ATOL)
+    assert cache.read_record(plan).tensorrt == CAPS.tensorrt  # type: ignore[union-attr]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_server.backends.tensorrt import engine
+from edge_server.backends.tensorrt import builder, engine
 from edge_server.backends.tensorrt.description import load_description
 from edge_server.cli import main
 from edge_server.config import load_config_file
@@ -47,10 +47,10 @@ def test_batch_ranges() -> None:
 
 
 def test_profile_shapes() -> None:
-    shapes = build_engine.profile_shapes([("input", (-1, 3, 64, 64)), ("scale", (1,))], (1, 4, 8))
+    shapes = builder.profile_shapes([("input", (-1, 3, 64, 64)), ("scale", (1,))], (1, 4, 8))
     assert shapes == {"input": ((1, 3, 64, 64), (4, 3, 64, 64), (8, 3, 64, 64))}
     with pytest.raises(ConfigError, match="dynamic dimensions"):
-        build_engine.profile_shapes([("images", (-1, 3, -1, -1))], (1, 1, 1))
+        builder.profile_shapes([("images", (-1, 3, -1, -1))], (1, 1, 1))
 
 
 def test_locate_and_next_version(tmp_path: Path) -> None:

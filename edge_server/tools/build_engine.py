@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from edge_server.backends.tensorrt.description import EngineDescription, Shape
+from edge_server.backends.tensorrt.description import EngineDescription
 from edge_server.config.model import ModelConfig
 from edge_server.errors import ConfigError
 
@@ -66,22 +66,6 @@ def batch_range(args: argparse.Namespace) -> tuple[int, int, int]:
             "--int8 needs --calib-images (and optionally --calib-cache) or an existing --calib-cache"
         )
     return low, opt, high
-
-
-def profile_shapes(
-    inputs: list[tuple[str, Shape]], batch: tuple[int, int, int]
-) -> dict[str, tuple[Shape, ...]]:
-    """Profile (min, opt, max) per input with a dynamic batch axis; other dynamic axes are refused."""
-    profile = {}
-    for name, shape in inputs:
-        if any(d < 0 for d in shape[1:]):
-            raise ConfigError(
-                f"input {name!r} has dynamic dimensions {list(shape)} beyond the batch axis; export the ONNX "
-                "with fixed sizes for them"
-            )
-        if shape and shape[0] < 0:
-            profile[name] = tuple((size, *shape[1:]) for size in batch)
-    return profile
 
 
 def locate(args: argparse.Namespace) -> tuple[Path, str]:
@@ -178,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     batch = batch_range(args)
     repository, name = locate(args)
     caps = require_capabilities()  # says exactly what is missing: TensorRT, cuda-python, a GPU
-    profile = profile_shapes(builder.network_inputs(args.model), batch)
+    profile = builder.profile_shapes(builder.network_inputs(args.model), batch)
     options = builder.BuildOptions(
         fp16=args.fp16,
         int8=args.int8,
@@ -187,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         dla_core=args.dla_core,
         gpu_fallback=args.gpu_fallback,
         workspace_bytes=args.workspace_mib << 20,
-        profile={k: (v[0], v[1], v[2]) for k, v in profile.items()},
+        profile=profile,
     )
     result = builder.build(
         args.model, options, progress=lambda line: print(line, file=sys.stderr, flush=True)

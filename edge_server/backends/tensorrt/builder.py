@@ -55,6 +55,23 @@ def network_inputs(onnx: Path) -> list[tuple[str, Shape]]:
     return [(network.get_input(i).name, tuple(network.get_input(i).shape)) for i in range(network.num_inputs)]
 
 
+def profile_shapes(
+    inputs: list[tuple[str, Shape]], batch: tuple[int, int, int]
+) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """Profile (min, opt, max) per input with a dynamic batch axis; other dynamic axes are refused."""
+    profile: dict[str, tuple[Shape, Shape, Shape]] = {}
+    for name, shape in inputs:
+        if any(d < 0 for d in shape[1:]):
+            raise ConfigError(
+                f"input {name!r} has dynamic dimensions {list(shape)} beyond the batch axis; export the ONNX "
+                "with fixed sizes for them"
+            )
+        if shape and shape[0] < 0:
+            low, opt, high = ((size, *shape[1:]) for size in batch)
+            profile[name] = (low, opt, high)
+    return profile
+
+
 def _parse(trt: Any, builder: Any, logger: Any, onnx: Path) -> tuple[Any, Any]:
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)  # required by 8.x, default in 10.x
     network = builder.create_network(flags)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_server.backends.tensorrt import cache, engine
+from edge_server.backends.tensorrt.builder import BuildOptions
+from edge_server.backends.tensorrt.rebuild import EngineRebuilder, Job
 from edge_server.config.model import InstanceGroup, ModelConfig
 from edge_server.errors import BackendUnavailable
 from edge_server.platform import platform_report
@@ -47,8 +49,18 @@ def plan_problems(plan: Path, onnx: Path | None, caps: engine.Capabilities) -> l
     return cache.mismatches(record, device=this_device(caps), tensorrt=caps.tensorrt, onnx=onnx)
 
 
-def choose(config: ModelConfig, version_dir: Path, *, caps: engine.Capabilities | None = None) -> Choice:
-    """The runtime for a TensorRT model's version directory (other backends pass through unchanged)."""
+def choose(
+    config: ModelConfig,
+    version_dir: Path,
+    *,
+    caps: engine.Capabilities | None = None,
+    rebuilder: EngineRebuilder | None = None,
+) -> Choice:
+    """The runtime for a TensorRT model's version directory (other backends pass through unchanged).
+
+    With a ``rebuilder`` (``--engine-build on-load``) a plan that cannot serve but could be built here is
+    rebuilt from the ONNX in the background while the ONNX serves.
+    """
     if config.backend != "tensorrt":
         return Choice(config, "")
     plan = version_dir / config.model_filename
@@ -60,6 +72,8 @@ def choose(config: ModelConfig, version_dir: Path, *, caps: engine.Capabilities 
     if not onnx.is_file():
         raise BackendUnavailable(f"{plan} cannot serve here: " + "; ".join(problems))
     note = f"serving {ONNX_FILENAME} through onnxruntime: " + "; ".join(problems)
+    if rebuilder is not None and caps.usable:
+        note += "; " + _rebuild(config, plan, onnx, caps, rebuilder)
     log.warning("%s: %s", config.name, note)
     # DLA and GPU placements belong to the plan; ONNX Runtime places on its own (GPU where it has CUDA).
     groups = tuple(
@@ -73,3 +87,22 @@ def choose(config: ModelConfig, version_dir: Path, *, caps: engine.Capabilities 
         instance_groups=groups,
     )
     return Choice(fallback, note)
+
+
+def _rebuild(
+    config: ModelConfig, plan: Path, onnx: Path, caps: engine.Capabilities, rebuilder: EngineRebuilder
+) -> str:
+    """Queue a GPU rebuild of ``plan`` (FP16, the config's batch range); say what happens, for the note."""
+    if any(g.secondary_devices for g in config.instance_groups):
+        return "DLA plans are not rebuilt on load: run 'edge-server build-engine --dla-core N'"
+    top = max(config.max_batch_size, 1)
+    job = Job(
+        model=config.name,
+        onnx=onnx,
+        plan=plan,
+        device=this_device(caps),
+        options=BuildOptions(fp16=True),
+        batch=(1, top, top),
+    )
+    rebuilder.request(job)
+    return "rebuilding the plan in the background (--engine-build on-load)"
