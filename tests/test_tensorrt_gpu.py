@@ -139,17 +139,23 @@ def test_dla_build_and_load(tmp_path: Path, example_repository: Path) -> None:
     np.testing.assert_allclose(out, _reference(example_repository, x), rtol=5e-2, atol=5e-2)
 
 
-def test_stale_plan_is_rebuilt_on_load(tmp_path: Path, plan_repository: Path, example_repository: Path) -> None:
+def test_stale_plan_is_rebuilt_on_load(
+    tmp_path: Path, plan_repository: Path, example_repository: Path
+) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(plan_repository / "cnn", repo / "cnn")
     plan = repo / "cnn" / "1" / "model.plan"
     old = cache.read_record(plan)
     assert old is not None
-    cache.write_record(plan, cache.EngineKey(old.device, None, "1.0.0", old.onnx_sha256))  # "another TensorRT"
+    cache.write_record(
+        plan, cache.EngineKey(old.device, None, "1.0.0", old.onnx_sha256)
+    )  # "another TensorRT"
     with Server(repo, engine_build="on-load") as server:
         (status,) = server.models()
         assert "serving model.onnx through onnxruntime" in status.reason and "rebuilding" in status.reason
-        wait_for(lambda: server.model_config("cnn").backend == "tensorrt", timeout=600, what="the rebuilt plan")
+        wait_for(
+            lambda: server.model_config("cnn").backend == "tensorrt", timeout=600, what="the rebuilt plan"
+        )
         x = np.random.default_rng(4).random((2, 3, 64, 64), dtype=np.float32)
         out = server.infer("cnn", {"input": x})["logits"]
     np.testing.assert_allclose(out, _reference(example_repository, x), rtol=RTOL, atol=ATOL)
