@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,16 @@ from edge_server.dla.rules import RULES_DIR, ConfigError
 ORIN = load_rules("orin")
 XAVIER = load_rules("xavier")
 F = TensorProto.FLOAT
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """main() configures the root logger onto this test's captured stderr; put the old handlers back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def model(

@@ -27,12 +27,14 @@ class StandInBuild:
 
     def __init__(self) -> None:
         self.jobs: list[Job] = []
+        self.called = threading.Event()
         self.release = threading.Event()
         self.release.set()
         self.fail = False
 
     def __call__(self, job: Job, progress: object) -> BuildResult:
         self.jobs.append(job)
+        self.called.set()
         self.release.wait(10)
         if self.fail:
             raise RuntimeError("builder exploded")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,16 @@ from edge_server.tools import build_engine, doctor
 
 DATA = Path(__file__).parent / "data"
 HAS_GPU = engine.probe().usable
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """main() configures the root logger onto this test's captured stderr; put the old handlers back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def _args(**kw: object) -> argparse.Namespace:
