@@ -314,6 +314,19 @@ def test_plan_with_onnx_serves_the_onnx(tmp_path: Path, example_repository: Path
 
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has TensorRT and a GPU: the plan would be tried")
+def test_plan_and_onnx_without_config(tmp_path: Path, example_repository: Path) -> None:
+    version = tmp_path / "cnn" / "1"
+    version.mkdir(parents=True)
+    (version / "model.plan").write_bytes(b"not a real plan")
+    shutil.copy(example_repository / "cnn/1/model.onnx", version / "model.onnx")
+    with Server(tmp_path) as server:
+        (status,) = server.models()
+        assert status.state == ModelState.READY and "serving model.onnx through onnxruntime" in status.reason
+        config = server.model_config("cnn")
+    assert (config.backend, config.max_batch_size) == ("onnxruntime", 4)  # auto-completed from the ONNX
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has TensorRT and a GPU: the plan would be tried")
 def test_plan_alone_says_what_is_missing(tmp_path: Path, example_repository: Path) -> None:
     repo = _plan_repository(tmp_path, example_repository, with_onnx=False)
     with Server(repo) as server:

@@ -19,7 +19,12 @@ _REGISTRY: dict[str, str] = {
 }
 
 # The file names that tell which backend a version directory holds when config.pbtxt names none.
-_BY_FILENAME: dict[str, str] = {filename: backend for backend, filename in DEFAULT_MODEL_FILENAME.items()}
+# A plan comes first: a version with model.plan and model.onnx is a TensorRT model whose ONNX serves
+# where the plan cannot (backends/tensorrt/fallback.py).
+_BY_FILENAME: dict[str, str] = {
+    filename: backend
+    for backend, filename in sorted(DEFAULT_MODEL_FILENAME.items(), key=lambda item: item[0] != "tensorrt")
+}
 
 
 def backend_class(name: str) -> type[Backend]:
