@@ -107,7 +107,26 @@ def load_version(
             backend.close()
         raise
     stats = ModelStats(source.name, version)
-    scheduler = ModelScheduler(config, instances, stats)
+    by_name = {spec.name: spec for spec in specs}
+
+    def reload(name: str) -> Backend:
+        """A fresh, warmed-up instance for one that failed unrecoverably (called by its worker)."""
+        ctx = LoadContext(
+            config=config,
+            version=version,
+            version_dir=version_dir,
+            model_path=model_path,
+            instance=by_name[name],
+        )
+        backend = backend_cls(ctx)
+        try:
+            warm_up(config, backend, version_dir, instance_name=name)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    scheduler = ModelScheduler(config, instances, stats, reload=reload)
     return LoadedVersion(
         name=source.name,
         version=version,

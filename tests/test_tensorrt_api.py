@@ -184,3 +184,11 @@ def test_the_checker_catches_removed_and_unknown_names() -> None:
     assert "enum TensorIOMode has no BOTH" in problems
     assert "cuda.bindings.runtime has no cudaNoSuchCall" in problems
     assert "Builder.build_engine was removed" in problems
+
+
+def test_sticky_cuda_error_names_exist() -> None:
+    from cuda.bindings import runtime
+
+    from edge_server.backends.tensorrt.engine import STICKY_ERRORS
+
+    assert [name for name in sorted(STICKY_ERRORS) if not hasattr(runtime.cudaError_t, name)] == []

@@ -23,7 +23,7 @@ from edge_server.backends.tensorrt.description import load_description
 from edge_server.backends.tensorrt.placement import place
 from edge_server.config import load_config_file
 from edge_server.config.model import ModelConfig, TensorSpec
-from edge_server.errors import BackendUnavailable, ConfigError, InvalidArgument
+from edge_server.errors import BackendUnavailable, ConfigError, InstanceFailed, InvalidArgument
 from edge_server.loader import instance_specs
 from edge_server.request import BatchItem
 from edge_server.scheduler.scheduler import ModelScheduler
@@ -400,3 +400,95 @@ def test_gpu_instances_never_run_inline() -> None:
 
 def test_load_context_type_is_what_the_backend_takes() -> None:
     assert LoadContext.__dataclass_fields__.keys() >= {"config", "model_path", "instance"}
+
+
+# -- an instance whose device context is lost is replaced while the others serve ----------------------
+
+
+class _LostContext(TensorBackend):
+    """Stands in for a TensorRT instance whose CUDA context dies (sticky error) after ``healthy_runs``."""
+
+    allows_inline = False  # as TensorRT's
+
+    def __init__(self, tag: float, healthy_runs: int = 10**9) -> None:
+        self.tag = tag
+        self.left = healthy_runs
+        self.closed = 0
+        self.output_names = ("y",)
+        self.batched = False
+
+    @classmethod
+    def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
+        return config
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        if self.left <= 0:
+            raise InstanceFailed(
+                "cudaStreamSynchronize failed: cudaErrorIllegalAddress: an illegal memory access"
+            )
+        self.left -= 1
+        return {"y": np.full(1, self.tag, np.float32)}
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def _one_instance_config() -> ModelConfig:
+    return ModelConfig(
+        name="gpu",
+        backend="tensorrt",
+        inputs=(TensorSpec("x", "TYPE_FP32", (1,)),),
+        outputs=(TensorSpec("y", "TYPE_FP32", (1,)),),
+    )
+
+
+def _ask(scheduler: ModelScheduler) -> dict[str, np.ndarray] | Exception:
+    item = BatchItem(inputs={"x": np.ones(1, np.float32)}, batch_size=1, requested_outputs=("y",))
+    future = scheduler.submit(item, ((1,),))
+    try:
+        return future.result(timeout=10)
+    except Exception as exc:
+        return exc
+
+
+def test_failed_instance_is_replaced() -> None:
+    broken = _LostContext(tag=1.0, healthy_runs=1)
+    fresh = _LostContext(tag=2.0)
+    reloaded: list[str] = []
+
+    def reload(name: str) -> TensorBackend:
+        reloaded.append(name)
+        return fresh
+
+    scheduler = ModelScheduler(
+        _one_instance_config(), [("gpu_0", broken)], ModelStats("gpu", 1), reload=reload
+    )
+    try:
+        first, second = _ask(scheduler), _ask(scheduler)
+        assert isinstance(first, dict) and first["y"][0] == 1.0
+        assert isinstance(second, InstanceFailed) and second.code == "EXECUTION_FAILED"
+        third = _ask(scheduler)  # served by the replacement
+        assert isinstance(third, dict) and third["y"][0] == 2.0
+    finally:
+        scheduler.stop()
+    assert reloaded == ["gpu_0"] and broken.closed == 1 and fresh.closed == 1  # each closed exactly once
+
+
+def test_instance_that_cannot_be_reloaded_leaves_service_and_the_others_serve() -> None:
+    broken = _LostContext(tag=1.0, healthy_runs=0)
+    healthy = _LostContext(tag=3.0)
+
+    def reload(name: str) -> TensorBackend:
+        raise BackendUnavailable("the GPU is gone")
+
+    scheduler = ModelScheduler(
+        _one_instance_config(), [("gpu_0", broken), ("gpu_1", healthy)], ModelStats("gpu", 1), reload=reload
+    )
+    try:
+        answers = [_ask(scheduler) for _ in range(40)]
+    finally:
+        scheduler.stop()
+    failures = [a for a in answers if isinstance(a, Exception)]
+    assert len(failures) <= 1 and all(isinstance(a, InstanceFailed) for a in failures)
+    assert all(a["y"][0] == 3.0 for a in answers if isinstance(a, dict))
+    assert broken.closed == 1 and healthy.closed == 1

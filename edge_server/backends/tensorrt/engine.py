@@ -28,7 +28,7 @@ from edge_server.backends.tensorrt.description import (
     TensorDescription,
 )
 from edge_server.backends.tensorrt.planning import DeviceTraits
-from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError
+from edge_server.errors import BackendUnavailable, ConfigError, InstanceFailed, ModelExecutionError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,22 @@ def import_cudart() -> Any:
     return runtime
 
 
+# CUDA errors after which the context can do nothing more (CUDA Runtime API, "sticky" errors).
+STICKY_ERRORS = frozenset(
+    {
+        "cudaErrorIllegalAddress",
+        "cudaErrorLaunchFailure",
+        "cudaErrorHardwareStackError",
+        "cudaErrorIllegalInstruction",
+        "cudaErrorMisalignedAddress",
+        "cudaErrorInvalidAddressSpace",
+        "cudaErrorInvalidPc",
+        "cudaErrorECCUncorrectable",
+        "cudaErrorLaunchTimeout",
+    }
+)
+
+
 class Cuda:
     """CUDA runtime calls on one device, each checked; a failure names the call and CUDA's message."""
 
@@ -75,7 +91,10 @@ class Cuda:
         error, values = result[0], result[1:]
         if error != self.rt.cudaError_t.cudaSuccess:
             _, text = self.rt.cudaGetErrorString(error)
-            raise ModelExecutionError(f"{fn.__name__} failed: {error.name}: {text.decode(errors='replace')}")
+            message = f"{fn.__name__} failed: {error.name}: {text.decode(errors='replace')}"
+            if error.name in STICKY_ERRORS:  # the context is unusable: this instance must be replaced
+                raise InstanceFailed(message)
+            raise ModelExecutionError(message)
         if not values:
             return None
         return values[0] if len(values) == 1 else values
