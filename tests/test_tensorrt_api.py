@@ -192,3 +192,27 @@ def test_sticky_cuda_error_names_exist() -> None:
     from edge_server.backends.tensorrt.engine import STICKY_ERRORS
 
     assert [name for name in sorted(STICKY_ERRORS) if not hasattr(runtime.cudaError_t, name)] == []
+
+
+def test_cuda_calls_pass_as_many_arguments_as_the_binding_takes() -> None:
+    """``cuda.call(cuda.rt.cudaX, a, b)``: the count of a, b matches cudaX's signature in cuda-python."""
+    from cuda.bindings import runtime
+
+    checked = 0
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call) and dotted(node.func) in ("self.call", "cuda.call") and node.args
+            ):
+                continue
+            target = dotted(node.args[0])
+            if target is None or target.rsplit(".", 1)[0] not in CUDA_RECEIVERS:
+                continue
+            name = target.rsplit(".", 1)[1]
+            signature = getattr(runtime, name).__doc__.splitlines()[0]
+            params = [
+                p for p in signature[signature.index("(") + 1 : signature.rindex(")")].split(",") if p.strip()
+            ]
+            assert len(node.args) - 1 == len(params), f"{path.name}:{node.lineno}: {name} takes {signature}"
+            checked += 1
+    assert checked >= 15

@@ -167,7 +167,7 @@ class TrtContext:
         self.profile = profile
 
     def select_profile(self, stream: Any) -> None:
-        self._context.set_optimization_profile_async(self.profile, stream)
+        self._context.set_optimization_profile_async(self.profile, int(stream))
 
     def set_input_shape(self, name: str, shape: tuple[int, ...]) -> None:
         if not self._context.set_input_shape(name, shape):
@@ -181,7 +181,7 @@ class TrtContext:
             raise ModelExecutionError(f"TensorRT refused the buffer address for tensor {name!r}")
 
     def enqueue(self, stream: Any) -> None:
-        if not self._context.execute_async_v3(stream):
+        if not self._context.execute_async_v3(int(stream)):
             raise ModelExecutionError("TensorRT execute_async_v3 failed (see the log for TensorRT's message)")
 
     def close(self) -> None:
