@@ -110,6 +110,7 @@ def test_fallback_queues_a_gpu_rebuild(tmp_path: Path) -> None:
             "DLA plans are not rebuilt on load"
             in fallback.choose(dla, tmp_path, caps=USABLE, rebuilder=rebuilder).note
         )
+        assert stand_in.called.wait(10)  # the builder thread took the GPU job
     finally:
         stand_in.release.set()
         rebuilder.close()
