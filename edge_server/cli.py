@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ipc", default=None, metavar="ADDRESS", help="ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--no-ipc", action="store_true", help="serve no IPC frontend (in-process use only)")
     serve.add_argument(
+        "--engine-build",
+        choices=["none", "on-load"],
+        default="none",
+        help="on-load: rebuild TensorRT plans built for another TensorRT/device from the ONNX beside them",
+    )
+    serve.add_argument(
         "--repository-quiet-secs",
         type=float,
         default=0.5,
@@ -168,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_header_bytes=args.max_header_bytes,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
+        engine_build=args.engine_build,
         kserve=kserve_options(args),
     )
     return Daemon(options).run()

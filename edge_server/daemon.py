@@ -33,6 +33,7 @@ class DaemonOptions:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
+    engine_build: str = "none"  # "on-load": rebuild stale TensorRT plans while their ONNX serves
     kserve: KServeOptions = KServeOptions()
 
 
@@ -55,6 +56,7 @@ class Daemon:
             load_models=options.load_models,
             drain_timeout=options.drain_timeout,
             watch_quiet_s=options.watch_quiet_s,
+            engine_build=options.engine_build,
         )
         frontend = None
         kserve = KServeFrontends(server, options.kserve, max_message_bytes=options.max_message_bytes)

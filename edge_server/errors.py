@@ -126,6 +126,17 @@ class UnsupportedBackend(ConfigError):
     code = "UNSUPPORTED_BACKEND"
 
 
+class InstanceFailed(ModelExecutionError):
+    """The instance can never serve again (e.g. its CUDA context is lost).
+
+    The batch fails; the scheduler takes the instance out of service and loads a fresh one while the
+    others keep serving.
+    """
+
+    code = "EXECUTION_FAILED"
+    http_status = 500
+
+
 class BackendUnavailable(EdgeServerError):
     """The backend named by the config needs software or hardware this machine lacks."""
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
@@ -73,6 +74,8 @@ class ModelManager:
         self._unloaded: set[str] = set()  # unloaded through the API: rescans leave them alone
         self._closed = False
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
+        # --engine-build on-load: stale TensorRT plans are rebuilt while their ONNX serves (set by Server)
+        self.engine_rebuilder: EngineRebuilder | None = None
 
     # -- request path ---------------------------------------------------------------------------
 
@@ -323,7 +326,7 @@ class ModelManager:
             VersionStatus(name, v, ModelState.UNAVAILABLE, r) for v, r in failed.items() if v not in ready
         ]
         for version in ready:
-            reason = ""
+            reason = ready[version].note  # e.g. a TensorRT model serving its ONNX: which, and why
             if version in failed:
                 reason = f"serving the previous files; the new ones failed: {failed[version]}"
             elif removed_but_serving:
@@ -362,7 +365,12 @@ class ModelManager:
         self._heap_changed = True
         try:
             loaded = load_version(
-                source, version, config, content_hash=content_hash, cpu_count=self._cpu_count
+                source,
+                version,
+                config,
+                content_hash=content_hash,
+                cpu_count=self._cpu_count,
+                rebuilder=self.engine_rebuilder,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
             reason = exc.message if isinstance(exc, EdgeServerError) else repr(exc)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
+from edge_server.backends.tensorrt.fallback import choose as choose_runtime
+from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig, load_config_file, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import ConfigError
@@ -39,6 +41,7 @@ class LoadedVersion:
     content_hash: str
     devices: tuple[str, ...]
     validator: RequestValidator
+    note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
 
     def retire(self, deadline: float) -> None:
         """Let queued and running requests finish (until ``deadline``, monotonic), then free everything."""
@@ -67,10 +70,19 @@ def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
 
 
 def load_version(
-    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, cpu_count: int | None = None
+    source: ModelSource,
+    version: int,
+    config: ModelConfig,
+    *,
+    content_hash: str,
+    cpu_count: int | None = None,
+    rebuilder: EngineRebuilder | None = None,
 ) -> LoadedVersion:
     """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable."""
     version_dir = source.versions[version]
+    # A TensorRT model whose plan cannot run here serves the ONNX beside it (backends/tensorrt/fallback.py).
+    choice = choose_runtime(config, version_dir, rebuilder=rebuilder)
+    config = choice.config
     model_path = version_dir / config.model_filename
     if not model_path.exists():
         raise ConfigError(
@@ -97,7 +109,26 @@ def load_version(
             backend.close()
         raise
     stats = ModelStats(source.name, version)
-    scheduler = ModelScheduler(config, instances, stats)
+    by_name = {spec.name: spec for spec in specs}
+
+    def reload(name: str) -> Backend:
+        """A fresh, warmed-up instance for one that failed unrecoverably (called by its worker)."""
+        ctx = LoadContext(
+            config=config,
+            version=version,
+            version_dir=version_dir,
+            model_path=model_path,
+            instance=by_name[name],
+        )
+        backend = backend_cls(ctx)
+        try:
+            warm_up(config, backend, version_dir, instance_name=name)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    scheduler = ModelScheduler(config, instances, stats, reload=reload)
     return LoadedVersion(
         name=source.name,
         version=version,
@@ -107,6 +138,7 @@ def load_version(
         content_hash=content_hash,
         devices=tuple(backend.device for _, backend in instances),
         validator=RequestValidator(config),
+        note=choice.note,
     )
 
 
