@@ -19,6 +19,7 @@ from edge_server.config.model import InstanceGroup
 from edge_server.errors import ConfigError
 from edge_server.repository import ModelSource
 from edge_server.scheduler.scheduler import ModelScheduler
+from edge_server.scheduler.sequence import SequenceScheduler
 from edge_server.scheduler.stats import ModelStats
 from edge_server.validation import RequestValidator
 from edge_server.warmup import warm_up
@@ -33,7 +34,7 @@ class LoadedVersion:
     name: str
     version: int
     config: ModelConfig
-    scheduler: ModelScheduler
+    scheduler: ModelScheduler | SequenceScheduler
     stats: ModelStats
     content_hash: str
     devices: tuple[str, ...]
@@ -95,7 +96,11 @@ def load_version(
             backend.close()
         raise
     stats = ModelStats(source.name, version)
-    scheduler = ModelScheduler(config, instances, stats)
+    scheduler: ModelScheduler | SequenceScheduler
+    if config.sequence_batching is not None:
+        scheduler = SequenceScheduler(config, instances, stats, source.path)
+    else:
+        scheduler = ModelScheduler(config, instances, stats)
     return LoadedVersion(
         name=source.name,
         version=version,
