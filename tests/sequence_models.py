@@ -52,13 +52,15 @@ def simple_sequence_onnx(path: Path) -> Path:
     return _save(graph, path)
 
 
-def accumulate_onnx(path: Path) -> Path:
+def accumulate_onnx(path: Path, *, offset: int = 0) -> Path:
+    """``ACC_OUT = ACC_IN + INPUT``; ``OUTPUT = ACC_OUT + offset`` (a reload test tells versions apart)."""
     nodes = [
         helper.make_node("Add", ["ACC_IN", "INPUT"], ["ACC_OUT"]),
-        helper.make_node("Identity", ["ACC_OUT"], ["OUTPUT"]),
+        helper.make_node("Add", ["ACC_OUT", "offset"], ["OUTPUT"]),
     ]
+    init = [numpy_helper.from_array(np.array(offset, np.int32), "offset")]
     graph = helper.make_graph(
-        nodes, "accumulate", [_int("INPUT"), _int("ACC_IN")], [_int("OUTPUT"), _int("ACC_OUT")]
+        nodes, "accumulate", [_int("INPUT"), _int("ACC_IN")], [_int("OUTPUT"), _int("ACC_OUT")], init
     )
     return _save(graph, path)
 

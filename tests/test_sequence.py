@@ -1,0 +1,295 @@
+"""The sequence batcher in-process: Triton's simple_sequence outputs, implicit state, expiry, errors."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from sequence_models import (
+    DIRECT,
+    DYNA_CONFIG,
+    DYNA_MODEL,
+    OLDEST,
+    SMOOTHER_CONFIG,
+    VALUES,
+    accumulate_config,
+    accumulate_onnx,
+    simple_sequence_config,
+    simple_sequence_onnx,
+    smoother_onnx,
+    triton_expected,
+    write_model,
+)
+
+from edge_server import Server
+from edge_server.errors import InvalidArgument
+
+STRATEGIES = {"direct": DIRECT, "oldest": OLDEST}
+
+
+def one(value: int) -> dict[str, np.ndarray]:
+    return {"INPUT": np.array([[value]], np.int32)}
+
+
+def scalar(outputs: dict[str, np.ndarray], name: str = "OUTPUT") -> int:
+    return int(outputs[name][0, 0])
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sequence_repo")
+    for strategy, text in STRATEGIES.items():
+        write_model(
+            root,
+            f"simple_{strategy}",
+            simple_sequence_config(f"simple_{strategy}", text),
+            simple_sequence_onnx,
+        )
+        write_model(root, f"acc_{strategy}", accumulate_config(f"acc_{strategy}", text), accumulate_onnx)
+    write_model(root, "smoother", SMOOTHER_CONFIG, smoother_onnx)
+    write_model(root, "dyna", DYNA_CONFIG, python=DYNA_MODEL)
+    return root
+
+
+@pytest.fixture
+def server(repo: Path) -> Iterator[Server]:
+    with Server(repo) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_triton_simple_sequence_interleaved_from_several_clients(server: Server, strategy: str) -> None:
+    """Triton's sequence clients' sequences, from three threads at once, give Triton's expected outputs."""
+    model = f"simple_{strategy}"
+    sequences = {
+        1000: [0, *VALUES],
+        1001: [100, *[-v for v in VALUES]],
+        1002: [20, *[-v for v in VALUES]],
+    }
+    results: dict[int, list[int]] = {}
+
+    def client(corrid: int, values: list[int]) -> None:
+        results[corrid] = [
+            scalar(
+                server.infer(
+                    model,
+                    one(v),
+                    correlation_id=corrid,
+                    sequence_start=i == 0,
+                    sequence_end=i == len(values) - 1,
+                )
+            )
+            for i, v in enumerate(values)
+        ]
+
+    threads = [threading.Thread(target=client, args=item) for item in sequences.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for corrid, values in sequences.items():
+        assert results[corrid] == triton_expected(values[0], values[1:])
+    stats = server.statistics(model)[0]["sequence_stats"]
+    assert stats["active"] == 0 and stats["ended"] >= 3
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_implicit_state_accumulates_per_sequence_in_order_under_concurrent_load(
+    server: Server, strategy: str
+) -> None:
+    """Sixteen sequences submitted without waiting: each sees its own running sum, step by step."""
+    model = f"acc_{strategy}"
+    rng = np.random.default_rng(7)
+    inputs = {corrid: rng.integers(-50, 50, size=30).tolist() for corrid in range(1, 17)}
+    futures: dict[int, list] = {c: [] for c in inputs}
+    for step in range(30):
+        for corrid, values in inputs.items():
+            futures[corrid].append(
+                server.submit(
+                    model,
+                    one(values[step]),
+                    correlation_id=corrid,
+                    sequence_start=step == 0,
+                    sequence_end=step == 29,
+                )
+            )
+    for corrid, values in inputs.items():
+        got = [scalar(f.result(timeout=30)) for f in futures[corrid]]
+        assert got == np.cumsum(values).tolist()
+    stats = server.statistics(model)[0]
+    assert stats["sequence_stats"]["active"] == 0
+    # Sequences batched together: fewer executions than requests.
+    assert stats["execution_count"] < stats["inference_count"]
+
+
+def test_stateful_onnx_equals_running_it_by_hand(server: Server, repo: Path) -> None:
+    session = ort.InferenceSession(
+        str(repo / "smoother" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    rng = np.random.default_rng(3)
+    frames = {c: rng.standard_normal((12, 1, 4)).astype(np.float32) for c in ("cam-a", "cam-b", "cam-c")}
+    futures = {c: [] for c in frames}
+    for step in range(12):
+        for cam, xs in frames.items():
+            futures[cam].append(
+                server.submit(
+                    "smoother",
+                    {"x": xs[step]},
+                    correlation_id=cam,
+                    sequence_start=step == 0,
+                    sequence_end=step == 11,
+                )
+            )
+    for cam, xs in frames.items():
+        state = np.zeros((1, 4), np.float32)
+        for step in range(12):
+            y, state = session.run(["y", "S_OUT"], {"x": xs[step], "S_IN": state})
+            got = futures[cam][step].result(timeout=30)
+            assert set(got) == {"y"}  # the state output stays in the server
+            np.testing.assert_array_equal(got["y"], y)
+
+
+def test_python_model_sees_control_inputs_correlation_id_and_flags(server: Server) -> None:
+    """Triton's simple_dyna_sequence behaviour: a running sum, plus the correlation id on END."""
+    results = {}
+
+    def client(corrid: int) -> None:
+        results[corrid] = [
+            scalar(
+                server.infer(
+                    "dyna",
+                    one(v),
+                    correlation_id=corrid,
+                    sequence_start=i == 0,
+                    sequence_end=i == len(VALUES) - 1,
+                )
+            )
+            for i, v in enumerate(VALUES)
+        ]
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in (1000, 1001, 1002)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for corrid in (1000, 1001, 1002):
+        expected = np.cumsum(VALUES).tolist()
+        expected[-1] += corrid
+        assert results[corrid] == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "inputs", "message"),
+    [
+        ({}, None, "needs a correlation id"),
+        ({"correlation_id": 77}, None, "sequence 77 is not in progress"),
+        ({"correlation_id": 78, "sequence_end": True}, None, "sequence 78 is not in progress"),
+        (
+            {"correlation_id": 79, "sequence_start": True},
+            {"ACC_IN": np.zeros((1, 1), np.int32)},
+            "server fills",
+        ),
+        (
+            {"correlation_id": 80, "sequence_start": True},
+            {"INPUT": np.zeros((2, 1), np.int32)},
+            "batch size 1",
+        ),
+        ({"correlation_id": True, "sequence_start": True}, None, "integer or a string"),
+        ({"correlation_id": "x" * 300, "sequence_start": True}, None, "at most"),
+    ],
+)
+def test_bad_sequence_requests_get_clear_errors(
+    server: Server, kwargs: dict, inputs: dict | None, message: str
+) -> None:
+    request = one(1) if inputs is None else {**one(1), **inputs} if "ACC_IN" in inputs else inputs
+    with pytest.raises(InvalidArgument, match=message):
+        server.infer("acc_oldest", request, **kwargs)
+
+
+def test_start_twice_and_state_output_request_are_refused(server: Server) -> None:
+    server.infer("acc_direct", one(1), correlation_id=90, sequence_start=True)
+    with pytest.raises(InvalidArgument, match="already in progress"):
+        server.infer("acc_direct", one(1), correlation_id=90, sequence_start=True)
+    with pytest.raises(InvalidArgument, match="implicit state"):
+        server.infer("acc_direct", one(1), correlation_id=90, outputs=["ACC_OUT"])
+    assert scalar(server.infer("acc_direct", one(5), correlation_id=90, sequence_end=True)) == 6
+    with pytest.raises(InvalidArgument, match="not in progress"):
+        server.infer("acc_direct", one(1), correlation_id=90)
+
+
+def test_idle_sequence_is_released_and_its_next_request_fails(tmp_path: Path) -> None:
+    write_model(tmp_path, "acc", accumulate_config("acc", DIRECT, idle_us=100_000), accumulate_onnx)
+    with Server(tmp_path) as server:
+        assert scalar(server.infer("acc", one(3), correlation_id=5, sequence_start=True)) == 3
+        done = threading.Event()
+        while not done.wait(0.02):  # ask the server, not the clock
+            if server.statistics("acc")[0]["sequence_stats"]["expired"] == 1:
+                done.set()
+        with pytest.raises(InvalidArgument, match="idle for more than 100000 us"):
+            server.infer("acc", one(1), correlation_id=5)
+        # Started again, it begins from a fresh state.
+        assert (
+            scalar(server.infer("acc", one(4), correlation_id=5, sequence_start=True, sequence_end=True)) == 4
+        )
+
+
+def test_direct_slots_backlog_and_occupancy(tmp_path: Path) -> None:
+    """Two slots, three sequences: the third waits for a slot and runs once the first ends."""
+    write_model(tmp_path, "acc", accumulate_config("acc", DIRECT, max_batch_size=2), accumulate_onnx)
+    with Server(tmp_path) as server:
+        server.infer("acc", one(1), correlation_id=1, sequence_start=True)
+        server.infer("acc", one(2), correlation_id=2, sequence_start=True)
+        third = server.submit("acc", one(3), correlation_id=3, sequence_start=True)
+        stats = server.statistics("acc")[0]["sequence_stats"]
+        assert stats["slots"] == [{"instance": "acc_0_0", "total": 2, "occupied": 2}]
+        assert stats["backlog"] == 1 and stats["active"] == 3
+        assert not third.done()
+        assert scalar(server.infer("acc", one(10), correlation_id=1, sequence_end=True)) == 11
+        assert scalar(third.result(timeout=10)) == 3
+        assert scalar(server.infer("acc", one(1), correlation_id=3, sequence_end=True)) == 4
+        assert scalar(server.infer("acc", one(1), correlation_id=2, sequence_end=True)) == 3
+
+
+def test_initial_state_from_a_data_file(tmp_path: Path) -> None:
+    initial = 'initial_state { data_type: TYPE_INT32 dims: [ 1 ] data_file: "hundred" name: "init" }'
+    write_model(tmp_path, "acc", accumulate_config("acc", OLDEST, initial=initial), accumulate_onnx)
+    (tmp_path / "acc" / "initial_state").mkdir()
+    (tmp_path / "acc" / "initial_state" / "hundred").write_bytes(np.array([100], np.int32).tobytes())
+    with Server(tmp_path) as server:
+        assert scalar(server.infer("acc", one(1), correlation_id=1, sequence_start=True)) == 101
+        assert scalar(server.infer("acc", one(2), correlation_id=1, sequence_end=True)) == 103
+
+
+def test_reload_lets_live_sequences_finish_on_the_old_version(tmp_path: Path) -> None:
+    write_model(tmp_path, "acc", accumulate_config("acc", OLDEST), accumulate_onnx)
+    with Server(tmp_path, model_control_mode="explicit", load_models=["acc"]) as server:
+        assert scalar(server.infer("acc", one(1), correlation_id=1, sequence_start=True)) == 1
+        accumulate_onnx(tmp_path / "acc" / "2" / "model.onnx", offset=1000)
+        loading = threading.Thread(target=server.load_model, args=("acc",))
+        loading.start()
+        swapped = threading.Event()
+        while not swapped.wait(0.02):
+            if 2 in server.manager.serving().get("acc", {}):
+                swapped.set()
+        # The live sequence goes on on version 1; a new one starts on version 2.
+        assert scalar(server.infer("acc", one(2), correlation_id=1)) == 3
+        assert scalar(server.infer("acc", one(5), correlation_id=2, sequence_start=True)) == 1005
+        assert loading.is_alive()  # version 1 waits for its sequence
+        assert scalar(server.infer("acc", one(3), correlation_id=1, sequence_end=True)) == 6
+        loading.join(timeout=10)
+        assert not loading.is_alive()
+        assert sorted(server.manager.serving()["acc"]) == [2]
+        assert scalar(server.infer("acc", one(1), correlation_id=2, sequence_end=True)) == 1006
+
+
+def test_sequence_model_without_control_inputs_in_its_graph_fails_to_load(tmp_path: Path) -> None:
+    config = simple_sequence_config("bad", DIRECT).replace('name: "READY"', 'name: "NOT_THERE"')
+    write_model(tmp_path, "bad", config, simple_sequence_onnx)
+    with Server(tmp_path) as server:
+        (status,) = [s for s in server.models() if s.name == "bad"]
+        assert status.state.value == "UNAVAILABLE"
+        assert "'NOT_THERE' is not an input of the ONNX model" in status.reason
