@@ -9,7 +9,6 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
