@@ -36,7 +36,8 @@ def test_defaults_are_tritons() -> None:
 
 def test_every_field_is_typed() -> None:
     seq, _ = parse(
-        "max_sequence_idle_microseconds: 250 oldest { max_candidate_sequences: 3 preferred_batch_size: [ 2, 4 ] "
+        "max_sequence_idle_microseconds: 250 "
+        "oldest { max_candidate_sequences: 3 preferred_batch_size: [ 2, 4 ] "
         "max_queue_delay_microseconds: 100 preserve_ordering: true } "
         + control("S", "CONTROL_SEQUENCE_START", "fp32_false_true: [ 0, 1 ]")
         + control("E", "CONTROL_SEQUENCE_END", "bool_false_true: [ false, true ]")
@@ -145,5 +146,6 @@ def test_broken_sequence_batching_fails_at_load_naming_the_field(body: str, fiel
 def test_iterative_sequence_is_warned_about_by_name() -> None:
     _, warnings = parse("iterative_sequence: true")
     assert warnings == [
-        "config.pbtxt: field 'sequence_batching.iterative_sequence' is not supported by edge-server yet and is ignored"
+        "config.pbtxt: field 'sequence_batching.iterative_sequence' is not supported by edge-server yet "
+        "and is ignored"
     ]
