@@ -255,13 +255,13 @@ class ModelManager:
 
     def _unload(self, name: str) -> None:
         old = self._serving.get(name, {})
-        self._hold_sequences(list(old.values()), held=True)
         table = dict(self._serving)
         table.pop(name, None)
         self._serving = table
         self._retire(list(old.values()))
 
-    def _retire(self, versions: list[LoadedVersion]) -> None:
+    def _retire(self, versions: list[LoadedVersion], *, finish_sequences: bool = False) -> None:
+        """Drain and close ``versions``; with ``finish_sequences`` (a reload), live sequences end there."""
         if not versions:
             return
         # A copy replaced by a new copy of the same version number has no index row of its own.
@@ -271,9 +271,10 @@ class ModelManager:
         for loaded in versions:  # all stop taking requests first, then they share one drain deadline
             loaded.scheduler.close_intake()
         deadline = time.monotonic() + self._drain_timeout
-        self._hold_sequences(versions, held=True)
+        if finish_sequences:
+            self._hold_sequences(versions, held=True)
         for loaded in versions:
-            loaded.retire(deadline)
+            loaded.retire(deadline, finish_sequences=finish_sequences)
             self._hold_sequences([loaded], held=False)
             log.info("%s v%d unloaded", loaded.name, loaded.version)
         for loaded in shown:
@@ -362,7 +363,7 @@ class ModelManager:
         ]
         self._publish(name, rows)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
-        self._retire(retiring)
+        self._retire(retiring, finish_sequences=True)
         if not ready:
             raise ModelNotReady(f"model {name!r}: no version could be loaded ({_summary(failed)})")
 

@@ -40,9 +40,18 @@ class LoadedVersion:
     devices: tuple[str, ...]
     validator: RequestValidator
 
-    def retire(self, deadline: float) -> None:
-        """Let queued and running requests finish (until ``deadline``, monotonic), then free everything."""
-        if not self.scheduler.drain(deadline):
+    def retire(self, deadline: float, *, finish_sequences: bool = False) -> None:
+        """Let queued and running requests finish (until ``deadline``, monotonic), then free everything.
+
+        ``finish_sequences`` (a reload with a successor): a sequence model also waits for its live
+        sequences to end or idle out, so that they finish on the version they started on.
+        """
+        scheduler = self.scheduler
+        if isinstance(scheduler, SequenceScheduler):
+            drained = scheduler.drain(deadline, finish_sequences=finish_sequences)
+        else:
+            drained = scheduler.drain(deadline)
+        if not drained:
             log.warning(
                 "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
             )

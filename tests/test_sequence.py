@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -293,3 +294,71 @@ def test_sequence_model_without_control_inputs_in_its_graph_fails_to_load(tmp_pa
         (status,) = [s for s in server.models() if s.name == "bad"]
         assert status.state.value == "UNAVAILABLE"
         assert "'NOT_THERE' is not an input of the ONNX model" in status.reason
+
+
+PROBE_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        ready = [int(pb_utils.get_input_tensor_by_name(r, "READY").as_numpy()[0, 0]) for r in requests]
+        code = len(requests) * 100 + sum(ready)
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", np.array([[code]], np.int32))])
+            for _ in requests
+        ]
+"""
+
+
+@pytest.mark.parametrize(("strategy", "expected"), [("direct", 201), ("oldest", 101)])
+def test_direct_fills_slots_without_a_ready_request_with_ready_0_rows(
+    tmp_path: Path, strategy: str, expected: int
+) -> None:
+    """Sequence 2 holds slot 1; its lone request runs with a READY=0 row for slot 0 (direct only)."""
+    config = simple_sequence_config("probe", STRATEGIES[strategy], max_batch_size=4)
+    write_model(
+        tmp_path,
+        "probe",
+        config.replace('platform: "onnxruntime_onnx"', 'backend: "python"'),
+        python=PROBE_MODEL,
+    )
+    with Server(tmp_path) as server:
+        assert scalar(server.infer("probe", one(0), correlation_id=1, sequence_start=True)) == 101
+        assert scalar(server.infer("probe", one(0), correlation_id=2, sequence_start=True)) == expected
+        assert scalar(server.infer("probe", one(0), correlation_id=2, sequence_end=True)) == expected
+        assert scalar(server.infer("probe", one(0), correlation_id=1, sequence_end=True)) == 101
+
+
+def test_warmup_sample_of_a_sequence_model_gets_its_control_and_state_inputs(tmp_path: Path) -> None:
+    warmup = """
+model_warmup [ { name: "w" batch_size: 2
+  inputs { key: "INPUT" value: { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } } ]
+"""
+    write_model(tmp_path, "acc", accumulate_config("acc", OLDEST) + warmup, accumulate_onnx)
+    write_model(
+        tmp_path,
+        "simple",
+        simple_sequence_config("simple", DIRECT)
+        + warmup.replace(
+            "} } } ]",
+            '} } inputs { key: "START" value: { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } } ]',
+        ),
+        simple_sequence_onnx,
+    )
+    with Server(tmp_path) as server:
+        assert {s.name: s.state.value for s in server.models()} == {"acc": "READY", "simple": "READY"}
+        assert (
+            scalar(server.infer("acc", one(2), correlation_id=1, sequence_start=True, sequence_end=True)) == 2
+        )
+
+
+def test_unload_does_not_wait_for_idle_sequences(tmp_path: Path) -> None:
+    write_model(tmp_path, "acc", accumulate_config("acc", OLDEST, idle_us=60_000_000), accumulate_onnx)
+    with Server(tmp_path, model_control_mode="explicit", load_models=["acc"], drain_timeout=30) as server:
+        server.infer("acc", one(1), correlation_id=1, sequence_start=True)
+        began = time.monotonic()
+        server.unload_model("acc")  # does not wait 30 s for the sequence: it is dropped
+        assert time.monotonic() - began < 10
+        assert "acc" not in server.manager.serving()

@@ -280,11 +280,15 @@ class SequenceScheduler:
             self._accepting = False
             self._cond.notify_all()
 
-    def drain(self, deadline: float) -> bool:
-        """Close intake and wait, until ``deadline`` (monotonic), for every sequence to end or idle out."""
+    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
+        """Close intake and wait, until ``deadline`` (monotonic), for queued and running requests.
+
+        ``finish_sequences``: also wait for every live sequence to end or idle out (a reload, where
+        the data plane keeps routing their requests here).  Returns False if the deadline passed first.
+        """
         self.close_intake()
         with self._lock:
-            while self._held or self._queued or self._in_flight:
+            while self._queued or self._in_flight or (finish_sequences and self._held):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
