@@ -122,7 +122,13 @@ instance_group [ {{ kind: KIND_CPU count: {count} }} ]
 
 
 def accumulate_config(
-    name: str, strategy: str, *, max_batch_size: int = 8, idle_us: int = 5_000_000, initial: str = ""
+    name: str,
+    strategy: str,
+    *,
+    max_batch_size: int = 8,
+    idle_us: int = 5_000_000,
+    initial: str = "",
+    count: int = 1,
 ) -> str:
     return f"""
 name: "{name}"
@@ -135,7 +141,7 @@ sequence_batching {{
 }}
 input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
-instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+instance_group [ {{ kind: KIND_CPU count: {count} }} ]
 """
 
 

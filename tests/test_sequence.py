@@ -362,3 +362,37 @@ def test_unload_does_not_wait_for_idle_sequences(tmp_path: Path) -> None:
         server.unload_model("acc")  # does not wait 30 s for the sequence: it is dropped
         assert time.monotonic() - began < 10
         assert "acc" not in server.manager.serving()
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_two_instances_share_the_sequences_and_keep_each_in_order(tmp_path: Path, strategy: str) -> None:
+    write_model(
+        tmp_path,
+        "acc",
+        accumulate_config("acc", STRATEGIES[strategy], max_batch_size=4, count=2),
+        accumulate_onnx,
+    )
+    with Server(tmp_path) as server:
+        for corrid in (1, 2):
+            server.infer("acc", one(corrid), correlation_id=corrid, sequence_start=True)
+        if strategy == "direct":  # one sequence on each instance before a second slot of either is used
+            slots = server.statistics("acc")[0]["sequence_stats"]["slots"]
+            assert [s["occupied"] for s in slots] == [1, 1]
+        rng = np.random.default_rng(11)
+        inputs = {c: rng.integers(-9, 9, size=40).tolist() for c in range(3, 15)}
+        futures = {c: [] for c in inputs}
+        for step in range(40):
+            for corrid, values in inputs.items():
+                futures[corrid].append(
+                    server.submit(
+                        "acc",
+                        one(values[step]),
+                        correlation_id=corrid,
+                        sequence_start=step == 0,
+                        sequence_end=step == 39,
+                    )
+                )
+        for corrid, values in inputs.items():
+            assert [scalar(f.result(timeout=30)) for f in futures[corrid]] == np.cumsum(values).tolist()
+        for corrid in (1, 2):
+            assert scalar(server.infer("acc", one(0), correlation_id=corrid, sequence_end=True)) == corrid

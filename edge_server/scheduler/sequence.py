@@ -148,6 +148,8 @@ class SequenceScheduler:
         now = time.monotonic_ns()
         future: Future[dict] = Future()
         with self._lock:
+            if self._stopping:
+                raise SchedulerClosed(f"model {self._name!r} was unloaded")
             seq = self._live.get(corrid)
             if start:
                 if not self._accepting:
@@ -219,9 +221,10 @@ class SequenceScheduler:
     def _admit(self, seq: _Sequence) -> None:
         """Give ``seq`` a slot (direct) or a candidate place (oldest), or put it in the backlog."""
         if self._direct:
-            for instance, slots in enumerate(self._slots):
-                for row, holder in enumerate(slots):
-                    if holder is None:
+            # Row by row across the instances, so that sequences spread over every instance first.
+            for row in range(self._slots_per_instance):
+                for instance, slots in enumerate(self._slots):
+                    if slots[row] is None:
                         slots[row] = seq
                         seq.slot = (instance, row)
                         seq.admitted = True
@@ -301,10 +304,10 @@ class SequenceScheduler:
             self._accepting = False
             self._stopping = True
             leftover = [r for seq in self._held for r in seq.pending]
-            for seq in list(self._held):
+            for seq in list(self._held):  # a busy one's worker finds it released when its batch ends
                 seq.pending.clear()
-                if not seq.busy:
-                    self._release(seq, expired=False)
+                self._release(seq, expired=False)
+            self._backlog.clear()
             self._queued = 0
             self._cond.notify_all()
         for request in leftover:
@@ -360,7 +363,7 @@ class SequenceScheduler:
 
     def _form_direct(self, instance: int, now: int) -> tuple[list[_Row], int]:
         slots = self._slots[instance]
-        ready = [s for s in self._ready([s for s in slots if s is not None])]
+        ready = self._ready([s for s in slots if s is not None])
         if not ready:
             return [], 0
         oldest = min(ready, key=lambda s: s.pending[0].enqueue_ns)
