@@ -41,13 +41,27 @@ def http_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def seq_daemon(tmp_path_factory: pytest.TempPathFactory, http_port: int) -> Iterator[Daemon]:
+def grpc_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def seq_daemon(tmp_path_factory: pytest.TempPathFactory, http_port: int, grpc_port: int) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("seq_ipc")
     repo = root / "models"
     write_model(repo, "simple_direct", simple_sequence_config("simple_direct", DIRECT), simple_sequence_onnx)
     write_model(repo, "simple_oldest", simple_sequence_config("simple_oldest", OLDEST), simple_sequence_onnx)
     write_model(repo, "acc", accumulate_config("acc", OLDEST), accumulate_onnx)
-    args = ("--allow-http", "true", "--http-port", str(http_port), "--allow-grpc", "false")
+    args = (
+        "--allow-http",
+        "true",
+        "--http-port",
+        str(http_port),
+        "--allow-grpc",
+        "true",
+        "--grpc-port",
+        str(grpc_port),
+    )
     proc = Daemon(repo, f"ipc://{root}/seq.sock", root / "seq.log", *args)
     try:
         proc.start()
@@ -166,3 +180,36 @@ def test_kserve_http_sequence_parameters(seq_daemon: Daemon, http_port: int) -> 
     assert got == triton_expected(0, VALUES)
     error = _http_infer(http_port, "simple_oldest", 1, sequence_id=2001)
     assert error["status"] == 400 and "not in progress" in error["error"]
+
+
+def test_tritonclient_grpc_stream_runs_tritons_sequence_example(seq_daemon: Daemon, grpc_port: int) -> None:
+    """Triton's simple_grpc_sequence_stream_infer_client, as written, against edge-server."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    import queue
+
+    answers: queue.Queue = queue.Queue()
+    sequences = {1000: [0, *VALUES], 1001: [100, *[-v for v in VALUES]]}
+    with grpcclient.InferenceServerClient(url=f"127.0.0.1:{grpc_port}") as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for corrid, values in sequences.items():
+            for count, value in enumerate(values, start=1):
+                tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+                tensor.set_data_from_numpy(np.full((1, 1), value, np.int32))
+                client.async_stream_infer(
+                    model_name="simple_direct",
+                    inputs=[tensor],
+                    outputs=[grpcclient.InferRequestedOutput("OUTPUT")],
+                    request_id=f"{corrid}_{count}",
+                    sequence_id=corrid,
+                    sequence_start=count == 1,
+                    sequence_end=count == len(values),
+                )
+        got: dict[int, list[int]] = {c: [] for c in sequences}
+        for _ in range(sum(len(v) for v in sequences.values())):
+            result, error = answers.get(timeout=10)
+            assert error is None, error
+            corrid = int(result.get_response().id.split("_")[0])
+            got[corrid].append(int(result.as_numpy("OUTPUT")[0][0]))
+        client.stop_stream()
+    for corrid, values in sequences.items():
+        assert got[corrid] == triton_expected(values[0], values[1:])
