@@ -27,7 +27,8 @@ from sequence_models import (
 )
 
 from edge_server import Server
-from edge_server.errors import InvalidArgument
+from edge_server.errors import InvalidArgument, QueueFull
+from edge_server.scheduler import sequence
 
 STRATEGIES = {"direct": DIRECT, "oldest": OLDEST}
 
@@ -396,3 +397,17 @@ def test_two_instances_share_the_sequences_and_keep_each_in_order(tmp_path: Path
             assert [scalar(f.result(timeout=30)) for f in futures[corrid]] == np.cumsum(values).tolist()
         for corrid in (1, 2):
             assert scalar(server.infer("acc", one(0), correlation_id=corrid, sequence_end=True)) == corrid
+
+
+def test_live_sequences_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sequence, "MAX_SEQUENCES", 3)
+    write_model(tmp_path, "acc", accumulate_config("acc", OLDEST), accumulate_onnx)
+    with Server(tmp_path) as server:
+        for corrid in (1, 2, 3):
+            server.infer("acc", one(1), correlation_id=corrid, sequence_start=True)
+        with pytest.raises(QueueFull, match="3 live sequences"):
+            server.infer("acc", one(1), correlation_id=4, sequence_start=True)
+        server.infer("acc", one(1), correlation_id=1, sequence_end=True)
+        assert scalar(server.infer("acc", one(7), correlation_id=4, sequence_start=True)) == 7
+        for corrid in (2, 3, 4):
+            server.infer("acc", one(0), correlation_id=corrid, sequence_end=True)

@@ -38,7 +38,13 @@ from typing import Any
 
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelExecutionError, ServerShuttingDown
+from edge_server.errors import (
+    EdgeServerError,
+    InvalidArgument,
+    ModelExecutionError,
+    QueueFull,
+    ServerShuttingDown,
+)
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.scheduler import SchedulerClosed
@@ -48,6 +54,9 @@ from edge_server.scheduler.stats import ModelStats
 log = logging.getLogger(__name__)
 
 _EXPIRED_REMEMBERED = 4096  # correlation ids of idled-out sequences kept for a precise error
+#: Live sequences one version holds at most (each holds its state): a client that starts sequences
+#: without end cannot grow the daemon without bound before they idle out.
+MAX_SEQUENCES = 16384
 
 
 @dataclass(slots=True, eq=False)
@@ -114,6 +123,7 @@ class SequenceScheduler:
             max_queue_delay_ns=self._delay_ns,
         )
         self._max_candidates = seq.max_candidate_sequences
+        self._max_sequences = MAX_SEQUENCES
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._live: dict[int | str, _Sequence] = {}  # sequences that take requests (END not yet sent)
@@ -158,6 +168,11 @@ class SequenceScheduler:
                     raise InvalidArgument(
                         f"model {self._name!r}: sequence {corrid!r} is already in progress; end it "
                         "(sequence_end) before starting it again"
+                    )
+                if len(self._held) >= self._max_sequences:
+                    raise QueueFull(
+                        f"model {self._name!r} has {len(self._held)} live sequences, the most it keeps; "
+                        "end sequences (sequence_end) or let them idle out before starting more"
                     )
                 seq = _Sequence(corrid, now, state=self._tensors.initial_state())
                 self._live[corrid] = seq
