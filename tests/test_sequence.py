@@ -411,3 +411,60 @@ def test_live_sequences_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert scalar(server.infer("acc", one(7), correlation_id=4, sequence_start=True)) == 7
         for corrid in (2, 3, 4):
             server.infer("acc", one(0), correlation_id=corrid, sequence_end=True)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "direct { max_queue_delay_microseconds: 5000000 minimum_slot_utilization: 1.0 }",
+        "oldest { max_queue_delay_microseconds: 5000000 preferred_batch_size: [ 2 ] }",
+    ],
+)
+def test_queue_delay_waits_for_a_full_batch_then_runs_at_once(tmp_path: Path, strategy: str) -> None:
+    """Two slots (direct, all must be ready) or preferred size 2 (oldest): one request waits for the other."""
+    config = simple_sequence_config("probe", strategy, max_batch_size=2)
+    write_model(
+        tmp_path,
+        "probe",
+        config.replace('platform: "onnxruntime_onnx"', 'backend: "python"'),
+        python=PROBE_MODEL,
+    )
+    with Server(tmp_path) as server:
+        first = server.submit("probe", one(0), correlation_id=1, sequence_start=True)
+        assert not first.done()  # held for the delay, waiting for a second sequence
+        second = server.submit("probe", one(0), correlation_id=2, sequence_start=True)
+        began = time.monotonic()
+        assert scalar(first.result(timeout=10)) == 202 and scalar(second.result(timeout=10)) == 202
+        assert time.monotonic() - began < 4  # ran when full, not when the 5 s delay ran out
+        for corrid in (1, 2):
+            server.submit("probe", one(0), correlation_id=corrid, sequence_end=True)
+
+
+FLAKY_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        values = [int(pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy()[0, 0]) for r in requests]
+        if 13 in values:
+            raise RuntimeError("unlucky")
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", np.array([[v]], np.int32))]) for v in values]
+"""
+
+
+def test_a_failed_step_fails_that_request_and_the_sequence_goes_on(tmp_path: Path) -> None:
+    config = simple_sequence_config("flaky", OLDEST, max_batch_size=2)
+    write_model(
+        tmp_path,
+        "flaky",
+        config.replace('platform: "onnxruntime_onnx"', 'backend: "python"'),
+        python=FLAKY_MODEL,
+    )
+    with Server(tmp_path) as server:
+        assert scalar(server.infer("flaky", one(1), correlation_id=1, sequence_start=True)) == 1
+        with pytest.raises(Exception, match="unlucky"):
+            server.infer("flaky", one(13), correlation_id=1)
+        assert scalar(server.infer("flaky", one(2), correlation_id=1, sequence_end=True)) == 2
+        assert server.statistics("flaky")[0]["sequence_stats"]["active"] == 0

@@ -414,7 +414,6 @@ class SequenceScheduler:
 
     def _run(self, backend: Backend, rows: list[_Row]) -> None:
         start_ns = time.monotonic_ns()
-        tensors = self._tensors
         live: list[tuple[_Sequence, _Request]] = []
         cancelled: list[_Sequence] = []
         for seq, request in rows:
@@ -426,24 +425,11 @@ class SequenceScheduler:
         results: list[Result] = []
         timing = Timing()
         if live:
-            like = live[0][1].item
-            chosen = {id(request) for _, request in live}
-            batch: list[BatchItem] = []
-            real: list[int] = []  # positions of the live requests in the batch
-            for seq, request in rows:
-                state = seq.state if seq is not None else None
-                if request is not None and id(request) in chosen:
-                    real.append(len(batch))
-                    batch.append(tensors.row(request.item, ready=True, state=state))
-                elif self._direct:  # a slot without a ready request: READY=0, its state passes through
-                    batch.append(tensors.filler(like, state))
-            all_results = self._compute(backend, batch, timing)
-            results = [all_results[i] for i in real]
-            for (seq, _), result in zip(live, results, strict=True):
-                if not isinstance(result, Exception) and tensors.has_state:
-                    new_state = tensors.take_state(result)
-                    if seq.state is not None:
-                        seq.state.update(new_state)
+            try:
+                results = self._execute(backend, rows, live, timing)
+            except Exception as exc:  # whatever broke, every request gets an answer and its sequence goes on
+                log.exception("sequence batch of %r failed unexpectedly", self._name)
+                results = [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(live)
         end_ns = time.monotonic_ns()
         with self._lock:
             for seq in [s for s, _ in live] + cancelled:
@@ -466,6 +452,30 @@ class SequenceScheduler:
                 succeeded=[not isinstance(r, Exception) for r in results],
                 timing=timing,
             )
+
+    def _execute(
+        self, backend: Backend, rows: list[_Row], live: list[tuple[_Sequence, _Request]], timing: Timing
+    ) -> list[Result]:
+        """Run the rows (fillers included) and keep each live sequence's new state; its results in order."""
+        tensors = self._tensors
+        like = live[0][1].item
+        chosen = {id(request) for _, request in live}
+        batch: list[BatchItem] = []
+        real: list[int] = []  # positions of the live requests in the batch
+        for seq, request in rows:
+            state = seq.state if seq is not None else None
+            if request is not None and id(request) in chosen:
+                real.append(len(batch))
+                batch.append(tensors.row(request.item, ready=True, state=state))
+            elif self._direct:  # a slot without a ready request: READY=0, its state passes through
+                batch.append(tensors.filler(like, state))
+        all_results = self._compute(backend, batch, timing)
+        results = [all_results[i] for i in real]
+        if tensors.has_state:
+            for (seq, _), result in zip(live, results, strict=True):
+                if not isinstance(result, Exception) and seq.state is not None:
+                    seq.state.update(tensors.take_state(result))
+        return results
 
     def _compute(self, backend: Backend, items: list[BatchItem], timing: Timing) -> list[Result]:
         try:
