@@ -450,7 +450,8 @@ class TritonPythonModel:
         values = [int(pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy()[0, 0]) for r in requests]
         if 13 in values:
             raise RuntimeError("unlucky")
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", np.array([[v]], np.int32))]) for v in values]
+        out = [np.array([[v]], np.int32) for v in values]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", o)]) for o in out]
 """
 
 
