@@ -216,3 +216,29 @@ def write_model(repo: Path, name: str, config: str, build: object = None, *, pyt
         (repo / name / "1" / "model.py").write_text(python)
     elif callable(build):
         build(repo / name / "1" / "model.onnx")
+
+
+def corrid_echo_onnx(path: Path) -> Path:
+    """INPUT (INT32) -> OUTPUT; the string CORRID control input -> ECHO (the model sees the id)."""
+    corrid = helper.make_tensor_value_info("CORRID", TensorProto.STRING, ["batch", 1])
+    echo = helper.make_tensor_value_info("ECHO", TensorProto.STRING, ["batch", 1])
+    nodes = [
+        helper.make_node("Identity", ["INPUT"], ["OUTPUT"]),
+        helper.make_node("Identity", ["CORRID"], ["ECHO"]),
+    ]
+    return _save(helper.make_graph(nodes, "echo", [_int("INPUT"), corrid], [_int("OUTPUT"), echo]), path)
+
+
+CORRID_ECHO_CONFIG = """
+name: "echo"
+backend: "onnxruntime"
+max_batch_size: 4
+sequence_batching {
+  control_input [ { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "ECHO" data_type: TYPE_STRING dims: [ 1 ] }
+]
+"""

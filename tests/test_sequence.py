@@ -11,6 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from sequence_models import (
+    CORRID_ECHO_CONFIG,
     DIRECT,
     DYNA_CONFIG,
     DYNA_MODEL,
@@ -19,6 +20,7 @@ from sequence_models import (
     VALUES,
     accumulate_config,
     accumulate_onnx,
+    corrid_echo_onnx,
     simple_sequence_config,
     simple_sequence_onnx,
     smoother_onnx,
@@ -469,3 +471,17 @@ def test_a_failed_step_fails_that_request_and_the_sequence_goes_on(tmp_path: Pat
             server.infer("flaky", one(13), correlation_id=1)
         assert scalar(server.infer("flaky", one(2), correlation_id=1, sequence_end=True)) == 2
         assert server.statistics("flaky")[0]["sequence_stats"]["active"] == 0
+
+
+def test_string_correlation_ids_reach_an_onnx_model_as_its_corrid_input(tmp_path: Path) -> None:
+    write_model(tmp_path, "echo", CORRID_ECHO_CONFIG, corrid_echo_onnx)
+    with Server(tmp_path) as server:
+        futures = [
+            server.submit("echo", one(i), correlation_id=f"cam-{i}", sequence_start=True, sequence_end=True)
+            for i in range(6)
+        ]
+        for i, future in enumerate(futures):
+            outputs = future.result(timeout=10)
+            assert outputs["ECHO"].tolist() == [[f"cam-{i}".encode()]] and scalar(outputs) == i
+        with pytest.raises(InvalidArgument, match="takes string correlation ids"):
+            server.infer("echo", one(1), correlation_id=5, sequence_start=True)

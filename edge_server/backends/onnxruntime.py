@@ -196,7 +196,14 @@ class OnnxRuntimeBackend(TensorBackend):
         self.device = "cpu" if used == "CPUExecutionProvider" else f"cuda:{ctx.instance.device_id}"
         self.output_names = tuple(t.name for t in config.outputs) + config.state_outputs()
         self.batched = config.max_batch_size > 0
-        self._string_inputs = frozenset(t.name for t in config.inputs if t.data_type == "TYPE_STRING")
+        strings = [t.name for t in config.inputs if t.data_type == "TYPE_STRING"]
+        if config.sequence_batching is not None:  # a string CONTROL_SEQUENCE_CORRID
+            strings += [
+                c.name
+                for c in config.sequence_batching.control_inputs
+                if c.control.tensor_type == "TYPE_STRING"
+            ]
+        self._string_inputs = frozenset(strings)
         self._string_outputs = frozenset(t.name for t in config.outputs if t.data_type == "TYPE_STRING")
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
 
