@@ -52,6 +52,7 @@ def seq_daemon(tmp_path_factory: pytest.TempPathFactory, http_port: int, grpc_po
     write_model(repo, "simple_direct", simple_sequence_config("simple_direct", DIRECT), simple_sequence_onnx)
     write_model(repo, "simple_oldest", simple_sequence_config("simple_oldest", OLDEST), simple_sequence_onnx)
     write_model(repo, "acc", accumulate_config("acc", OLDEST), accumulate_onnx)
+    write_model(repo, "acc_idle", accumulate_config("acc_idle", DIRECT, idle_us=100_000), accumulate_onnx)
     args = (
         "--allow-http",
         "true",
@@ -213,3 +214,15 @@ def test_tritonclient_grpc_stream_runs_tritons_sequence_example(seq_daemon: Daem
         client.stop_stream()
     for corrid, values in sequences.items():
         assert got[corrid] == triton_expected(values[0], values[1:])
+
+
+def test_idle_sequence_expires_with_the_documented_error_over_ipc(seq_daemon: Daemon) -> None:
+    with Client(seq_daemon.address) as client:
+        x = {"INPUT": np.array([[3]], np.int32)}
+        assert int(client.infer("acc_idle", x, sequence_id="cam-1", sequence_start=True)["OUTPUT"][0, 0]) == 3
+        expired = threading.Event()
+        while not expired.wait(0.02):  # ask the daemon, not the clock
+            if client.statistics("acc_idle")[0]["sequence_stats"]["expired"] >= 1:
+                expired.set()
+        with pytest.raises(InvalidArgument, match="released after being idle for more than 100000 us"):
+            client.infer("acc_idle", x, sequence_id="cam-1")
