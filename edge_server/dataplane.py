@@ -78,8 +78,9 @@ class DataPlane:
         # not ask for a specific version then goes to the version that replaced it.
         for _attempt in range(3):
             loaded = None
-            if request.correlation_id and not request.sequence_start:
-                # A sequence that started before a reload finishes on the version it started on.
+            if request.correlation_id:
+                # A sequence that started before a reload finishes on the version it started on (and a
+                # second start of it is refused there, as it would be without a reload).
                 loaded = self._manager.sequence_holder(request.model, request.correlation_id)
             if loaded is None or (request.version is not None and loaded.version != request.version):
                 loaded = self._manager.resolve(request.model, request.version)

@@ -282,6 +282,8 @@ def test_reload_lets_live_sequences_finish_on_the_old_version(tmp_path: Path) ->
         # The live sequence goes on on version 1; a new one starts on version 2.
         assert scalar(server.infer("acc", one(2), correlation_id=1)) == 3
         assert scalar(server.infer("acc", one(5), correlation_id=2, sequence_start=True)) == 1005
+        with pytest.raises(InvalidArgument, match="already in progress"):
+            server.infer("acc", one(1), correlation_id=1, sequence_start=True)
         assert loading.is_alive()  # version 1 waits for its sequence
         assert scalar(server.infer("acc", one(3), correlation_id=1, sequence_end=True)) == 6
         loading.join(timeout=10)

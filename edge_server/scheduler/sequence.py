@@ -162,13 +162,13 @@ class SequenceScheduler:
                 raise SchedulerClosed(f"model {self._name!r} was unloaded")
             seq = self._live.get(corrid)
             if start:
-                if not self._accepting:
-                    raise SchedulerClosed(f"model {self._name!r} is being replaced or unloaded")
                 if seq is not None:
                     raise InvalidArgument(
                         f"model {self._name!r}: sequence {corrid!r} is already in progress; end it "
                         "(sequence_end) before starting it again"
                     )
+                if not self._accepting:
+                    raise SchedulerClosed(f"model {self._name!r} is being replaced or unloaded")
                 if len(self._held) >= self._max_sequences:
                     raise QueueFull(
                         f"model {self._name!r} has {len(self._held)} live sequences, the most it keeps; "
