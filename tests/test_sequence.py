@@ -487,3 +487,48 @@ def test_string_correlation_ids_reach_an_onnx_model_as_its_corrid_input(tmp_path
             assert outputs["ECHO"].tolist() == [[f"cam-{i}".encode()]] and scalar(outputs) == i
         with pytest.raises(InvalidArgument, match="takes string correlation ids"):
             server.infer("echo", one(1), correlation_id=5, sequence_start=True)
+
+
+UNBATCHED_CONFIG = """
+name: "running"
+backend: "python"
+max_batch_size: 0
+sequence_batching {
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "SUM_IN" output_name: "SUM_OUT" data_type: TYPE_INT64 dims: [ 2 ] } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT64 dims: [ 2 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT64 dims: [ 2 ] } ]
+instance_group [ { kind: KIND_CPU count: 2 } ]
+"""
+
+UNBATCHED_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for r in requests:
+            get = lambda name: pb_utils.get_input_tensor_by_name(r, name).as_numpy()
+            assert get("START").shape == (1,) and get("SUM_IN").shape == (2,)
+            total = get("SUM_IN") + get("INPUT")
+            out = pb_utils.Tensor("OUTPUT", total * (1 + get("START")[0]))
+            responses.append(pb_utils.InferenceResponse([out, pb_utils.Tensor("SUM_OUT", total)]))
+        return responses
+"""
+
+
+def test_a_model_without_batching_gets_unbatched_controls_and_state(tmp_path: Path) -> None:
+    """max_batch_size 0: one slot per instance, controls of shape [1], state of its own dims."""
+    write_model(tmp_path, "running", UNBATCHED_CONFIG, python=UNBATCHED_MODEL)
+    with Server(tmp_path) as server:
+        x = {"INPUT": np.array([1, 2], np.int64)}
+        outputs = [
+            server.infer("running", x, correlation_id=c, sequence_start=True)["OUTPUT"].tolist()
+            for c in (1, 2)
+        ]
+        assert outputs == [[2, 4], [2, 4]]  # START doubles the first answer
+        assert server.infer("running", x, correlation_id=1)["OUTPUT"].tolist() == [2, 4]
+        assert server.infer("running", x, correlation_id=1, sequence_end=True)["OUTPUT"].tolist() == [3, 6]
+        assert server.infer("running", x, correlation_id=2, sequence_end=True)["OUTPUT"].tolist() == [2, 4]
