@@ -242,3 +242,34 @@ output [
   { name: "ECHO" data_type: TYPE_STRING dims: [ 1 ] }
 ]
 """
+
+
+def history_onnx(path: Path) -> Path:
+    """A growing state: ``H_OUT = concat(H_IN, INPUT)`` (a column more each step); ``OUTPUT = sum(H_OUT)``."""
+    history_in = helper.make_tensor_value_info("H_IN", TensorProto.INT32, ["batch", "steps"])
+    history_out = helper.make_tensor_value_info("H_OUT", TensorProto.INT32, ["batch", "steps_out"])
+    nodes = [
+        helper.make_node("Concat", ["H_IN", "INPUT"], ["H_OUT"], axis=1),
+        helper.make_node("ReduceSum", ["H_OUT", "axis"], ["OUTPUT"], keepdims=1),
+    ]
+    init = [numpy_helper.from_array(np.array([1], np.int64), "axis")]
+    graph = helper.make_graph(
+        nodes, "history", [_int("INPUT"), history_in], [_int("OUTPUT"), history_out], init
+    )
+    return _save(graph, path)
+
+
+def history_config(strategy: str) -> str:
+    return f"""
+name: "history"
+backend: "onnxruntime"
+max_batch_size: 4
+sequence_batching {{
+  {strategy}
+  state [ {{ input_name: "H_IN" output_name: "H_OUT" data_type: TYPE_INT32 dims: [ -1 ]
+            initial_state {{ data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "empty" }} }} ]
+}}
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+"""

@@ -21,6 +21,8 @@ from sequence_models import (
     accumulate_config,
     accumulate_onnx,
     corrid_echo_onnx,
+    history_config,
+    history_onnx,
     simple_sequence_config,
     simple_sequence_onnx,
     smoother_onnx,
@@ -532,3 +534,26 @@ def test_a_model_without_batching_gets_unbatched_controls_and_state(tmp_path: Pa
         assert server.infer("running", x, correlation_id=1)["OUTPUT"].tolist() == [2, 4]
         assert server.infer("running", x, correlation_id=1, sequence_end=True)["OUTPUT"].tolist() == [3, 6]
         assert server.infer("running", x, correlation_id=2, sequence_end=True)["OUTPUT"].tolist() == [2, 4]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_growing_state_batches_only_with_states_of_its_shape(tmp_path: Path, strategy: str) -> None:
+    """Sequences started at different times hold histories of different lengths; each stays right."""
+    write_model(tmp_path, "history", history_config(STRATEGIES[strategy]), history_onnx)
+    with Server(tmp_path) as server:
+        inputs = {c: list(range(c, c + 12)) for c in (1, 2, 3, 4)}
+        futures: dict[int, list] = {c: [] for c in inputs}
+        for c, values in inputs.items():  # sequence c runs 5 - c steps alone: the histories differ
+            for i in range(5 - c):
+                futures[c].append(
+                    server.submit("history", one(values[i]), correlation_id=c, sequence_start=i == 0)
+                )
+                futures[c][-1].result(timeout=10)
+        for i in range(12):  # then every remaining step of every sequence, without waiting
+            for c, values in inputs.items():
+                if i >= 5 - c:
+                    futures[c].append(
+                        server.submit("history", one(values[i]), correlation_id=c, sequence_end=i == 11)
+                    )
+        for c, values in inputs.items():
+            assert [scalar(f.result(timeout=30)) for f in futures[c]] == np.cumsum(values).tolist()

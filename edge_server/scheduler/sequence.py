@@ -88,11 +88,10 @@ class _Head:
 
     __slots__ = ("seq", "shape_key", "enqueue_ns", "batch_size")
 
-    def __init__(self, seq: _Sequence) -> None:
+    def __init__(self, seq: _Sequence, shape_key: Hashable) -> None:
         self.seq = seq
-        head = seq.pending[0]
-        self.shape_key = head.shape_key
-        self.enqueue_ns = head.enqueue_ns
+        self.shape_key = shape_key
+        self.enqueue_ns = seq.pending[0].enqueue_ns
         self.batch_size = 1
 
 
@@ -376,14 +375,21 @@ class SequenceScheduler:
     def _ready(self, candidates: list[_Sequence]) -> list[_Sequence]:
         return [s for s in candidates if s.pending and not s.busy]
 
+    def _key(self, seq: _Sequence) -> Hashable:
+        """What rows must share to be stacked: the head's input shapes, and a growing state's shapes."""
+        key = seq.pending[0].shape_key
+        if self._tensors.variable_state and seq.state is not None:  # not busy: nobody writes it now
+            return (key, tuple(v.shape for v in seq.state.values()))
+        return key
+
     def _form_direct(self, instance: int, now: int) -> tuple[list[_Row], int]:
         slots = self._slots[instance]
         ready = self._ready([s for s in slots if s is not None])
         if not ready:
             return [], 0
         oldest = min(ready, key=lambda s: s.pending[0].enqueue_ns)
-        key = oldest.pending[0].shape_key
-        ready = [s for s in ready if s.pending[0].shape_key == key]
+        key = self._key(oldest)
+        ready = [s for s in ready if self._key(s) == key]
         waited = now - oldest.pending[0].enqueue_ns
         full_enough = len(ready) >= self._min_utilization * len(slots)
         if self._delay_ns and self._accepting and not full_enough and waited < self._delay_ns:
@@ -403,7 +409,7 @@ class SequenceScheduler:
         ready = self._ready(self._candidates)
         if not ready:
             return [], 0
-        heads = sorted((_Head(s) for s in ready), key=lambda h: h.enqueue_ns)
+        heads = sorted((_Head(s, self._key(s)) for s in ready), key=lambda h: h.enqueue_ns)
         settings = self._settings if self._accepting else BatchSettings(self._settings.max_batch_size)
         decision = next_batch(heads, now, settings)
         if not decision.count:
@@ -459,6 +465,7 @@ class SequenceScheduler:
         """Run the rows (fillers included) and keep each live sequence's new state; its results in order."""
         tensors = self._tensors
         like = live[0][1].item
+        like_state = live[0][0].state
         chosen = {id(request) for _, request in live}
         batch: list[BatchItem] = []
         real: list[int] = []  # positions of the live requests in the batch
@@ -468,7 +475,7 @@ class SequenceScheduler:
                 real.append(len(batch))
                 batch.append(tensors.row(request.item, ready=True, state=state))
             elif self._direct:  # a slot without a ready request: READY=0, its state passes through
-                batch.append(tensors.filler(like, state))
+                batch.append(tensors.filler(like, tensors.stackable(state, like_state)))
         all_results = self._compute(backend, batch, timing)
         results = [all_results[i] for i in real]
         if tensors.has_state:

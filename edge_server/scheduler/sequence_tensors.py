@@ -74,6 +74,9 @@ class SequenceTensors:
         self._state_names = tuple((s.output_name, s.input_name) for s in seq.states)
         self.state_outputs = tuple(s.output_name for s in seq.states)
         self.has_state = bool(self._state_names)
+        #: a state with a -1 dim may change shape from step to step (a growing cache): only sequences
+        #: whose states have the same shapes can share a batch
+        self.variable_state = any(-1 in s.dims for s in seq.states)
 
     def initial_state(self) -> State:
         """A sequence's state at its start (zeros or ``initial_state``); arrays are never written."""
@@ -119,6 +122,14 @@ class SequenceTensors:
             (),
         )
         return self.row(zeros, ready=False, state=state)
+
+    def stackable(self, state: State | None, like: State | None) -> State | None:
+        """``state`` for a filler row, or zeros shaped like ``like`` when the two cannot be stacked."""
+        if not self.variable_state or like is None:
+            return state
+        if state is not None and all(state[name].shape == value.shape for name, value in like.items()):
+            return state
+        return {name: np.zeros_like(value) for name, value in like.items()}
 
     def take_state(self, outputs: dict[str, np.ndarray]) -> State:
         """Remove the state outputs from a row's outputs; return them keyed by their state input."""
