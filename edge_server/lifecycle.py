@@ -33,6 +33,7 @@ from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, Se
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
+from edge_server.scheduler.sequence import SequenceScheduler
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class ModelManager:
         self._cpu_count = cpu_count
         self._control = threading.RLock()
         self._serving: dict[str, dict[int, LoadedVersion]] = {}  # replaced whole, never mutated
+        # Retiring sequence-model versions whose live sequences finish there (replaced whole, too).
+        self._sequence_holders: dict[str, tuple[LoadedVersion, ...]] = {}
         self._status_lock = threading.Lock()
         self._status: dict[_Key, VersionStatus] = {}
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (hash, reason)
@@ -101,6 +104,26 @@ class ModelManager:
             raise ModelNotFound(f"model {name!r} has no version {version}; serving versions: {available}")
         reasons = "; ".join(f"v{s.version}: {s.state.value} {s.reason}".strip() for s in known.values())
         raise ModelNotReady(f"model {name!r} is not ready ({reasons})")
+
+    def sequence_holder(self, name: str, correlation_id: int | str) -> LoadedVersion | None:
+        """The retiring version of ``name`` on which sequence ``correlation_id`` is still live, if any."""
+        for loaded in self._sequence_holders.get(name, ()):
+            scheduler = loaded.scheduler
+            if isinstance(scheduler, SequenceScheduler) and scheduler.holds(correlation_id):
+                return loaded
+        return None
+
+    def _hold_sequences(self, versions: list[LoadedVersion], *, held: bool) -> None:
+        """Let (or stop letting) the live sequences of retiring ``versions`` be routed to them."""
+        table = dict(self._sequence_holders)
+        for loaded in versions:
+            if loaded.config.sequence_batching is None:
+                continue
+            others = tuple(v for v in table.get(loaded.name, ()) if v is not loaded)
+            table[loaded.name] = (*others, loaded) if held else others
+            if not table[loaded.name]:
+                del table[loaded.name]
+        self._sequence_holders = table
 
     # -- index ----------------------------------------------------------------------------------
 
@@ -240,7 +263,8 @@ class ModelManager:
         self._serving = table
         self._retire(list(old.values()))
 
-    def _retire(self, versions: list[LoadedVersion]) -> None:
+    def _retire(self, versions: list[LoadedVersion], *, finish_sequences: bool = False) -> None:
+        """Drain and close ``versions``; with ``finish_sequences`` (a reload), live sequences end there."""
         if not versions:
             return
         # A copy replaced by a new copy of the same version number has no index row of its own.
@@ -250,8 +274,11 @@ class ModelManager:
         for loaded in versions:  # all stop taking requests first, then they share one drain deadline
             loaded.scheduler.close_intake()
         deadline = time.monotonic() + self._drain_timeout
+        if finish_sequences:
+            self._hold_sequences(versions, held=True)
         for loaded in versions:
-            loaded.retire(deadline)
+            loaded.retire(deadline, finish_sequences=finish_sequences)
+            self._hold_sequences([loaded], held=False)
             log.info("%s v%d unloaded", loaded.name, loaded.version)
         for loaded in shown:
             with self._status_lock:
@@ -316,6 +343,8 @@ class ModelManager:
         removed_but_serving = not ready and bool(current)
         if removed_but_serving:
             ready = dict(current)  # nothing on disk loads: what served before keeps serving
+        retiring = [v for key, v in current.items() if ready.get(key) is not v]
+        self._hold_sequences(retiring, held=True)  # before the switch: a live sequence never misses it
         table = dict(self._serving)
         if ready:
             table[name] = ready
@@ -332,13 +361,12 @@ class ModelManager:
             elif removed_but_serving:
                 reason = "still serving; no version on disk could be loaded"
             rows.append(VersionStatus(name, version, ModelState.READY, reason))
-        retiring = [v for key, v in current.items() if ready.get(key) is not v]
         rows += [
             VersionStatus(name, v.version, ModelState.UNLOADING) for v in retiring if v.version not in ready
         ]
         self._publish(name, rows)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
-        self._retire(retiring)
+        self._retire(retiring, finish_sequences=True)
         if not ready:
             raise ModelNotReady(f"model {name!r}: no version could be loaded ({_summary(failed)})")
 

@@ -22,6 +22,7 @@ from edge_server.errors import ConfigError
 from edge_server.platform.gpus import gpu_ids
 from edge_server.repository import ModelSource
 from edge_server.scheduler.scheduler import ModelScheduler
+from edge_server.scheduler.sequence import SequenceScheduler
 from edge_server.scheduler.stats import ModelStats
 from edge_server.validation import RequestValidator
 from edge_server.warmup import warm_up
@@ -36,16 +37,25 @@ class LoadedVersion:
     name: str
     version: int
     config: ModelConfig
-    scheduler: ModelScheduler
+    scheduler: ModelScheduler | SequenceScheduler
     stats: ModelStats
     content_hash: str
     devices: tuple[str, ...]
     validator: RequestValidator
     note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
 
-    def retire(self, deadline: float) -> None:
-        """Let queued and running requests finish (until ``deadline``, monotonic), then free everything."""
-        if not self.scheduler.drain(deadline):
+    def retire(self, deadline: float, *, finish_sequences: bool = False) -> None:
+        """Let queued and running requests finish (until ``deadline``, monotonic), then free everything.
+
+        ``finish_sequences`` (a reload with a successor): a sequence model also waits for its live
+        sequences to end or idle out, so that they finish on the version they started on.
+        """
+        scheduler = self.scheduler
+        if isinstance(scheduler, SequenceScheduler):
+            drained = scheduler.drain(deadline, finish_sequences=finish_sequences)
+        else:
+            drained = scheduler.drain(deadline)
+        if not drained:
             log.warning(
                 "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
             )
@@ -128,7 +138,11 @@ def load_version(
             raise
         return backend
 
-    scheduler = ModelScheduler(config, instances, stats, reload=reload)
+    scheduler: ModelScheduler | SequenceScheduler
+    if config.sequence_batching is not None:
+        scheduler = SequenceScheduler(config, instances, stats, source.path)
+    else:
+        scheduler = ModelScheduler(config, instances, stats, reload=reload)
     return LoadedVersion(
         name=source.name,
         version=version,
