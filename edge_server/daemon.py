@@ -7,8 +7,10 @@ SIGTERM and SIGINT drain and stop), so nothing heavy ever runs inside a handler.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -21,6 +23,9 @@ from edge_server.memory import limit_malloc_arenas
 from edge_server.server import ControlMode, Server
 
 log = logging.getLogger(__name__)
+
+# After the drain deadline, how long the IPC frontend may take to send the last answers.
+_FLUSH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,13 +85,30 @@ class Daemon:
             log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
             self._loop(server)
         finally:
-            log.info("stopping: draining requests")
+            # One budget for the whole stop: intake closes, what is in flight and queued gets until the
+            # deadline, what is left then fails UNAVAILABLE (and is answered), models unload.
+            deadline = time.monotonic() + options.drain_timeout
+            self._escalate_on_second_signal()
+            log.info("stopping: draining requests (up to %.1f s)", options.drain_timeout)
             if frontend is not None:
-                frontend.close()
+                frontend.refuse_new()
+            server.close(deadline)
+            if frontend is not None:
+                frontend.close(timeout=_FLUSH_S)  # every request has its answer now: send them
             kserve.close()
-            server.close()
             log.info("stopped")
         return 0
+
+    @staticmethod
+    def _escalate_on_second_signal() -> None:
+        """While stopping, a second SIGTERM/SIGINT stops at once (as uvicorn does)."""
+
+        def now(signum: int, _frame: FrameType | None) -> None:
+            os.write(2, f"received {signal.Signals(signum).name} while stopping: exiting now\n".encode())
+            os._exit(1)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, now)
 
     def _loop(self, server: Server) -> None:
         while True:

@@ -233,13 +233,25 @@ class ModelManager:
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
 
-    def close(self) -> None:
-        """Unload everything (each version drained up to the deadline); later control calls fail."""
-        with self._control:
+    def close(self, deadline: float | None = None) -> None:
+        """Unload everything; later control calls fail.
+
+        Every version drains (queued and running requests finish) until ``deadline`` (monotonic;
+        default: now + the drain timeout), one deadline for all; what is still queued then fails with
+        UNAVAILABLE.  A control operation stuck in user code (a hanging ``initialize``) does not hold
+        this up past the deadline: the models are retired without its lock.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + self._drain_timeout
+        locked = self._control.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        try:
             self._closed = True
             retiring = [loaded for versions in self._serving.values() for loaded in versions.values()]
             self._serving = {}
-            self._retire(retiring)
+            self._retire(retiring, deadline=deadline)
+        finally:
+            if locked:
+                self._control.release()
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
@@ -263,7 +275,9 @@ class ModelManager:
         self._serving = table
         self._retire(list(old.values()))
 
-    def _retire(self, versions: list[LoadedVersion], *, finish_sequences: bool = False) -> None:
+    def _retire(
+        self, versions: list[LoadedVersion], *, finish_sequences: bool = False, deadline: float | None = None
+    ) -> None:
         """Drain and close ``versions``; with ``finish_sequences`` (a reload), live sequences end there."""
         if not versions:
             return
@@ -273,7 +287,8 @@ class ModelManager:
             self._set(loaded.name, loaded.version, ModelState.UNLOADING)
         for loaded in versions:  # all stop taking requests first, then they share one drain deadline
             loaded.scheduler.close_intake()
-        deadline = time.monotonic() + self._drain_timeout
+        if deadline is None:
+            deadline = time.monotonic() + self._drain_timeout
         if finish_sequences:
             self._hold_sequences(versions, held=True)
         for loaded in versions:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 from edge_server.backends import backend_class, guess_backend
@@ -59,7 +60,12 @@ class LoadedVersion:
             log.warning(
                 "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
             )
-        self.scheduler.stop()
+        # Workers get a short grace past the shared deadline, never more: one stop, one budget.
+        self.scheduler.stop(grace=max(0.1, min(STOP_GRACE_S, deadline + STOP_GRACE_S - time.monotonic())))
+
+
+#: How long past the drain deadline a worker may take to notice it must stop (a stuck one is left).
+STOP_GRACE_S = 2.0
 
 
 def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:

@@ -236,8 +236,12 @@ class Server:
 
     # -- shutdown -------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Drain every model (each up to its drain deadline) and unload it.  Idempotent."""
+    def close(self, deadline: float | None = None) -> None:
+        """Drain, then unload every model; idempotent.
+
+        Requests get until ``deadline`` (monotonic; default: now + the drain timeout); what is still
+        queued then fails with UNAVAILABLE.
+        """
         with self._close_lock:  # two threads closing at once must not both stop the watcher
             if self._closed.is_set():
                 return
@@ -246,7 +250,7 @@ class Server:
             self._rebuilder.close()
         if self.watcher is not None:
             self.watcher.stop()  # first, so that no rescan starts while the models are unloaded
-        self._manager.close()
+        self._manager.close(deadline)
 
     def __enter__(self) -> Server:
         return self

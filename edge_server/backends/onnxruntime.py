@@ -142,6 +142,10 @@ def _split_sequence_tensors(
 
 
 class OnnxRuntimeBackend(TensorBackend):
+    # A CPU session's cost follows its input size, which the scheduler checks before lending it to a
+    # caller's thread; a CUDA session's instance sets this back to False at load.
+    allows_inline = True
+
     @classmethod
     def gpu_available(cls) -> bool:
         return "CUDAExecutionProvider" in ort.get_available_providers()
@@ -198,6 +202,7 @@ class OnnxRuntimeBackend(TensorBackend):
             raise ConfigError(f"{ctx.model_path}: onnxruntime failed to load the model: {exc}") from exc
         used = self._session.get_providers()[0]
         self.device = "cpu" if used == "CPUExecutionProvider" else f"cuda:{ctx.instance.device_id}"
+        self.allows_inline = self.device == "cpu"
         self.output_names = tuple(t.name for t in config.outputs) + config.state_outputs()
         self.batched = config.max_batch_size > 0
         strings = [t.name for t in config.inputs if t.data_type == "TYPE_STRING"]

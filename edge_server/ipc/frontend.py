@@ -88,6 +88,7 @@ class IpcFrontend:
         self._thread: threading.Thread | None = None
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-ipc-control")
         self._stopping = False
+        self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
@@ -127,6 +128,10 @@ class IpcFrontend:
         self._thread = threading.Thread(target=self._run, name="edge-ipc-frontend", daemon=True)
         self._thread.start()
         log.info("IPC frontend listening on %s", self.address)
+
+    def refuse_new(self) -> None:
+        """Answer new requests UNAVAILABLE while those in flight finish (the first step of a stop)."""
+        self._refusing = True
 
     def close(self, timeout: float | None = None) -> None:
         """Stop taking requests, give in-flight ones up to ``timeout`` to answer, then close.  Idempotent."""
@@ -319,7 +324,7 @@ class IpcFrontend:
             self._queue(identity, protocol.error_header(rid, EdgeServerError(f"internal error: {exc!r}")))
 
     def _infer(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
-        if self._stopping:
+        if self._stopping or self._refusing:
             raise ServerShuttingDown("the daemon is shutting down")
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
         outcome = self._dataplane.dispatch(request)
@@ -331,7 +336,7 @@ class IpcFrontend:
         outcome.add_done_callback(partial(self._infer_done, identity, ctx))
 
     def _stream(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
-        if self._stopping:
+        if self._stopping or self._refusing:
             raise ServerShuttingDown("the daemon is shutting down")
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
         if ctx.shm_outputs:
