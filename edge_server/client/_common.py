@@ -51,7 +51,8 @@ def dealer(ctx: zmq.Context[S], address: str) -> tuple[S, S]:
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
     sock.setsockopt(zmq.LINGER, 0)
     monitor = sock.get_monitor_socket(
-        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED, addr=f"inproc://edge-monitor-{next(_MONITORS)}"
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+        addr=f"inproc://edge-monitor-{next(_MONITORS)}",
     )
     sock.connect(address)
     return sock, monitor

@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import resource
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +31,7 @@ from edge_server.errors import (
     MalformedMessage,
     MessageTooLarge,
     ServerShuttingDown,
+    ShmUnavailable,
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
@@ -66,6 +69,7 @@ class IpcFrontend:
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         max_header_bytes: int = protocol.DEFAULT_MAX_HEADER_BYTES,
         probe_interval: float = 10.0,
+        max_connections: int | None = None,
         drain_timeout: float = 5.0,
     ) -> None:
         self.server = server
@@ -89,6 +93,10 @@ class IpcFrontend:
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-ipc-control")
         self._stopping = False
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
+        self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
+        self.max_regions = 0
+        self._connections = 0
+        self.refused_connections = 0
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
@@ -122,7 +130,8 @@ class IpcFrontend:
             ctx.term()
             raise
         self._ctx, self._sock = ctx, sock
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.max_connections, self.max_regions = fd_budget(self.max_connections)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # The thread takes the socket over; Thread.start() is the memory barrier ZeroMQ asks for.
         self._thread = threading.Thread(target=self._run, name="edge-ipc-frontend", daemon=True)
@@ -159,6 +168,8 @@ class IpcFrontend:
     def status(self) -> dict[str, int]:
         """Counters for status lines and tests; exact when called on the frontend thread."""
         return {
+            "connections": self._connections,
+            "refused_connections": self.refused_connections,
             "clients": len(self._peers),
             "regions": self._peers.region_count(),
             "released_clients": self._peers.dropped,
@@ -214,7 +225,13 @@ class IpcFrontend:
             elif item is monitor:
                 while cast(int, monitor.get(_EVENTS)) & _POLLIN:
                     event = recv_monitor_message(monitor)
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                    if event["event"] == zmq.EVENT_ACCEPTED:
+                        self._connections += 1
+                        if self._connections > self.max_connections:
+                            refuse_connection(event["value"])
+                            self.refused_connections += 1
+                    elif event["event"] == zmq.EVENT_DISCONNECTED:
+                        self._connections = max(0, self._connections - 1)
                         peers.disconnect_seen()
             else:
                 try:
@@ -308,6 +325,10 @@ class IpcFrontend:
                 # it would make ZeroMQ drop the connection (ZMQ_MAXMSGSIZE) instead of getting an answer.
                 self._queue(
                     identity, protocol.ok_header(rid, live=True, max_message_bytes=self.max_message_bytes)
+                )
+            elif op == "shm_register" and self._peers.region_count() >= self.max_regions:
+                raise ShmUnavailable(
+                    f"the daemon holds {self.max_regions} shared-memory regions, its limit (descriptors)"
                 )
             elif op in handlers.SLOW_OPS:
                 future = self._control.submit(
@@ -424,6 +445,42 @@ class _IpcStream(ResponseSink):
             frames = [protocol.pack({**protocol.error_header(rid, _as_error(exc)), "final": final})]
         self.frontend._replies.append((self.identity, frames, self if final else None))
         self.frontend._wake()
+
+
+#: Descriptors kept free for everything but connections and regions: models, files, hand-offs.
+FD_RESERVE = 320
+
+
+def fd_budget(max_connections: int) -> tuple[int, int]:
+    """(connections, shared-memory regions) the daemon may hold without running out of descriptors.
+
+    libzmq aborts the whole process when ``accept`` fails with EMFILE, so the daemon raises its soft
+    descriptor limit to the hard one and keeps connections and regions (one descriptor each) within
+    what is left after a reserve.  ``max_connections`` (0: as many as fit) is capped by that too.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    room = max(16, (min(soft, 1 << 20) - FD_RESERVE) // 2)
+    connections = min(room, max_connections) if max_connections > 0 else min(room, 4096)
+    return connections, room
+
+
+def refuse_connection(fd: int) -> None:
+    """Close a just-accepted connection from outside libzmq: shut its socket down; libzmq sees EOF."""
+    try:
+        duplicate = os.dup(fd)
+    except OSError:
+        return
+    try:
+        with socket.socket(fileno=duplicate) as conn:
+            conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _as_error(exc: BaseException) -> EdgeServerError:
