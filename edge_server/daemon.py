@@ -6,6 +6,7 @@ SIGTERM and SIGINT drain and stop), so nothing heavy ever runs inside a handler.
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import queue
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from edge_server.errors import EdgeServerError
+from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
@@ -36,10 +37,20 @@ class DaemonOptions:
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
     engine_build: str = "none"  # "on-load": rebuild stale TensorRT plans while their ONNX serves
     kserve: KServeOptions = KServeOptions()
+
+
+def operator_gid(group: str | None) -> int | None:
+    if group is None:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"--operator-group {group!r}: no such group") from None
 
 
 class Daemon:
@@ -77,6 +88,7 @@ class Daemon:
                     address,
                     max_message_bytes=options.max_message_bytes,
                     max_header_bytes=options.max_header_bytes,
+                    operator_gid=operator_gid(options.operator_group),
                     drain_timeout=options.drain_timeout,
                 )
                 frontend.start()

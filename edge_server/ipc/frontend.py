@@ -16,6 +16,7 @@ import logging
 import os
 import resource
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,7 @@ from edge_server.errors import (
     InvalidArgument,
     MalformedMessage,
     MessageTooLarge,
+    PermissionDenied,
     ServerShuttingDown,
     ShmUnavailable,
 )
@@ -70,6 +72,7 @@ class IpcFrontend:
         max_header_bytes: int = protocol.DEFAULT_MAX_HEADER_BYTES,
         probe_interval: float = 10.0,
         max_connections: int | None = None,
+        operator_gid: int | None = None,
         drain_timeout: float = 5.0,
     ) -> None:
         self.server = server
@@ -95,6 +98,7 @@ class IpcFrontend:
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
         self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
         self.max_regions = 0
+        self.operator_gid = operator_gid
         self._connections = 0
         self.refused_connections = 0
         self._socket_file: tuple[int, int] | None = None
@@ -331,6 +335,7 @@ class IpcFrontend:
                     f"the daemon holds {self.max_regions} shared-memory regions, its limit (descriptors)"
                 )
             elif op in handlers.SLOW_OPS:
+                self._authorize(head, op)
                 future = self._control.submit(
                     handlers.control, self.server, peer.registry, op, header, self._handoff
                 )
@@ -343,6 +348,17 @@ class IpcFrontend:
         except Exception as exc:
             log.exception("IPC request from %s failed unexpectedly", identity.hex())
             self._queue(identity, protocol.error_header(rid, EdgeServerError(f"internal error: {exc!r}")))
+
+    def _authorize(self, frame: zmq.Frame, op: str) -> None:
+        """Operations that change what is served: the daemon's own user or group, root, or operators."""
+        uid, groups = peer_identity(frame)
+        if uid in (0, os.geteuid()) or os.getegid() in groups or self.operator_gid in groups:
+            return
+        raise PermissionDenied(
+            f"operation {op!r} is allowed to the daemon's user and group"
+            + (" and its operator group" if self.operator_gid is not None else "")
+            + f"; uid {uid} is neither (inference stays open to every client)"
+        )
 
     def _infer(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
         if self._stopping or self._refusing:
@@ -468,6 +484,27 @@ def fd_budget(max_connections: int) -> tuple[int, int]:
     room = max(16, (min(soft, 1 << 20) - FD_RESERVE) // 2)
     connections = min(room, max_connections) if max_connections > 0 else min(room, 4096)
     return connections, room
+
+
+_CREDS = struct.Struct("3i")
+
+
+def peer_identity(frame: zmq.Frame) -> tuple[int, set[int]]:
+    """(uid, groups) of the process that sent ``frame`` (SO_PEERCRED of its connection, /proc groups)."""
+    try:
+        with socket.socket(fileno=os.dup(frame.get(zmq.SRCFD))) as conn:
+            pid, uid, gid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+    except (OSError, zmq.ZMQError):
+        return -1, set()  # not a Unix socket (tcp://): no credentials, no control
+    groups = {gid}
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+    except OSError:
+        pass
+    return uid, groups
 
 
 def refuse_connection(fd: int) -> None:
