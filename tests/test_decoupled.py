@@ -89,7 +89,7 @@ def test_stopping_early_cancels_the_request(server: Server, tmp_path: Path) -> N
         assert int(first["OUT"][0]) == 0
     deadline = time.monotonic() + 10
     log = tmp_path / "repeat.log"
-    while not log.exists() and time.monotonic() < deadline:
+    while not (log.exists() and log.read_text().endswith("\n")) and time.monotonic() < deadline:
         time.sleep(0.02)
     sent, cancelled = map(int, log.read_text().split())
     assert cancelled == 1 and sent < 50

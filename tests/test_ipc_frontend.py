@@ -10,6 +10,7 @@ import pytest
 
 from edge_server import Server
 from edge_server.client import Client, SharedMemoryRegion
+from edge_server.client._common import register_fields
 from edge_server.errors import MessageTooLarge
 from edge_server.ipc.frontend import IpcFrontend
 from tests.daemon import RawPeer, header, start_pyzmq_gc, wait_for
@@ -39,7 +40,7 @@ def test_vanished_client_is_found_by_a_probe(server: Server, tmp_path: Path) -> 
     region = SharedMemoryRegion(4096)
     try:
         peer = RawPeer(frontend.address)
-        assert peer.ask([header(op="shm_register", name=region.name)])["ok"]
+        assert peer.ask([header(op="shm_register", **register_fields(frontend.address, region))])["ok"]
         assert frontend.status()["regions"] == 1
         peer.close()
         wait_for(lambda: frontend.status()["regions"] == 0, what="the frontend to release the region")

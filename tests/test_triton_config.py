@@ -243,7 +243,7 @@ def test_reshape_element_count_follows_tritons_rules(
         (
             'platform: "tensorrt_plan"',
             {"1/model.plan": b"engine"},
-            "backend 'tensorrt' is supported by edge-server but cannot run here: it needs TensorRT",
+            "model.plan cannot serve here: TensorRT not installed",
         ),
     ],
 )

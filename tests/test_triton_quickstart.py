@@ -347,10 +347,11 @@ def test_auto_complete_example_configs_are_what_its_client_expects(server: Serve
 
 
 @pytest.mark.parametrize("name", ["simple_sequence", "simple_dyna_sequence"])
-def test_sequence_configs_parse_and_name_what_is_not_acted_on(name: str) -> None:
+def test_sequence_configs_parse_into_the_sequence_batcher(name: str) -> None:
     config, warnings = load_config_file(CONFIGS / name / "config.pbtxt", default_name=name)
     assert config.inputs[0].name == "INPUT"
-    assert any("'sequence_batching'" in w for w in warnings)
+    assert config.sequence_batching is not None  # acted on now, not warned about
+    assert not any("'sequence_batching'" in w for w in warnings)
 
 
 def test_decoupled_square_example_streams_what_its_client_expects(daemon: Daemon) -> None:
