@@ -182,6 +182,14 @@ def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) ->
     except ValueError:  # ragged nesting
         raise InvalidArgument(f"tensor {name!r}: data is a ragged nested list") from None
     allowed = _JSON_KINDS.get(datatype, "iu")
+    if allowed == "iu" and array.dtype.kind in "fO":
+        # Integers beyond int64 (UINT64's upper half) make numpy fall back to float64 or objects.
+        flat = _flatten(data, name)
+        if all(type(v) is int for v in flat):
+            try:
+                array = np.array(flat, dtype=NUMPY[datatype])
+            except OverflowError:
+                raise InvalidArgument(f"tensor {name!r}: a value is out of range for {datatype}") from None
     if array.dtype.kind not in allowed or (array.size == 0 and count != 0):
         kind = {"b": "booleans", "iu": "integers", "iuf": "numbers"}[allowed]
         raise InvalidArgument(f"tensor {name!r}: {datatype} data must be {kind}, got {_sample(data)}")

@@ -1,0 +1,260 @@
+"""KServe v2 over HTTP with the real tritonclient.http against the real daemon, and hand-made requests
+for everything a stock client never sends (malformed JSON, lying lengths, oversized bodies)."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.kserve_daemon import KServeDaemon, ort_run
+
+
+@pytest.fixture
+def client(kserve: KServeDaemon) -> httpclient.InferenceServerClient:
+    c = httpclient.InferenceServerClient(kserve.http_url)
+    yield c
+    c.close()
+
+
+def raw(
+    kserve: KServeDaemon, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+):
+    conn = http.client.HTTPConnection("127.0.0.1", kserve.http_port, timeout=10)
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, response.read(), dict(response.getheaders())
+    finally:
+        conn.close()
+
+
+def test_health_and_server_metadata(client: httpclient.InferenceServerClient) -> None:
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("digits")
+    assert client.is_model_ready("digits", "1")
+    assert not client.is_model_ready("no-such-model")
+    meta = client.get_server_metadata()
+    assert meta["name"] == "edge-server"
+    assert {"binary_tensor_data", "model_repository", "statistics", "system_shared_memory"} <= set(
+        meta["extensions"]
+    )
+
+
+def test_model_metadata_and_config(client: httpclient.InferenceServerClient) -> None:
+    meta = client.get_model_metadata("digits")
+    assert meta["versions"] == ["1"]
+    assert meta["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
+    assert client.get_model_metadata("digits", "1") == meta
+    config = client.get_model_config("digits")
+    assert config["max_batch_size"] == 8
+    assert config["input"][0]["data_type"] == "TYPE_FP32"
+    with pytest.raises(InferenceServerException) as info:
+        client.get_model_metadata("no-such-model")
+    assert info.value.status() == "404"
+    assert "MODEL_NOT_FOUND" in info.value.message()
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_infer_equals_onnxruntime(
+    client: httpclient.InferenceServerClient, ipc_repository: Path, binary: bool
+) -> None:
+    image = np.random.default_rng(1).random((3, 1, 8, 8), dtype=np.float32)
+    tensor = httpclient.InferInput("image", list(image.shape), "FP32")
+    tensor.set_data_from_numpy(image, binary_data=binary)
+    result = client.infer(
+        "digits",
+        [tensor],
+        outputs=[httpclient.InferRequestedOutput("probabilities", binary_data=binary)],
+        request_id="r-1",
+    )
+    expected = ort_run(ipc_repository, "digits", {"image": image})[0]
+    np.testing.assert_allclose(result.as_numpy("probabilities"), expected, rtol=1e-6)
+    response = result.get_response()
+    assert response["id"] == "r-1"
+    assert response["model_version"] == "1"
+
+
+def test_infer_with_compression_both_ways(
+    client: httpclient.InferenceServerClient, ipc_repository: Path
+) -> None:
+    image = np.random.default_rng(2).random((1, 1, 8, 8), dtype=np.float32)
+    tensor = httpclient.InferInput("image", list(image.shape), "FP32")
+    tensor.set_data_from_numpy(image)
+    expected = ort_run(ipc_repository, "digits", {"image": image})[0]
+    for request_algorithm, response_algorithm in (("gzip", "deflate"), ("deflate", "gzip")):
+        result = client.infer(
+            "digits",
+            [tensor],
+            request_compression_algorithm=request_algorithm,
+            response_compression_algorithm=response_algorithm,
+        )
+        np.testing.assert_allclose(result.as_numpy("probabilities"), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_string_tensors(client: httpclient.InferenceServerClient, binary: bool) -> None:
+    text = np.array([b"hello", "w\u00f6rld".encode(), b""], dtype=object)
+    tensor = httpclient.InferInput("TEXT", [3], "BYTES")
+    tensor.set_data_from_numpy(text, binary_data=binary)
+    result = client.infer(
+        "text", [tensor], outputs=[httpclient.InferRequestedOutput("UPPER", binary_data=binary)]
+    )
+    upper = [v if isinstance(v, bytes) else v.encode() for v in result.as_numpy("UPPER").tolist()]
+    assert upper == [b"HELLO", "W\u00f6RLD".encode(), b""]  # JSON data comes back as str
+
+
+def test_bad_input_raises_with_our_message_and_code(client: httpclient.InferenceServerClient) -> None:
+    image = np.zeros((1, 8, 8), dtype=np.float32)
+    tensor = httpclient.InferInput("image", [1, 8, 8], "FP32")
+    tensor.set_data_from_numpy(image)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("digits", [tensor])
+    assert info.value.status() == "400"
+    assert info.value.message() == (
+        "INVALID_ARGUMENT: model 'digits' input 'image': expected shape [batch, 1, 8, 8], got [1, 8, 8]"
+    )
+    wrong = httpclient.InferInput("nope", [1, 1, 8, 8], "FP32")
+    wrong.set_data_from_numpy(image[None])
+    with pytest.raises(InferenceServerException, match="nope"):
+        client.infer("digits", [wrong])
+
+
+def test_statistics_count_requests(client: httpclient.InferenceServerClient) -> None:
+    def count() -> int:
+        stats = client.get_inference_statistics("identity")["model_stats"]
+        assert [s["version"] for s in stats] == ["1"]
+        return int(stats[0]["inference_count"])
+
+    before = count()
+    tensor = httpclient.InferInput("INPUT0", [4], "FP32")
+    tensor.set_data_from_numpy(np.arange(4, dtype=np.float32))
+    for _ in range(3):
+        np.testing.assert_array_equal(
+            client.infer("identity", [tensor]).as_numpy("OUTPUT0"), np.arange(4, dtype=np.float32)
+        )
+    assert count() == before + 3
+    everything = client.get_inference_statistics()["model_stats"]
+    assert {"identity", "digits"} <= {s["name"] for s in everything}
+    assert client.get_inference_statistics("identity", "1")["model_stats"][0]["version"] == "1"
+
+
+def test_unload_and_load(client: httpclient.InferenceServerClient) -> None:
+    assert client.is_model_ready("cnn")
+    client.unload_model("cnn")
+    assert not client.is_model_ready("cnn")
+    index = {row["name"]: row for row in client.get_model_repository_index()}
+    assert index["cnn"]["state"] == "UNAVAILABLE"
+    client.load_model("cnn")
+    assert client.is_model_ready("cnn")
+    with pytest.raises(InferenceServerException, match="override"):
+        client.load_model("cnn", config=json.dumps({"max_batch_size": 2}))
+    with pytest.raises(InferenceServerException, match="MODEL_NOT_FOUND"):
+        client.unload_model("no-such-model")
+
+
+def test_request_parameters_are_checked(client: httpclient.InferenceServerClient) -> None:
+    tensor = httpclient.InferInput("INPUT0", [1], "FP32")
+    tensor.set_data_from_numpy(np.ones(1, dtype=np.float32))
+    client.infer("identity", [tensor], parameters={"mode": "fast", "level": 3, "flag": True})
+    with pytest.raises(InferenceServerException, match="must be a bool, an integer or a string"):
+        client.infer("identity", [tensor], parameters={"ratio": 0.5})
+
+
+def test_logging_and_trace_settings_read_only(client: httpclient.InferenceServerClient) -> None:
+    assert client.get_log_settings()["log_info"] is True
+    assert client.get_trace_settings()["trace_level"] == ["OFF"]
+
+
+def test_cuda_shared_memory_is_not_supported(client: httpclient.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported") as info:
+        client.get_cuda_shared_memory_status()
+    assert info.value.status() == "501"
+
+
+# -- what stock clients never send ------------------------------------------------------------------
+
+
+def test_malformed_json_is_400(kserve: KServeDaemon) -> None:
+    status, body, _ = raw(kserve, "POST", "/v2/models/identity/infer", b"{not json")
+    assert status == 400
+    assert "not valid JSON" in json.loads(body)["error"]
+    status, body, _ = raw(kserve, "POST", "/v2/models/identity/infer", b'{"inputs": "x"}')
+    assert status == 400
+    assert "'inputs' must be a list" in json.loads(body)["error"]
+
+
+def test_wrong_lengths_are_400(kserve: KServeDaemon) -> None:
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "INPUT0", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}
+            ]
+        }
+    ).encode()
+    data = np.ones(2, dtype=np.float32).tobytes()
+    status, body, _ = raw(
+        kserve,
+        "POST",
+        "/v2/models/identity/infer",
+        header + data,
+        {"Inference-Header-Content-Length": str(len(header) + 100)},
+    )
+    assert status == 400 and "Inference-Header-Content-Length" in json.loads(body)["error"]
+    status, body, _ = raw(
+        kserve,
+        "POST",
+        "/v2/models/identity/infer",
+        header + data[:4],
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert status == 400 and "past the end of the body" in json.loads(body)["error"]
+    status, body, _ = raw(
+        kserve,
+        "POST",
+        "/v2/models/identity/infer",
+        header + data + b"xx",
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert status == 400 and "belong to no input" in json.loads(body)["error"]
+    # An HTTP Content-Length shorter than the body: the server reads what was declared, which is no JSON.
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n" + header
+        )
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 400")
+
+
+def test_oversized_body_is_refused_before_it_is_read(kserve: KServeDaemon) -> None:
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n{"
+        )
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 413")
+    assert b"at most" in reply
+    bomb = gzip.compress(b" " * (40 << 20))  # inflates past the daemon's 32 MiB limit
+    status, body, _ = raw(kserve, "POST", "/v2/models/identity/infer", bomb, {"Content-Encoding": "gzip"})
+    assert status == 413 and "inflated" in json.loads(body)["error"]
+
+
+def test_unknown_routes_and_methods(kserve: KServeDaemon) -> None:
+    status, body, _ = raw(kserve, "GET", "/v2/nothing/here")
+    assert status == 404 and "no such endpoint" in json.loads(body)["error"]
+    status, body, _ = raw(kserve, "GET", "/v2/models/identity/infer")
+    assert status == 405
+    status, body, _ = raw(kserve, "GET", "/v2/models/identity/versions/x")
+    assert status == 400 and "version" in json.loads(body)["error"]
+
+
+def test_daemon_still_serves_after_all_that(client: httpclient.InferenceServerClient) -> None:
+    assert client.is_server_ready()
