@@ -14,6 +14,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.daemon import wait_for
 from tests.kserve_daemon import KServeDaemon, ort_run
 
 
@@ -141,7 +142,8 @@ def test_statistics_count_requests(client: httpclient.InferenceServerClient) -> 
         np.testing.assert_array_equal(
             client.infer("identity", [tensor]).as_numpy("OUTPUT0"), np.arange(4, dtype=np.float32)
         )
-    assert count() == before + 3
+    # A queued request's statistics are recorded just after its response is delivered: ask again.
+    wait_for(lambda: count() == before + 3, what="the requests in the statistics")
     everything = client.get_inference_statistics()["model_stats"]
     assert {"identity", "digits"} <= {s["name"] for s in everything}
     assert client.get_inference_statistics("identity", "1")["model_stats"][0]["version"] == "1"

@@ -1,0 +1,157 @@
+"""KServe v2 over gRPC with the real tritonclient.grpc against the real daemon."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests.daemon import Gate, wait_for
+from tests.kserve_daemon import KServeDaemon, ort_run
+
+
+@pytest.fixture
+def client(kserve: KServeDaemon) -> Iterator[grpcclient.InferenceServerClient]:
+    c = grpcclient.InferenceServerClient(kserve.grpc_url)
+    yield c
+    c.close()
+
+
+def test_health_and_metadata(client: grpcclient.InferenceServerClient) -> None:
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("digits")
+    assert not client.is_model_ready("no-such-model")
+    assert client.get_server_metadata(as_json=True)["name"] == "edge-server"
+    meta = client.get_model_metadata("digits", as_json=True)
+    assert meta["inputs"] == [{"name": "image", "datatype": "FP32", "shape": ["-1", "1", "8", "8"]}]
+    config = client.get_model_config("digits", as_json=True)["config"]
+    assert config["max_batch_size"] == 8
+    assert config["input"][0]["data_type"] == "TYPE_FP32"
+    with pytest.raises(InferenceServerException) as info:
+        client.get_model_metadata("no-such-model")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_infer_raw_contents_equal_onnxruntime(
+    client: grpcclient.InferenceServerClient, ipc_repository: Path
+) -> None:
+    image = np.random.default_rng(3).random((4, 1, 8, 8), dtype=np.float32)
+    tensor = grpcclient.InferInput("image", list(image.shape), "FP32")
+    tensor.set_data_from_numpy(image)
+    result = client.infer("digits", [tensor], request_id="g-1")
+    expected = ort_run(ipc_repository, "digits", {"image": image})[0]
+    np.testing.assert_allclose(result.as_numpy("probabilities"), expected, rtol=1e-6)
+    response = result.get_response()
+    assert response.id == "g-1"
+    assert response.model_version == "1"
+
+
+def test_string_tensors(client: grpcclient.InferenceServerClient) -> None:
+    text = np.array([b"abc", b"", "\u00e9".encode()], dtype=object)
+    tensor = grpcclient.InferInput("TEXT", [3], "BYTES")
+    tensor.set_data_from_numpy(text)
+    result = client.infer("text", [tensor], outputs=[grpcclient.InferRequestedOutput("UPPER")])
+    assert result.as_numpy("UPPER").tolist() == [b"ABC", b"", "\u00e9".encode()]
+
+
+def test_bad_input_raises_with_our_message_and_code(client: grpcclient.InferenceServerClient) -> None:
+    tensor = grpcclient.InferInput("image", [1, 8, 8], "FP32")
+    tensor.set_data_from_numpy(np.zeros((1, 8, 8), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("digits", [tensor])
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert info.value.message() == (
+        "INVALID_ARGUMENT: model 'digits' input 'image': expected shape [batch, 1, 8, 8], got [1, 8, 8]"
+    )
+
+
+def test_statistics_and_repository(client: grpcclient.InferenceServerClient) -> None:
+    tensor = grpcclient.InferInput("INPUT0", [2], "FP32")
+    tensor.set_data_from_numpy(np.ones(2, dtype=np.float32))
+
+    def count() -> int:
+        stats = client.get_inference_statistics("identity", as_json=True)["model_stats"][0]
+        return int(stats.get("inference_count", 0))  # proto JSON leaves zeros out
+
+    before = count()
+    client.infer("identity", [tensor])
+    # A queued request's statistics are recorded just after its response is delivered: ask again.
+    wait_for(lambda: count() == before + 1, what="the request in the statistics")
+    names = {m["name"] for m in client.get_model_repository_index(as_json=True)["models"]}
+    assert {"identity", "digits", "text"} <= names
+    client.unload_model("cnn")
+    assert not client.is_model_ready("cnn")
+    client.load_model("cnn")
+    assert client.is_model_ready("cnn")
+
+
+def test_stream_many_in_flight_with_errors_inline(client: grpcclient.InferenceServerClient) -> None:
+    results: queue.Queue[tuple[object, object]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for k in range(20):
+            tensor = grpcclient.InferInput("INPUT0", [3], "FP32")
+            tensor.set_data_from_numpy(np.full(3, k, dtype=np.float32))
+            client.async_stream_infer("identity", [tensor], request_id=str(k))
+        bad = grpcclient.InferInput("INPUT0", [3], "INT32")
+        bad.set_data_from_numpy(np.zeros(3, dtype=np.int32))
+        client.async_stream_infer("identity", [bad], request_id="bad")
+        seen = {}
+        errors = []
+        for _ in range(21):
+            result, error = results.get(timeout=10)
+            if error is not None:
+                errors.append(error)
+            else:
+                response = result.get_response()  # type: ignore[attr-defined]
+                seen[response.id] = result.as_numpy("OUTPUT0")  # type: ignore[attr-defined]
+    finally:
+        client.stop_stream()
+    assert sorted(seen, key=int) == [str(k) for k in range(20)]
+    for key, value in seen.items():
+        np.testing.assert_array_equal(value, np.full(3, int(key), dtype=np.float32))
+    assert len(errors) == 1 and "INVALID_ARGUMENT" in str(errors[0])
+
+
+def test_stream_requests_overlap(client: grpcclient.InferenceServerClient, kserve: KServeDaemon) -> None:
+    """Two requests on one stream are in the model at once: the second is not held behind the first."""
+    gate = kserve.daemon.gate
+    assert isinstance(gate, Gate)
+    results: queue.Queue[tuple[object, object]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for k in range(2):
+            tensor = grpcclient.InferInput("INPUT0", [1], "FP32")
+            tensor.set_data_from_numpy(np.full(1, k, dtype=np.float32))
+            client.async_stream_infer("identity", [tensor], request_id=f"i{k}")
+        tensor = grpcclient.InferInput("INPUT0", [1], "FP32")
+        tensor.set_data_from_numpy(np.ones(1, dtype=np.float32))
+        client.async_stream_infer("gate", [tensor], request_id="gated")
+        gate.wait_started(1)
+        client.async_stream_infer("identity", [tensor], request_id="after")
+        first = [results.get(timeout=10) for _ in range(3)]
+        assert sorted(r.get_response().id for r, _ in first) == ["after", "i0", "i1"]  # type: ignore[attr-defined]
+        gate.release(1)
+        result, error = results.get(timeout=10)
+        assert error is None and result.get_response().id == "gated"  # type: ignore[attr-defined]
+    finally:
+        gate.settle()
+        client.stop_stream()
+
+
+def test_cuda_shared_memory_is_unimplemented(client: grpcclient.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported") as info:
+        client.get_cuda_shared_memory_status()
+    assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+
+
+def test_settings_read_only(client: grpcclient.InferenceServerClient) -> None:
+    assert client.get_log_settings(as_json=True)["settings"]["log_info"]["bool_param"] is True
+    with pytest.raises(InferenceServerException, match="read-only"):
+        client.update_log_settings({"log_verbose_level": 1})
