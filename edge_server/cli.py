@@ -121,7 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
             )
             sub.add_argument("--output", action="append", default=None, metavar="NAME")
             sub.add_argument("--top", type=int, default=3, help="classes to print for classification outputs")
+    _add_tools(commands)
     return parser
+
+
+def _add_tools(commands: Any) -> None:
+    """Register the tools in edge_server/tools (dla-report, build-engine, doctor); each sets ``tool_run``."""
+    import importlib
+
+    from edge_server.tools import TOOLS
+
+    for name in TOOLS:
+        importlib.import_module(f"edge_server.tools.{name}").add_parser(commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "models":
             return _models(args)
+        if hasattr(args, "tool_run"):  # a tool from edge_server/tools
+            return int(args.tool_run(args))
         return _infer(args)
     except EdgeServerError as exc:
         print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)

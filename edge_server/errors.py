@@ -195,3 +195,13 @@ class ReplyTimeout(RequestTimeout):
     """Client side: no reply within the caller's timeout (the daemon may be down or overloaded)."""
 
     code = "TIMEOUT"
+
+
+# -- tools (edge_server.tools, edge_server.dla) ------------------------------------------------------
+
+
+class MissingDependency(EdgeServerError):
+    """An optional package a tool needs is not installed; the message names the package and the extra."""
+
+    code = "MISSING_DEPENDENCY"
+    http_status = 500

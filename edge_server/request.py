@@ -17,6 +17,7 @@ import abc
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 
@@ -70,6 +71,20 @@ class InferRequest:
     sequence_end: bool = False
 
 
+class RequestOptions(TypedDict, total=False):
+    """:class:`InferRequest`'s optional fields, for APIs that take them as keyword arguments."""
+
+    version: int | None
+    outputs: Sequence[str] | None
+    priority: int
+    timeout_us: int | None
+    request_id: str
+    parameters: Parameters
+    correlation_id: int | str
+    sequence_start: bool
+    sequence_end: bool
+
+
 @dataclass(slots=True)
 class BatchItem:
     """One validated request in a batch; ``inputs`` carry the batch axis where the model has one.
@@ -121,6 +136,7 @@ class ResponseSink(abc.ABC):
         self.finished = False
         self.cancelled = False
         self.responses = 0  # responses delivered, the final one included when it carried outputs
+        self.model_sends = False  # a decoupled model sends the responses (and the final) itself
 
     def put(
         self, outputs: Mapping[str, np.ndarray] | None, error: EdgeServerError | None, *, final: bool

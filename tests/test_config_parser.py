@@ -138,7 +138,6 @@ sequence_batching {
   ]
 }
 response_cache { enable: true }
-model_transaction_policy { decoupled: true }
 optimization { graph { level: 1 } input_pinned_memory { enable: false } }
 instance_group [ { kind: KIND_CPU count: 1 rate_limiter { resources [ { name: "R1" count: 2 } ] } } ]
 metric_tags { key: "team" value: "vision" }
@@ -438,12 +437,20 @@ def test_sequence_batching_and_other_ignored_fields_warn() -> None:
         "optimization.input_pinned_memory",
         "sequence_batching",
         "metric_tags",
-        "model_transaction_policy",
         "response_cache",
     ]
     for path in expected:
         assert f"config.pbtxt: field '{path}' is not supported by edge-server yet and is ignored" in warnings
     assert len(warnings) == len(expected)
+
+
+def test_decoupled_is_parsed_and_refused_for_backends_that_answer_once() -> None:
+    python = 'name: "m"\nbackend: "python"\nmodel_transaction_policy { decoupled: true }\n'
+    config, warnings = parse(python, name="m")
+    assert config.decoupled and warnings == []
+    assert config.to_triton_dict()["model_transaction_policy"] == {"decoupled": True}
+    with pytest.raises(ConfigError, match="model_transaction_policy.decoupled"):
+        parse(python.replace("python", "onnxruntime"), name="m")
 
 
 def test_ensemble_scheduling_warns() -> None:

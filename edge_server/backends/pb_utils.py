@@ -8,12 +8,13 @@ the request path are here; BLS calls (``InferenceRequest.exec``) arrive with the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from edge_server import dtypes
+from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START
 
 
 class TritonError(Exception):
@@ -62,15 +63,74 @@ class Tensor:
         return list(self._array.shape)
 
 
+#: ``InferenceResponseSender.send(flags=...)``: this is the last response of the request.
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+#: ``InferenceRequest.flags()`` bits of a sequence's first and last request.
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = REQUEST_FLAG_SEQUENCE_START
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = REQUEST_FLAG_SEQUENCE_END
+
+
+class TritonModelException(Exception):
+    """Raised by the server's utilities (a closed response sender, a bad call) into model code."""
+
+
+class InferenceResponseSender:
+    """A decoupled model's way to answer: any number of ``send(response)``, then one FINAL flag.
+
+    It may be used from any thread, also after ``execute`` returned.  ``emit`` is the backend's: it
+    checks and converts the response and hands it to the request's stream.
+    """
+
+    def __init__(self, emit: Callable[[InferenceResponse | None, bool], bool], cancelled: Callable[[], bool]):
+        self._emit = emit
+        self._cancelled = cancelled
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonModelException(
+                f"send(): unknown flags {flags!r}; use 0 or TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+            )
+        final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if response is None and not final:
+            raise TritonModelException(
+                "send(): give a response, or flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(
+                f"send(): expected an InferenceResponse, got {type(response).__name__}"
+            )
+        if not self._emit(response, final):
+            raise TritonModelException(
+                "send(): the response sender is closed (the final flag was already sent)"
+            )
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled()
+
+
 class InferenceRequest:
     """One request handed to ``TritonPythonModel.execute``."""
 
     def __init__(
-        self, inputs: dict[str, np.ndarray], requested_outputs: Iterable[str], request_id: str = ""
+        self,
+        inputs: dict[str, np.ndarray],
+        requested_outputs: Iterable[str],
+        request_id: str = "",
+        *,
+        parameters: Mapping[str, Any] | None = None,
+        correlation_id: int | str = 0,
+        flags: int = 0,
+        timeout: int = 0,
+        sender: InferenceResponseSender | None = None,
     ) -> None:
         self._inputs = [Tensor(name, array) for name, array in inputs.items()]
         self._requested = list(requested_outputs)
         self._request_id = request_id
+        self._parameters = dict(parameters or {})
+        self._correlation_id = correlation_id
+        self._flags = flags
+        self._timeout = timeout
+        self._sender = sender
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs)
@@ -81,8 +141,30 @@ class InferenceRequest:
     def request_id(self) -> str:
         return self._request_id
 
+    def parameters(self) -> str:
+        """The request's parameters as a JSON object string, as Triton hands them to a model."""
+        return json.dumps(self._parameters)
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        """The request's queue timeout in microseconds (0: none)."""
+        return self._timeout
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None:
+            raise TritonModelException(
+                "get_response_sender() is only available to decoupled models "
+                "(model_transaction_policy { decoupled: true })"
+            )
+        return self._sender
+
     def is_cancelled(self) -> bool:
-        return False
+        return self._sender.is_cancelled() if self._sender is not None else False
 
 
 class InferenceResponse:

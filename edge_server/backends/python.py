@@ -28,6 +28,7 @@ from edge_server.backends import pb_utils
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import ConfigError, ModelExecutionError
+from edge_server.request import ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,19 @@ def _import_model(path: Path) -> ModuleType:
     if not hasattr(module, _CLASS_NAME):
         raise ConfigError(f"{path}: defines no class {_CLASS_NAME}")
     return module
+
+
+class _Discard(ResponseSink):
+    """Where a decoupled model's responses go when nobody streams them (warm-up samples)."""
+
+    def deliver(self, outputs: Any, error: Any, final: bool) -> None:
+        pass
+
+
+def _stream(item: BatchItem) -> ResponseSink:
+    if item.stream is None:
+        item.stream = _Discard()
+    return item.stream
 
 
 def _tensor_from_dict(spec: dict[str, Any]) -> TensorSpec:
@@ -116,17 +130,25 @@ class PythonBackend(Backend):
                 raise ConfigError(f"{ctx.model_path}: initialize() failed: {exc!r}") from exc
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
-        requests = [
-            pb_utils.InferenceRequest(item.inputs, item.requested_outputs, item.request_id) for item in batch
-        ]
+        requests = [self._request(item) for item in batch]
         t0 = time.perf_counter_ns()
         try:
             responses = self._model.execute(requests)
         except Exception as exc:
             log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
-            raise ModelExecutionError(f"model {self._config.name!r} raised {exc!r}") from exc
+            error = ModelExecutionError(f"model {self._config.name!r} raised {exc!r}")
+            if not self._config.decoupled:
+                raise error from exc
+            for item in batch:  # ends every stream the model left open; finished ones refuse it
+                _stream(item).put(None, error, final=True)
+            responses = None
         finally:
             timing.compute_infer_ns += time.perf_counter_ns() - t0
+        if self._config.decoupled:
+            # Responses went through the senders (maybe still going, from the model's own threads).
+            if responses is not None:
+                log.warning("%s: a decoupled model's execute() should return None; ignoring", self._name)
+            return [{} for _ in batch]
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
             raise ModelExecutionError(
@@ -134,6 +156,31 @@ class PythonBackend(Backend):
                 f"({len(batch)}), returned {got}"
             )
         return [self._convert(response, item) for response, item in zip(responses, batch, strict=True)]
+
+    def _request(self, item: BatchItem) -> pb_utils.InferenceRequest:
+        sender = None
+        if self._config.decoupled:
+            stream = _stream(item)
+
+            def emit(response: pb_utils.InferenceResponse | None, final: bool) -> bool:
+                if response is None:
+                    return stream.put(None, None, final=final)
+                result = self._convert(response, item)
+                if isinstance(result, Exception):
+                    return stream.put(None, result, final=final)
+                return stream.put(result, None, final=final)
+
+            sender = pb_utils.InferenceResponseSender(emit, lambda: stream.cancelled)
+        return pb_utils.InferenceRequest(
+            item.inputs,
+            item.requested_outputs,
+            item.request_id,
+            parameters=item.parameters,
+            correlation_id=item.correlation_id,
+            flags=item.flags,
+            timeout=item.timeout_us,
+            sender=sender,
+        )
 
     def _convert(self, response: Any, item: BatchItem) -> Result:
         model = self._config.name

@@ -85,6 +85,7 @@ class _Converter:
             parameters={key: p.string_value for key, p in sorted(msg.parameters.items())},
             model_warmup=self.warmups(msg.model_warmup),
             default_model_filename=msg.default_model_filename,
+            decoupled=msg.model_transaction_policy.decoupled,
             gpu_accelerators=tuple(_accelerator(a) for a in accelerators.gpu_execution_accelerator),
             cpu_accelerators=tuple(_accelerator(a) for a in accelerators.cpu_execution_accelerator),
             source=self.source,

@@ -144,6 +144,7 @@ class ModelConfig:
     default_model_filename: str = ""
     gpu_accelerators: tuple[Accelerator, ...] = ()
     cpu_accelerators: tuple[Accelerator, ...] = ()
+    decoupled: bool = False  # model_transaction_policy: responses are streamed, zero or many per request
     source: str = ""
 
     @property
@@ -197,6 +198,7 @@ class ModelConfig:
             "version_policy": _version_policy_dict(self.version_policy),
             "parameters": {k: {"string_value": v} for k, v in self.parameters.items()},
             "default_model_filename": self.default_model_filename,
+            "model_transaction_policy": {"decoupled": self.decoupled},
         }
         if self.dynamic_batching is not None:
             db = self.dynamic_batching

@@ -44,6 +44,7 @@ _SUPPORTED: Mapping[str, object] = {
     "model_warmup": True,
     "default_model_filename": True,
     "optimization": {"execution_accelerators": True},
+    "model_transaction_policy": True,
 }
 
 _PARSE_ERROR_PREFIX = re.compile(r"^\d+(?::\d+)? : ")
@@ -147,6 +148,13 @@ def validate_config(config: ModelConfig) -> None:
     if policy.kind == "latest" and policy.num_versions < 1:
         raise _fail(config, "version_policy.latest.num_versions", f"must be >= 1, got {policy.num_versions}")
     _validate_warmup(config)
+    if config.decoupled and config.backend not in ("", "python", "ensemble"):
+        raise _fail(
+            config,
+            "model_transaction_policy.decoupled",
+            f"backend {config.backend!r} answers each request once; only Python models (and ensembles of "
+            "them) send their own responses",
+        )
     for kind, accelerators in (("gpu", config.gpu_accelerators), ("cpu", config.cpu_accelerators)):
         for i, accelerator in enumerate(accelerators):
             if not accelerator.name:

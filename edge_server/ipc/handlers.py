@@ -96,7 +96,27 @@ def decode_infer(
         timeout_us=timeout_us,
         request_id=str(rid) if rid is not None else "",
     )
+    if not _RARE_FIELDS.isdisjoint(header):
+        _optional_fields(header, request)
     return request, InferContext(rid, order, shm_outputs)
+
+
+_RARE_FIELDS = frozenset({"parameters", "sequence_id", "sequence_start", "sequence_end"})
+
+
+def _optional_fields(header: Mapping[str, Any], request: InferRequest) -> None:
+    parameters = protocol.field(header, "parameters", dict, required=False)
+    if parameters is not None:
+        request.parameters = parameters  # checked by the data plane's validator, for every frontend
+    sequence_id = protocol.field(header, "sequence_id", (int, str), required=False)
+    if sequence_id is not None:
+        if isinstance(sequence_id, int) and not 0 <= sequence_id < 2**64:
+            raise MalformedMessage(f"'sequence_id' must be an unsigned 64-bit integer, got {sequence_id}")
+        if isinstance(sequence_id, str) and len(sequence_id) > 256:
+            raise MalformedMessage("'sequence_id' strings may have at most 256 characters")
+        request.correlation_id = sequence_id
+    request.sequence_start = bool(protocol.field(header, "sequence_start", bool, required=False))
+    request.sequence_end = bool(protocol.field(header, "sequence_end", bool, required=False))
 
 
 def _shm_input(desc: Mapping[str, Any], name: str, registry: ShmRegistry | None) -> np.ndarray:
@@ -175,10 +195,12 @@ def encode_result(
     ctx: InferContext,
     outputs: Mapping[str, np.ndarray],
     pack: protocol.Pack = protocol.pack,
+    final: bool | None = None,
 ) -> list[Any]:
     """Reply frames for a finished request: inline outputs as raw frames, shm outputs written in place.
 
-    ``pack``: the header packer (one thread's own :func:`protocol.packer` is faster).
+    ``pack``: the header packer (one thread's own :func:`protocol.packer` is faster).  ``final``: set
+    on the responses of a stream (``op: stream``), whether it is the last one.
     """
     names = ctx.order if ctx.order is not None else list(outputs)
     descs: list[dict[str, Any]] = []
@@ -202,7 +224,10 @@ def encode_result(
             region.write(offset, data, f"output {name!r}")  # checks the segment's size again
             desc["shm"] = {"region": region.name, "offset": offset, "byte_size": nbytes}
         descs.append(desc)
-    frames[0] = pack({"v": protocol.PROTOCOL_VERSION, "id": ctx.rid, "ok": True, "outputs": descs})
+    header = {"v": protocol.PROTOCOL_VERSION, "id": ctx.rid, "ok": True, "outputs": descs}
+    if final is not None:
+        header["final"] = final
+    frames[0] = pack(header)
     return frames
 
 

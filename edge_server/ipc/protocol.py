@@ -35,6 +35,8 @@ SUPPORTED_VERSIONS = frozenset({1})
 OPS = frozenset(
     {
         "infer",
+        "stream",
+        "cancel",
         "live",
         "ready",
         "models",
