@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.daemon import Daemon, start_daemon, start_pyzmq_gc, stop_daemon
+from tests.decoupled_models import add_decoupled_models, add_params_model
 
 
 def free_port() -> int:
@@ -58,8 +59,12 @@ def start_kserve_daemon(root: Path, repository: Path, name: str, *args: str) -> 
 
 @pytest.fixture(scope="module")
 def kserve(ipc_root: Path, ipc_repository: Path) -> Iterator[KServeDaemon]:
-    """One daemon per module with HTTP and gRPC (and client shared memory) on."""
+    """One daemon per module with HTTP and gRPC (and client shared memory) on; the decoupled models and
+    the parameter echo model join the IPC tests' repository."""
     start_pyzmq_gc()
+    if not (ipc_repository / "repeat").exists():
+        add_decoupled_models(ipc_repository, ipc_root / "repeat.log")
+        add_params_model(ipc_repository)
     server = start_kserve_daemon(ipc_root, ipc_repository, "k.sock", "--allow-client-shm", "true")
     try:
         yield server

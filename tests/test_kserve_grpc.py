@@ -155,3 +155,99 @@ def test_settings_read_only(client: grpcclient.InferenceServerClient) -> None:
     assert client.get_log_settings(as_json=True)["settings"]["log_info"]["bool_param"] is True
     with pytest.raises(InferenceServerException, match="read-only"):
         client.update_log_settings({"log_verbose_level": 1})
+
+
+def collect(results: queue.Queue[tuple[object, object]], until_finals: int) -> list[tuple[object, object]]:
+    """Stream callbacks until ``until_finals`` responses carried triton_final_response=true."""
+    got = []
+    finals = 0
+    while finals < until_finals:
+        result, error = results.get(timeout=10)
+        got.append((result, error))
+        if result is not None:
+            params = result.get_response().parameters  # type: ignore[attr-defined]
+            finals += bool(params["triton_final_response"].bool_param)
+    return got
+
+
+def test_stream_decoupled_model_many_responses_then_final(client: grpcclient.InferenceServerClient) -> None:
+    results: queue.Queue[tuple[object, object]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        values = grpcclient.InferInput("IN", [3], "INT32")
+        values.set_data_from_numpy(np.array([7, 8, 9], np.int32))
+        delays = grpcclient.InferInput("DELAY", [3], "UINT32")
+        delays.set_data_from_numpy(np.full(3, 2, np.uint32))
+        client.async_stream_infer(
+            "repeat", [values, delays], request_id="rep", enable_empty_final_response=True
+        )
+        square = grpcclient.InferInput("IN", [1], "INT32")
+        square.set_data_from_numpy(np.array([0], np.int32))
+        client.async_stream_infer("square", [square], request_id="sq0", enable_empty_final_response=True)
+        got = collect(results, until_finals=2)
+    finally:
+        client.stop_stream()
+    assert all(error is None for _, error in got)
+    by_id: dict[str, list[object]] = {}
+    for result, _ in got:
+        by_id.setdefault(result.get_response().id, []).append(result)  # type: ignore[attr-defined]
+    repeat = by_id["rep"]
+    assert [int(r.as_numpy("OUT")[0]) for r in repeat[:-1]] == [7, 8, 9]  # type: ignore[attr-defined]
+    assert [bool(r.get_response().parameters["triton_final_response"].bool_param) for r in repeat] == [
+        False,
+        False,
+        False,
+        True,
+    ]  # type: ignore[attr-defined]
+    assert len(repeat[-1].get_response().outputs) == 0  # type: ignore[attr-defined]
+    assert len(by_id["sq0"]) == 1  # n = 0: only the empty final
+
+
+def test_stream_decoupled_error_mid_stream(client: grpcclient.InferenceServerClient) -> None:
+    results: queue.Queue[tuple[object, object]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        tensor = grpcclient.InferInput("IN", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([1], np.int32))
+        client.async_stream_infer("flaky", [tensor], enable_empty_final_response=True)
+        got = []
+        while True:
+            result, error = results.get(timeout=10)
+            got.append((result, error))
+            if result is not None and result.get_response().parameters["triton_final_response"].bool_param:  # type: ignore[attr-defined]
+                break
+    finally:
+        client.stop_stream()
+    kinds = [
+        "error" if error is not None else ("final" if not r.get_response().outputs else "out")
+        for r, error in got
+    ]  # type: ignore[union-attr]
+    assert kinds == ["out", "error", "out", "final"]
+    assert "second response failed" in str(got[1][1])
+
+
+def test_decoupled_model_over_unary_infer_says_to_stream(client: grpcclient.InferenceServerClient) -> None:
+    tensor = grpcclient.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([2], np.int32))
+    with pytest.raises(InferenceServerException, match="decoupled"):
+        client.infer("square", [tensor])
+
+
+def test_parameters_reach_the_model(client: grpcclient.InferenceServerClient) -> None:
+    import json
+
+    tensor = grpcclient.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([1], np.int32))
+    result = client.infer(
+        "params",
+        [tensor],
+        request_id="p1",
+        parameters={"mode": "fast", "level": 3, "flag": True},
+        sequence_id=42,
+        sequence_start=True,
+    )
+    seen = json.loads(result.as_numpy("PARAMS")[0])
+    assert seen["parameters"] == {"mode": "fast", "level": 3, "flag": True}
+    assert seen["request_id"] == "p1"
+    assert seen["correlation_id"] == 42
+    assert seen["flags"] == 1  # SEQUENCE_START

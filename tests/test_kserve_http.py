@@ -163,12 +163,17 @@ def test_unload_and_load(client: httpclient.InferenceServerClient) -> None:
         client.unload_model("no-such-model")
 
 
-def test_request_parameters_are_checked(client: httpclient.InferenceServerClient) -> None:
-    tensor = httpclient.InferInput("INPUT0", [1], "FP32")
-    tensor.set_data_from_numpy(np.ones(1, dtype=np.float32))
-    client.infer("identity", [tensor], parameters={"mode": "fast", "level": 3, "flag": True})
+def test_request_parameters_reach_the_model_and_are_checked(client: httpclient.InferenceServerClient) -> None:
+    tensor = httpclient.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([1], np.int32))
+    result = client.infer(
+        "params", [tensor], request_id="h1", parameters={"mode": "fast", "level": 3, "flag": True}
+    )
+    seen = json.loads(result.as_numpy("PARAMS")[0])
+    assert seen["parameters"] == {"mode": "fast", "level": 3, "flag": True}
+    assert seen["request_id"] == "h1"
     with pytest.raises(InferenceServerException, match="must be a bool, an integer or a string"):
-        client.infer("identity", [tensor], parameters={"ratio": 0.5})
+        client.infer("params", [tensor], parameters={"ratio": 0.5})
 
 
 def test_logging_and_trace_settings_read_only(client: httpclient.InferenceServerClient) -> None:

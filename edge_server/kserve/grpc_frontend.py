@@ -6,8 +6,9 @@ here.  Every RPC is a thin translation to :class:`~edge_server.kserve.service.KS
 become gRPC status codes through the same mapping as HTTP's
 (:func:`~edge_server.kserve.service.error_status`).
 
-``ModelStreamInfer`` keeps many requests in flight on one stream: each request runs as its own task and
-its response (or its error, as ``error_message``, the stream staying open) is written as it completes.
+``ModelStreamInfer`` keeps many requests in flight on one stream through ``DataPlane.stream``: an
+ordinary model's request gets one response, a decoupled model's request as many as the model sends;
+each is written as it comes (an error as ``error_message``, the stream staying open).
 """
 
 from __future__ import annotations
@@ -19,17 +20,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edge_server.errors import EdgeServerError, InvalidArgument, Unsupported
 from edge_server.kserve import grpc_codec
-from edge_server.kserve.service import KServeService, error_status
+from edge_server.kserve.service import KServeService, OutputWant, error_status
 from edge_server.kserve.shm import Peer
+from edge_server.request import InferRequest, ResponseSink
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MAX_STREAM_IN_FLIGHT = 1024
+EMPTY_FINAL = "triton_enable_empty_final_response"  # Triton's request parameter
+FINAL_FLAG = "triton_final_response"  # and the response parameter it enables
 
 
 def _peer(context: grpc.aio.ServicerContext, server_port: int) -> Peer:
@@ -40,6 +45,82 @@ def _peer(context: grpc.aio.ServicerContext, server_port: int) -> Peer:
     if kind not in ("ipv4", "ipv6") or not port.isdigit():
         return Peer("", 0, server_port)
     return Peer(host.strip("[]"), int(port), server_port)
+
+
+def _stream_error(request: Any, exc: BaseException) -> Any:
+    _http, _code, message = error_status(exc)
+    return service_pb2.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=service_pb2.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        ),
+    )
+
+
+class _StreamSink(ResponseSink):
+    """One streamed request's responses, handed from the model's threads to the stream's event loop.
+
+    With Triton's ``triton_enable_empty_final_response`` request parameter every response carries
+    ``triton_final_response`` and a final without outputs is sent as an empty response, so that the
+    client knows when a decoupled request is complete.
+    """
+
+    def __init__(
+        self,
+        service: KServeService,
+        loop: asyncio.AbstractEventLoop,
+        responses: asyncio.Queue[Any],
+        request: InferRequest,
+        wants: list[OutputWant] | None,
+        peer: Peer,
+        empty_final: bool,
+        finished: Callable[[_StreamSink], None],
+    ) -> None:
+        super().__init__()
+        self._service = service
+        self._loop = loop
+        self._responses = responses
+        self._request = request
+        self._wants = wants
+        self._peer = peer
+        self._empty_final = empty_final
+        self._finished = finished
+
+    def deliver(
+        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
+    ) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._emit, outputs, error, final)
+        except RuntimeError:  # the frontend's loop is closed: nobody is listening any more
+            pass
+
+    def _emit(
+        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
+    ) -> None:
+        request = self._request
+        try:
+            if error is not None:
+                raise error
+            if outputs is not None:
+                response = grpc_codec.encode(self._service, request, self._wants, outputs, self._peer)
+            elif self._empty_final and final:
+                response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
+            else:
+                response = None
+            if response is not None:
+                if self._empty_final:
+                    response.parameters[FINAL_FLAG].bool_param = final
+                self._responses.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+        except Exception as exc:  # noqa: BLE001 - one response's error is sent; the stream goes on
+            _http, _code, message = error_status(exc)
+            response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
+            if self._empty_final:
+                response.parameters[FINAL_FLAG].bool_param = final
+            self._responses.put_nowait(
+                service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
+            )
+        if final:
+            self._finished(self)
 
 
 class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -133,35 +214,41 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: Any
     ) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
         responses: asyncio.Queue[Any] = asyncio.Queue()
         in_flight = asyncio.Semaphore(MAX_STREAM_IN_FLIGHT)
-        tasks: set[asyncio.Task[None]] = set()
+        open_sinks: set[_StreamSink] = set()
+        peer = _peer(context, self.frontend.port)
+        reading = True
 
-        async def one(request: Any) -> None:
+        def finished(sink: _StreamSink) -> None:
+            open_sinks.discard(sink)
+            in_flight.release()
+            if not reading and not open_sinks:
+                responses.put_nowait(None)
+
+        def start(request: Any) -> None:
+            sink: _StreamSink | None = None
             try:
-                response = await self._infer(request, context)
-                await responses.put(service_pb2.ModelStreamInferResponse(infer_response=response))
+                infer, wants = grpc_codec.decode(self.service, request, peer)
+                empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
+                sink = _StreamSink(self.service, loop, responses, infer, wants, peer, empty_final, finished)
+                open_sinks.add(sink)
+                self.service.dataplane.stream(infer, sink)
             except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
-                _http, _code, message = error_status(exc)
-                await responses.put(
-                    service_pb2.ModelStreamInferResponse(
-                        error_message=message,
-                        infer_response=service_pb2.ModelInferResponse(
-                            model_name=request.model_name, model_version=request.model_version, id=request.id
-                        ),
-                    )
-                )
-            finally:
+                if sink is not None:
+                    open_sinks.discard(sink)
+                responses.put_nowait(_stream_error(request, exc))
                 in_flight.release()
 
         async def read() -> None:
+            nonlocal reading
             async for request in request_iterator:
                 await in_flight.acquire()
-                task = asyncio.ensure_future(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            await asyncio.gather(*list(tasks))
-            await responses.put(None)
+                start(request)
+            reading = False
+            if not open_sinks:
+                responses.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
         try:
@@ -170,8 +257,8 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await reader
         finally:
             reader.cancel()
-            for task in list(tasks):
-                task.cancel()
+            for sink in list(open_sinks):
+                sink.cancel()
 
     # -- system shared memory ---------------------------------------------------------------------
 

@@ -39,7 +39,14 @@ EXTENSIONS = [
     "system_shared_memory",
     "parameters",
 ]
-_RESERVED = ("priority", "timeout", "sequence_id", "sequence_start", "sequence_end", "binary_data_output")
+_RESERVED = (
+    "priority",
+    "timeout",
+    "sequence_id",
+    "sequence_start",
+    "sequence_end",
+    "binary_data_output",
+)
 _SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 # HTTP status -> gRPC status code name; the one mapping for both transports.
 _GRPC_CODES = {
