@@ -44,7 +44,8 @@ def _peer(context: grpc.aio.ServicerContext, server_port: int) -> Peer:
     host, _, port = rest.rpartition(":")
     if kind not in ("ipv4", "ipv6") or not port.isdigit():
         return Peer("", 0, server_port)
-    return Peer(host.strip("[]"), int(port), server_port)
+    # grpc does not tell the local address; on one host the client's own address is the one it reached.
+    return Peer(host.strip("[]"), int(port), server_port, "")
 
 
 def _stream_error(request: Any, exc: BaseException) -> Any:

@@ -302,7 +302,7 @@ def _not_found(path: str) -> EdgeServerError:
 def _peer(scope: Scope) -> Peer:
     client = scope.get("client") or ("", 0)
     server = scope.get("server") or ("", 0)
-    return Peer(client[0], int(client[1]), int(server[1] or 0))
+    return Peer(client[0], int(client[1]), int(server[1] or 0), server[0] or "")
 
 
 def _response_encoding(accept: bytes) -> bytes:
