@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.daemon import wait_for
-from tests.kserve_daemon import KServeDaemon, ort_run
+from tests.kserve_daemon import KServeDaemon, ort_run, start_kserve_daemon
 
 
 @pytest.fixture
@@ -272,3 +272,10 @@ def test_unknown_routes_and_methods(kserve: KServeDaemon) -> None:
 
 def test_daemon_still_serves_after_all_that(client: httpclient.InferenceServerClient) -> None:
     assert client.is_server_ready()
+
+
+def test_a_taken_port_stops_the_daemon_with_the_reason(ipc_root: Path, ipc_repository: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"cannot bind 127.0.0.1:{port}"):
+            start_kserve_daemon(ipc_root, ipc_repository, "taken.sock", "--http-port", str(port))

@@ -15,6 +15,7 @@ compressed when the client's ``Accept-Encoding`` asks for gzip or deflate (as tr
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import logging
@@ -147,10 +148,9 @@ class KServeHttpApp:
             params = request.get("parameters", {})
             if not isinstance(params, dict):
                 raise InvalidArgument("'parameters' must be a JSON object")
-            if match.group(2) == "load":
-                await service.load(match.group(1), params)
-            else:
-                await service.unload(match.group(1), params)
+            # Loading takes seconds: off the event loop, so that other requests go on meanwhile.
+            action = service.load if match.group(2) == "load" else service.unload
+            await asyncio.to_thread(action, match.group(1), params)
             return 200, b"", []
         if match := _SHM_PATH.fullmatch(path):
             return await self._shm(scope, receive, headers, match)
@@ -354,9 +354,11 @@ class HttpFrontend:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.host, self.port))
             sock.listen(1024)
-        except OSError:
+        except OSError as exc:
             sock.close()
-            raise
+            raise EdgeServerError(
+                f"the HTTP frontend cannot bind {self.host}:{self.port}: {exc.strerror}"
+            ) from None
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,

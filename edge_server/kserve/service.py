@@ -151,20 +151,21 @@ class KServeService:
             rows.append(row)
         return rows
 
-    async def load(self, name: str, parameters: Mapping[str, Any]) -> None:
-        """Load or reload ``name``; Triton's config override (``config``) and files are refused clearly."""
+    def load(self, name: str, parameters: Mapping[str, Any]) -> None:
+        """Load or reload ``name`` (blocks for the load); Triton's config and file overrides are refused."""
         for key in parameters:
             if key == "config" or key.startswith("file:"):
                 raise Unsupported(
                     f"loading with a {key!r} override is not supported; change the repository's "
                     "config.pbtxt (or drop a new version) and load again"
                 )
-        await asyncio.to_thread(self.server.load_model, name)
+        self.server.load_model(name)
 
-    async def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
+    def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
+        """Drain and unload every version of ``name`` (blocks until done)."""
         if not any(s.name == name for s in self.server.models()):
             raise ModelNotFound(f"unknown model {name!r}")
-        await asyncio.to_thread(self.server.unload_model, name)
+        self.server.unload_model(name)
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -205,6 +206,11 @@ class KServeService:
         if isinstance(outcome, Future):
             return await asyncio.wrap_future(outcome)
         return outcome
+
+    def infer_blocking(self, request: InferRequest) -> dict[str, np.ndarray]:
+        """Run ``request`` and wait for it in this thread (the gRPC frontend's worker threads)."""
+        outcome = self.dataplane.dispatch(request)
+        return outcome.result() if isinstance(outcome, Future) else outcome
 
     # -- system shared memory -------------------------------------------------------------------
 
