@@ -277,5 +277,5 @@ def test_daemon_still_serves_after_all_that(client: httpclient.InferenceServerCl
 def test_a_taken_port_stops_the_daemon_with_the_reason(ipc_root: Path, ipc_repository: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match=f"cannot bind 127.0.0.1:{port}"):
+        with pytest.raises(RuntimeError, match=f"ADDRESS_IN_USE.*cannot bind 127.0.0.1:{port}"):
             start_kserve_daemon(ipc_root, ipc_repository, "taken.sock", "--http-port", str(port))

@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from edge_server.errors import EdgeServerError, InvalidArgument, Unsupported
+from edge_server.errors import AddressInUse, EdgeServerError, InvalidArgument, Unsupported
 from edge_server.kserve import grpc_codec
 from edge_server.kserve.service import KServeService, OutputWant, error_status
 from edge_server.kserve.shm import Peer
@@ -368,9 +368,9 @@ class GrpcFrontend:
         try:
             port = server.add_insecure_port(address)
         except RuntimeError as exc:
-            raise EdgeServerError(f"the gRPC frontend cannot bind {address}: {exc}") from None
+            raise AddressInUse(f"the gRPC frontend cannot bind {address}: {exc}") from None
         if port == 0:
-            raise EdgeServerError(f"the gRPC frontend cannot bind {address}")
+            raise AddressInUse(f"the gRPC frontend cannot bind {address}")
         self.port = port
         server.start()
         self._server = server

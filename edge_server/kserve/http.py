@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from edge_server.errors import (
+    AddressInUse,
     EdgeServerError,
     InvalidArgument,
     MalformedMessage,
@@ -356,7 +357,7 @@ class HttpFrontend:
             sock.listen(1024)
         except OSError as exc:
             sock.close()
-            raise EdgeServerError(
+            raise AddressInUse(
                 f"the HTTP frontend cannot bind {self.host}:{self.port}: {exc.strerror}"
             ) from None
         self.port = sock.getsockname()[1]
