@@ -169,6 +169,8 @@ class RequestValidator:
                 )
             if array.dtype.kind not in "OSU":
                 raise InvalidArgument(f"{rule.where}: expected {rule.data_type} (bytes), got {array.dtype}")
+        if rule.dtype.kind == "O":  # TYPE_STRING reaches every backend as an object array of bytes
+            array = dtypes.as_bytes_array(array, where=rule.where)
         shape = array.shape
         if self._batched:
             ok = len(shape) >= 1 and self._dims_match(rule, shape[1:])
