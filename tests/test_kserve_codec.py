@@ -155,3 +155,10 @@ def test_wire_datatype_of_outputs() -> None:
     assert codec.wire_datatype(np.zeros(1, np.float16)) == "FP16"
     assert codec.wire_datatype(np.array([b"x"], dtype=object)) == "BYTES"
     assert codec.wire_datatype(np.zeros(1, np.bool_)) == "BOOL"
+
+
+def test_absurdly_nested_json_is_malformed_not_a_crash() -> None:
+    with pytest.raises(MalformedMessage, match="not valid JSON"):
+        codec.split_body(b"[" * 100_000 + b"]" * 100_000, None)
+    with pytest.raises(InvalidArgument, match="nested deeper"):
+        codec.from_json([[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]], "BYTES", (1,), "s")

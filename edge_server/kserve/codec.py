@@ -262,7 +262,7 @@ def split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], 
         )
     try:
         header = json.loads(view[:header_length].tobytes() if header_length != len(body) else body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
         raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise MalformedMessage(f"the request body must be a JSON object, got {type(header).__name__}")

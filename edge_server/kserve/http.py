@@ -213,7 +213,7 @@ class KServeHttpApp:
             return {}
         try:
             value = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
             raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise MalformedMessage("the request body must be a JSON object")
