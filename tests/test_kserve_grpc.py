@@ -251,3 +251,35 @@ def test_parameters_reach_the_model(client: grpcclient.InferenceServerClient) ->
     assert seen["request_id"] == "p1"
     assert seen["correlation_id"] == 42
     assert seen["flags"] == 1  # SEQUENCE_START
+
+
+def test_typed_contents_and_raw_counts_with_the_bare_stub(kserve: KServeDaemon) -> None:
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    with grpc.insecure_channel(kserve.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.ModelInferRequest(model_name="identity")
+        tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[3])
+        tensor.contents.fp32_contents.extend([1.5, 2.5, -3.0])
+        response = stub.ModelInfer(request)
+        assert np.frombuffer(response.raw_output_contents[0], "<f4").tolist() == [1.5, 2.5, -3.0]
+
+        request.raw_input_contents.append(np.zeros(3, np.float32).tobytes())  # one raw entry too many
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "raw_input_contents has 1 entries" in info.value.details()
+
+        short = service_pb2.ModelInferRequest(model_name="identity")
+        short.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
+        short.raw_input_contents.append(b"\0" * 12)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(short)
+        assert "TENSOR_SIZE_MISMATCH" in info.value.details()
+
+        huge = service_pb2.ModelInferRequest(model_name="identity")
+        huge.inputs.add(name="INPUT0", datatype="FP32", shape=[2**40, 2**40])
+        huge.raw_input_contents.append(b"\0" * 16)
+        with pytest.raises(grpc.RpcError, match="needs"):
+            stub.ModelInfer(huge)
