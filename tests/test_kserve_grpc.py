@@ -283,3 +283,38 @@ def test_typed_contents_and_raw_counts_with_the_bare_stub(kserve: KServeDaemon) 
         huge.raw_input_contents.append(b"\0" * 16)
         with pytest.raises(grpc.RpcError, match="needs"):
             stub.ModelInfer(huge)
+
+
+def test_closing_the_stream_cancels_in_the_model(kserve: KServeDaemon, ipc_root: Path) -> None:
+    """The bare stub, so that the test owns the request iterator (tritonclient's stop_stream with
+    cancel_requests leaves its request thread blocked on an empty queue)."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    log = ipc_root / "repeat.log"
+
+    def lines() -> int:
+        return log.read_text().count("\n") if log.exists() else 0
+
+    before = lines()
+    request = service_pb2.ModelInferRequest(model_name="repeat")
+    request.inputs.add(name="IN", datatype="INT32", shape=[50])
+    request.inputs.add(name="DELAY", datatype="UINT32", shape=[50])
+    request.raw_input_contents.append(np.arange(50, dtype="<i4").tobytes())
+    request.raw_input_contents.append(np.full(50, 20, "<u4").tobytes())  # a second in all
+    done = queue.Queue[None]()
+
+    def requests() -> Iterator[object]:
+        yield request
+        done.get(timeout=30)  # keep the request side open until the test is finished
+
+    with grpc.insecure_channel(kserve.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        responses = stub.ModelStreamInfer(requests())
+        first = next(responses)
+        assert first.error_message == ""
+        responses.cancel()
+        done.put(None)
+    wait_for(lambda: lines() > before, what="the model to finish the request")
+    sent, cancelled = map(int, log.read_text().splitlines()[-1].split())
+    assert cancelled == 1 and sent < 50
