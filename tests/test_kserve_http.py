@@ -279,3 +279,22 @@ def test_a_taken_port_stops_the_daemon_with_the_reason(ipc_root: Path, ipc_repos
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"ADDRESS_IN_USE.*cannot bind 127.0.0.1:{port}"):
             start_kserve_daemon(ipc_root, ipc_repository, "taken.sock", "--http-port", str(port))
+
+
+def test_many_in_flight_through_the_dynamic_batcher(kserve: KServeDaemon, ipc_repository: Path) -> None:
+    """32 requests from 8 connections at once to a batching model: each gets its own answer."""
+    images = np.random.default_rng(7).random((32, 1, 3, 64, 64), dtype=np.float32)
+    expected = ort_run(ipc_repository, "cnn", {"input": images[:, 0]})[0]
+    c = httpclient.InferenceServerClient(kserve.http_url, concurrency=8)
+    try:
+        pending = []
+        for image in images:
+            tensor = httpclient.InferInput("input", list(image.shape), "FP32")
+            tensor.set_data_from_numpy(image, binary_data=True)
+            pending.append(c.async_infer("cnn", [tensor]))
+        for k, request in enumerate(pending):
+            np.testing.assert_allclose(
+                request.get_result().as_numpy("logits")[0], expected[k], rtol=1e-4, atol=1e-5
+            )
+    finally:
+        c.close()
