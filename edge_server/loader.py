@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
-from edge_server.config import ModelConfig, load_config_file, validate_config
+from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import ConfigError
 from edge_server.repository import ModelSource
@@ -50,7 +50,11 @@ class LoadedVersion:
 
 def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
     """The model's config as written, with the backend decided (from the files when the config is silent)."""
-    if source.config_path.is_file():
+    if source.config_override is not None:
+        config, warnings = parse_config_json(
+            source.config_override, source=f"{source.path} (config given at load)", default_name=source.name
+        )
+    elif source.config_path.is_file():
         config, warnings = load_config_file(source.config_path, default_name=source.name)
     else:
         config, warnings = ModelConfig(name=source.name, backend="", source=str(source.config_path)), []

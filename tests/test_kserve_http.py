@@ -164,10 +164,33 @@ def test_unload_and_load(client: httpclient.InferenceServerClient) -> None:
     assert index["cnn"]["state"] == "UNAVAILABLE"
     client.load_model("cnn")
     assert client.is_model_ready("cnn")
-    with pytest.raises(InferenceServerException, match="override"):
-        client.load_model("cnn", config=json.dumps({"max_batch_size": 2}))
     with pytest.raises(InferenceServerException, match="MODEL_NOT_FOUND"):
         client.unload_model("no-such-model")
+
+
+def test_load_with_a_config_override(client: httpclient.InferenceServerClient) -> None:
+    """Triton's load-time config (JSON) replaces config.pbtxt until the model is loaded without one."""
+    config = client.get_model_config("cnn")
+    assert config["max_batch_size"] == 16
+    override = dict(config, max_batch_size=2)
+    override.pop("dynamic_batching", None)
+    client.load_model("cnn", config=json.dumps(override))
+    try:
+        assert client.get_model_config("cnn")["max_batch_size"] == 2
+        assert client.get_model_metadata("cnn")["inputs"][0]["shape"] == [-1, 3, 64, 64]
+        too_big = httpclient.InferInput("input", [4, 3, 64, 64], "FP32")
+        too_big.set_data_from_numpy(np.zeros((4, 3, 64, 64), np.float32), binary_data=True)
+        with pytest.raises(InferenceServerException, match="batch"):
+            client.infer("cnn", [too_big])
+        with pytest.raises(InferenceServerException, match="INVALID_CONFIG") as info:
+            client.load_model("cnn", config=json.dumps({"max_batch_size": "lots"}))
+        assert info.value.status() == "400"
+        assert client.get_model_config("cnn")["max_batch_size"] == 2  # the failed load changed nothing
+        with pytest.raises(InferenceServerException, match="file override"):
+            client.load_model("cnn", files={"file:1/model.onnx": b"\0"})
+    finally:
+        client.load_model("cnn")  # back to the repository's config.pbtxt
+    assert client.get_model_config("cnn")["max_batch_size"] == 16
 
 
 def test_request_parameters_reach_the_model_and_are_checked(client: httpclient.InferenceServerClient) -> None:

@@ -152,14 +152,20 @@ class KServeService:
         return rows
 
     def load(self, name: str, parameters: Mapping[str, Any]) -> None:
-        """Load or reload ``name`` (blocks for the load); Triton's config and file overrides are refused."""
+        """Load or reload ``name`` (blocks for the load), with Triton's ``config`` override (JSON).
+
+        File overrides (``file:<path>`` parameters) are refused: drop files into the repository.
+        """
         for key in parameters:
-            if key == "config" or key.startswith("file:"):
+            if key.startswith("file:"):
                 raise Unsupported(
-                    f"loading with a {key!r} override is not supported; change the repository's "
-                    "config.pbtxt (or drop a new version) and load again"
+                    f"loading with a file override ({key!r}) is not supported; put the file into the "
+                    "repository and load again"
                 )
-        self.server.load_model(name)
+        config = parameters.get("config")
+        if config is not None and not isinstance(config, str):
+            raise InvalidArgument("parameter 'config' must be the model config as a JSON string")
+        self.server.load_model(name, config_override=config or None)
 
     def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
         """Drain and unload every version of ``name`` (blocks until done)."""
