@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +90,15 @@ def test_statistics_and_repository(client: grpcclient.InferenceServerClient) -> 
     assert not client.is_model_ready("cnn")
     client.load_model("cnn")
     assert client.is_model_ready("cnn")
+    config = client.get_model_config("cnn", as_json=True)["config"]
+    config["max_batch_size"] = 2
+    config.pop("dynamic_batching", None)
+    client.load_model("cnn", config=json.dumps(config))
+    try:
+        assert client.get_model_config("cnn", as_json=True)["config"]["max_batch_size"] == 2
+    finally:
+        client.load_model("cnn")
+    assert client.get_model_config("cnn", as_json=True)["config"]["max_batch_size"] == 16
 
 
 def test_stream_many_in_flight_with_errors_inline(client: grpcclient.InferenceServerClient) -> None:
