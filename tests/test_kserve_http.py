@@ -321,3 +321,19 @@ def test_many_in_flight_through_the_dynamic_batcher(kserve: KServeDaemon, ipc_re
             )
     finally:
         c.close()
+
+
+def test_a_chunked_body_is_counted_as_it_arrives(kserve: KServeDaemon) -> None:
+    chunk = b"x" * (1 << 20)
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        try:
+            for _ in range(40):  # 40 MiB against the daemon's 32 MiB limit
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the server answered and closed while we were still sending
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413")

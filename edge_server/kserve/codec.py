@@ -77,7 +77,15 @@ def wire_size(datatype: str, shape: tuple[int, ...]) -> int | None:
 
 def wire_datatype(array: np.ndarray) -> str:
     """The KServe datatype of an output array (strings and bytes are ``BYTES``)."""
-    return dtypes.to_wire(dtypes.from_numpy(array.dtype))
+    name = _WIRE_OF.get(array.dtype)
+    if name is None:
+        name = dtypes.to_wire(dtypes.from_numpy(array.dtype))
+        if len(_WIRE_OF) < 256:  # unicode dtypes differ by length: keep the memo bounded
+            _WIRE_OF[array.dtype] = name
+    return name
+
+
+_WIRE_OF: dict[np.dtype, str] = {}
 
 
 # -- raw bytes --------------------------------------------------------------------------------------

@@ -186,6 +186,14 @@ class KServeService:
         parameters: Mapping[str, Any],
     ) -> InferRequest:
         """The data plane's request; reserved parameters become its fields, the others reach the model."""
+        if not parameters:
+            return InferRequest(
+                model=model,
+                version=parse_version(version),
+                inputs=inputs,
+                outputs=None if outputs is None else [o.name for o in outputs],
+                request_id=request_id,
+            )
         user = {k: v for k, v in parameters.items() if k not in _RESERVED}
         priority = _int_param(parameters, "priority", 0)
         timeout = _int_param(parameters, "timeout", 0)
