@@ -337,3 +337,16 @@ def test_a_chunked_body_is_counted_as_it_arrives(kserve: KServeDaemon) -> None:
             pass  # the server answered and closed while we were still sending
         reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 413")
+
+
+def test_endless_headers_are_400_not_memory(kserve: KServeDaemon) -> None:
+    line = b"X-Junk: " + b"a" * 8000 + b"\r\n"
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=30) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(2000):  # 16 MB of headers against the 64 KiB bound
+                sock.sendall(line)
+        except OSError:
+            pass  # answered and closed while we were still sending
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 400")

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+MAX_HEADER_BYTES = 64 << 10  # request line and headers together
 _JSON = [(b"content-type", b"application/json")]
 _MODEL_PATH = re.compile(
     r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/stats|/infer|/trace/setting)?"
@@ -404,12 +405,38 @@ class HttpFrontend:
         self._server = None
 
 
-def _http_impl() -> str:
+def _http_impl() -> Any:
+    """The HTTP protocol: uvicorn's httptools one, bounding the request line and headers; or h11."""
     try:
-        import httptools  # noqa: F401
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return "h11"
-    return "httptools"
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        """httptools keeps every header line it is sent; past MAX_HEADER_BYTES the request is a 400."""
+
+        _header_bytes = 0
+
+        def on_message_begin(self) -> None:
+            self._header_bytes = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value))
+            super().on_header(name, value)
+
+        def _count(self, size: int) -> None:
+            self._header_bytes += size
+            if self._header_bytes > MAX_HEADER_BYTES:
+                # raised inside a parser callback: httptools reports it as a parser error, and uvicorn
+                # answers 400 and closes the connection
+                raise ValueError(f"request line and headers over {MAX_HEADER_BYTES} bytes")
+
+    return BoundedHttpToolsProtocol
 
 
 def _loop_impl() -> str:
