@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MAX_STREAM_IN_FLIGHT = 1024
-MAX_WORKERS = 64  # concurrent calls; more wait in grpc's queue
+MAX_WORKERS = 128  # calls served at once (an open stream counts as one); more wait in grpc's queue
 EMPTY_FINAL = "triton_enable_empty_final_response"  # Triton's request parameter
 FINAL_FLAG = "triton_final_response"  # and the response parameter it enables
 
