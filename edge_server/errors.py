@@ -116,6 +116,16 @@ class Cancelled(EdgeServerError):
     http_status = 499
 
 
+class UnsupportedBackend(ConfigError):
+    """The config names a backend (or platform) edge-server does not have at all: pytorch, openvino, ...
+
+    Different from :class:`BackendUnavailable`, which is a backend edge-server has but this machine
+    cannot run.
+    """
+
+    code = "UNSUPPORTED_BACKEND"
+
+
 class BackendUnavailable(EdgeServerError):
     """The backend named by the config needs software or hardware this machine lacks."""
 

@@ -17,6 +17,7 @@ from edge_server.backends.base import Backend, InstanceSpec, LoadContext
 from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import ConfigError
+from edge_server.platform.gpus import gpu_ids
 from edge_server.repository import ModelSource
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
@@ -84,6 +85,7 @@ def load_version(
     validate_config(config)  # what the backend filled in obeys the same rules as what was written
     _check_io(config)
     config = config.replace(instance_groups=named_instance_groups(config))
+    warn_missing_gpus(config, gpu_ids())
     specs = instance_specs(config, backend_cls, cpu_count=cpu_count or os.cpu_count() or 1)
     instances: list[tuple[str, Backend]] = []
     try:
@@ -117,6 +119,25 @@ def _check_io(config: ModelConfig) -> None:
         raise ConfigError(f"{config.source}: model {config.name!r} declares no inputs")
     if not config.outputs:
         raise ConfigError(f"{config.source}: model {config.name!r} declares no outputs")
+
+
+def warn_missing_gpus(config: ModelConfig, present: tuple[int, ...]) -> None:
+    """Warn (where Triton fails) about GPU ids this machine lacks.
+
+    The repository may be meant for another device, and a KIND_AUTO group falls back to the CPU here.
+    """
+    for index, group in enumerate(config.instance_groups):
+        missing = sorted(set(group.gpus) - set(present))
+        if missing:
+            log.warning(
+                "%s: instance_group[%d] (%s) names GPU ids %s that do not exist on this machine "
+                "(GPUs here: %s)",
+                config.source or config.name,
+                index,
+                group.name,
+                missing,
+                list(present) or "none",
+            )
 
 
 def named_instance_groups(config: ModelConfig) -> tuple[InstanceGroup, ...]:

@@ -512,8 +512,9 @@ def test_syntax_error_and_duplicate_scalar() -> None:
     [
         ('name: "other"', "name", "does not match"),
         ('platform: "onnxruntime_onnx" backend: "python"', "platform", "'onnxruntime'"),
-        ('backend: "pytorch"', "backend", "unknown backend"),
-        ('platform: "tensorflow_savedmodel"', "platform", "unknown platform"),
+        ('backend: "pytorch"', "backend", "backend 'pytorch' is not supported by edge-server"),
+        ('platform: "tensorflow_savedmodel"', "platform", "(Triton's tensorflow backend) is not supported"),
+        ('platform: "caffe2_netdef"', "platform", "unknown platform"),
         ("max_batch_size: -1", "max_batch_size", ">= 0"),
         (
             'input { name: "x" data_type: TYPE_FP32 dims: 1 }\n'

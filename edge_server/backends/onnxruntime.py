@@ -8,6 +8,7 @@ instead of each spawning a pool as large as the machine.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -23,6 +24,9 @@ from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError
 
 log = logging.getLogger(__name__)
+
+_BF16 = dtypes.to_numpy("TYPE_BF16")
+_ONNX_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
 
 # Triton's --backend-config=onnxruntime,default-max-batch-size default.
 DEFAULT_MAX_BATCH_SIZE = 4
@@ -158,6 +162,7 @@ class OnnxRuntimeBackend(TensorBackend):
         self.batched = config.max_batch_size > 0
         self._string_inputs = frozenset(t.name for t in config.inputs if t.data_type == "TYPE_STRING")
         self._string_outputs = frozenset(t.name for t in config.outputs if t.data_type == "TYPE_STRING")
+        self._bf16 = any(t.data_type == "TYPE_BF16" for t in config.inputs + config.outputs)
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
 
     @staticmethod
@@ -211,13 +216,44 @@ class OnnxRuntimeBackend(TensorBackend):
             for name in self._string_inputs.intersection(inputs):
                 feed[name] = dtypes.as_str_array(inputs[name], where=f"input {name!r}")
         try:
-            values = self._session.run(list(output_names), feed)
+            if self._bf16:
+                values = self._run_bf16(feed, output_names)
+            else:
+                values = self._session.run(list(output_names), feed)
         except Exception as exc:
             raise ModelExecutionError(f"onnxruntime failed: {exc}") from exc
         outputs = dict(zip(output_names, values, strict=True))
         for name in self._string_outputs.intersection(outputs):
             outputs[name] = dtypes.as_bytes_array(outputs[name], where=f"output {name!r}")
         return outputs
+
+    def _run_bf16(self, feed: dict[str, Any], output_names: Sequence[str]) -> list[np.ndarray]:
+        """Run through OrtValues: ONNX Runtime's Python API neither takes nor returns bfloat16 arrays.
+
+        BF16 inputs go in as their uint16 bits tagged with ONNX's BFLOAT16 element type; BF16 outputs
+        are copied out of ONNX Runtime's (CPU) buffer by address and viewed as ml_dtypes.bfloat16.
+        """
+        values = {
+            name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                np.ascontiguousarray(array).view(np.uint16), _ONNX_BFLOAT16
+            )
+            if array.dtype == _BF16
+            else ort.OrtValue.ortvalue_from_numpy(array)
+            for name, array in feed.items()
+        }
+        results = self._session.run_with_ort_values(list(output_names), values)
+        arrays = []
+        for value in results:
+            if value.data_type() != "tensor(bfloat16)":
+                arrays.append(value.numpy())
+                continue
+            shape = tuple(value.shape())
+            count = int(np.prod(shape))
+            bits = np.zeros(count, dtype=np.uint16)
+            if count:
+                ctypes.memmove(bits.ctypes.data, value.data_ptr(), 2 * count)
+            arrays.append(bits.view(_BF16).reshape(shape))
+        return arrays
 
     def close(self) -> None:
         self._session = None  # type: ignore[assignment]

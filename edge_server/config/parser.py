@@ -24,8 +24,15 @@ from google.protobuf import json_format, text_format
 from edge_server import dtypes
 from edge_server.config import schema
 from edge_server.config.convert import Proto, to_model_config
-from edge_server.config.model import PLATFORM_TO_BACKEND, BackendName, ModelConfig, TensorSpec
-from edge_server.errors import ConfigError
+from edge_server.config.model import (
+    OTHER_TRITON_PLATFORMS,
+    PLATFORM_TO_BACKEND,
+    BackendName,
+    ModelConfig,
+    TensorSpec,
+    unsupported_backend_message,
+)
+from edge_server.errors import ConfigError, UnsupportedBackend
 
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 
@@ -181,13 +188,16 @@ def validate_config(config: ModelConfig, *, completed: bool = True) -> None:
 
 def _validate_backend(config: ModelConfig) -> None:
     if config.backend and config.backend not in BACKENDS:
-        raise _fail(
-            config, "backend", f"unknown backend {config.backend!r}; edge-server has {', '.join(BACKENDS)}"
-        )
+        message = unsupported_backend_message(config.backend)
+        raise UnsupportedBackend(f"{config.source}: field 'backend': {message}")
     if not config.platform:
         return
     expected = PLATFORM_TO_BACKEND.get(config.platform)
     if expected is None:
+        triton_backend = OTHER_TRITON_PLATFORMS.get(config.platform)
+        if triton_backend is not None:
+            message = unsupported_backend_message(triton_backend, platform=config.platform)
+            raise UnsupportedBackend(f"{config.source}: field 'platform': {message}")
         raise _fail(
             config,
             "platform",
