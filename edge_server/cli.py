@@ -89,12 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ipc", default=None, metavar="ADDRESS", help="ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--no-ipc", action="store_true", help="serve no IPC frontend (in-process use only)")
     serve.add_argument(
+        "--engine-build",
+        choices=["none", "on-load"],
+        default="none",
+        help="on-load: rebuild TensorRT plans built for another TensorRT/device from the ONNX beside them",
+    )
+    serve.add_argument(
         "--repository-quiet-secs",
         type=float,
         default=0.5,
         help="poll mode: how long a model's files must stay unchanged before it is (re)loaded",
     )
     serve.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    serve.add_argument(
+        "--operator-group",
+        default=None,
+        metavar="GROUP",
+        help="IPC: members may load/unload models (besides the daemon's own user and group)",
+    )
     serve.add_argument(
         "--max-header-bytes",
         type=int,
@@ -166,8 +178,10 @@ def _serve(args: argparse.Namespace) -> int:
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
         max_header_bytes=args.max_header_bytes,
+        operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
+        engine_build=args.engine_build,
         kserve=kserve_options(args),
     )
     return Daemon(options).run()

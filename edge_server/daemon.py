@@ -6,14 +6,17 @@ SIGTERM and SIGINT drain and stop), so nothing heavy ever runs inside a handler.
 
 from __future__ import annotations
 
+import grp
 import logging
+import os
 import queue
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from edge_server.errors import EdgeServerError
+from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
@@ -21,6 +24,9 @@ from edge_server.memory import limit_malloc_arenas
 from edge_server.server import ControlMode, Server
 
 log = logging.getLogger(__name__)
+
+# After the drain deadline, how long the IPC frontend may take to send the last answers.
+_FLUSH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -31,9 +37,20 @@ class DaemonOptions:
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
+    engine_build: str = "none"  # "on-load": rebuild stale TensorRT plans while their ONNX serves
     kserve: KServeOptions = KServeOptions()
+
+
+def operator_gid(group: str | None) -> int | None:
+    if group is None:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"--operator-group {group!r}: no such group") from None
 
 
 class Daemon:
@@ -55,6 +72,7 @@ class Daemon:
             load_models=options.load_models,
             drain_timeout=options.drain_timeout,
             watch_quiet_s=options.watch_quiet_s,
+            engine_build=options.engine_build,
         )
         frontend = None
         kserve = KServeFrontends(server, options.kserve, max_message_bytes=options.max_message_bytes)
@@ -70,6 +88,7 @@ class Daemon:
                     address,
                     max_message_bytes=options.max_message_bytes,
                     max_header_bytes=options.max_header_bytes,
+                    operator_gid=operator_gid(options.operator_group),
                     drain_timeout=options.drain_timeout,
                 )
                 frontend.start()
@@ -78,13 +97,30 @@ class Daemon:
             log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
             self._loop(server)
         finally:
-            log.info("stopping: draining requests")
+            # One budget for the whole stop: intake closes, what is in flight and queued gets until the
+            # deadline, what is left then fails UNAVAILABLE (and is answered), models unload.
+            deadline = time.monotonic() + options.drain_timeout
+            self._escalate_on_second_signal()
+            log.info("stopping: draining requests (up to %.1f s)", options.drain_timeout)
             if frontend is not None:
-                frontend.close()
+                frontend.refuse_new()
+            server.close(deadline)
+            if frontend is not None:
+                frontend.close(timeout=_FLUSH_S)  # every request has its answer now: send them
             kserve.close()
-            server.close()
             log.info("stopped")
         return 0
+
+    @staticmethod
+    def _escalate_on_second_signal() -> None:
+        """While stopping, a second SIGTERM/SIGINT stops at once (as uvicorn does)."""
+
+        def now(signum: int, _frame: FrameType | None) -> None:
+            os.write(2, f"received {signal.Signals(signum).name} while stopping: exiting now\n".encode())
+            os._exit(1)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, now)
 
     def _loop(self, server: Server) -> None:
         while True:

@@ -78,6 +78,13 @@ class Unavailable(EdgeServerError):
     http_status = 503
 
 
+class PermissionDenied(EdgeServerError):
+    """The caller may not do this: control operations are for the daemon's user, group or operators."""
+
+    code = "PERMISSION_DENIED"
+    http_status = 403
+
+
 class ServerShuttingDown(Unavailable):
     """The server is draining or stopped and takes no new requests."""
 
@@ -124,6 +131,17 @@ class UnsupportedBackend(ConfigError):
     """
 
     code = "UNSUPPORTED_BACKEND"
+
+
+class InstanceFailed(ModelExecutionError):
+    """The instance can never serve again (e.g. its CUDA context is lost).
+
+    The batch fails; the scheduler takes the instance out of service and loads a fresh one while the
+    others keep serving.
+    """
+
+    code = "EXECUTION_FAILED"
+    http_status = 500
 
 
 class BackendUnavailable(EdgeServerError):

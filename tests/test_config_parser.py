@@ -406,17 +406,19 @@ def test_warmup_random_data_and_zero_batch_skipped() -> None:
 # --- warnings for fields edge-server ignores ------------------------------------------------------
 
 
-def test_sequence_batching_and_other_ignored_fields_warn() -> None:
+def test_sequence_batching_is_parsed_and_other_ignored_fields_warn() -> None:
     config, warnings = parse(SEQUENCE)
     assert config.backend == "onnxruntime"
     assert config.inputs[0].name == "INPUT"
     assert config.dynamic_batching is None
+    assert config.sequence_batching is not None
+    assert config.sequence_batching.strategy == "oldest"
+    assert config.server_inputs() == ("START", "CORRID", "INPUT_STATE")
     expected = [
         "input.allow_ragged_batch",
         "instance_group.rate_limiter",
         "optimization.graph",
         "optimization.input_pinned_memory",
-        "sequence_batching",
         "metric_tags",
         "response_cache",
     ]

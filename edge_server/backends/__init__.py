@@ -15,10 +15,16 @@ from edge_server.errors import BackendUnavailable
 _REGISTRY: dict[str, str] = {
     "onnxruntime": "edge_server.backends.onnxruntime:OnnxRuntimeBackend",
     "python": "edge_server.backends.python:PythonBackend",
+    "tensorrt": "edge_server.backends.tensorrt:TensorRTBackend",
 }
 
 # The file names that tell which backend a version directory holds when config.pbtxt names none.
-_BY_FILENAME: dict[str, str] = {filename: backend for backend, filename in DEFAULT_MODEL_FILENAME.items()}
+# A plan comes first: a version with model.plan and model.onnx is a TensorRT model whose ONNX serves
+# where the plan cannot (backends/tensorrt/fallback.py).
+_BY_FILENAME: dict[str, str] = {
+    filename: backend
+    for backend, filename in sorted(DEFAULT_MODEL_FILENAME.items(), key=lambda item: item[0] != "tensorrt")
+}
 
 
 # What a backend edge-server knows needs, for the message when this machine or build lacks it.

@@ -32,6 +32,9 @@ _ONNX_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
 DEFAULT_MAX_BATCH_SIZE = 4
 
 
+_Graph = tuple[str, str, list[int]]
+
+
 def _graph_tensors(args: Sequence[Any]) -> list[tuple[str, str, list[int]]]:
     """(name, config type, dims with -1 for symbolic) of ONNX Runtime NodeArgs."""
     out = []
@@ -103,7 +106,46 @@ def _fill_from_graph(spec: TensorSpec, dtype: str, dims: list[int], *, batched: 
     return dataclasses.replace(spec, **changes) if changes else spec
 
 
+def _split_sequence_tensors(
+    config: ModelConfig, inputs: list[_Graph], outputs: list[_Graph]
+) -> tuple[list[_Graph], list[_Graph]]:
+    """The graph's client inputs and outputs, after checking the ones sequence batching fills and keeps.
+
+    Control and state inputs are model inputs that the config does not list (Triton's rule), so they
+    are neither auto-completed as client inputs nor left for a client to send.
+    """
+    seq = config.sequence_batching
+    assert seq is not None
+    graph_in = {name: dtype for name, dtype, _ in inputs}
+    graph_out = {name: dtype for name, dtype, _ in outputs}
+    wanted = [(c.name, c.control.tensor_type, "control input") for c in seq.control_inputs]
+    wanted += [(s.input_name, s.data_type, "state input") for s in seq.states]
+    for name, dtype, role in wanted:
+        if name not in graph_in:
+            raise ConfigError(
+                f"{config.source}: sequence_batching {role} {name!r} is not an input of the ONNX model; "
+                f"its inputs are {sorted(graph_in)}"
+            )
+        if graph_in[name] != dtype:
+            raise ConfigError(
+                f"{config.source}: sequence_batching {role} {name!r} is {dtype} in the config but "
+                f"{graph_in[name]} in the ONNX model"
+            )
+    for state in seq.states:
+        if graph_out.get(state.output_name) != state.data_type:
+            raise ConfigError(
+                f"{config.source}: sequence_batching state output {state.output_name!r} must be a "
+                f"{state.data_type} output of the ONNX model; its outputs are {sorted(graph_out)}"
+            )
+    server_in, kept_out = set(seq.server_inputs()), set(seq.state_outputs())
+    return [t for t in inputs if t[0] not in server_in], [t for t in outputs if t[0] not in kept_out]
+
+
 class OnnxRuntimeBackend(TensorBackend):
+    # A CPU session's cost follows its input size, which the scheduler checks before lending it to a
+    # caller's thread; a CUDA session's instance sets this back to False at load.
+    allows_inline = True
+
     @classmethod
     def gpu_available(cls) -> bool:
         return "CUDAExecutionProvider" in ort.get_available_providers()
@@ -119,6 +161,8 @@ class OnnxRuntimeBackend(TensorBackend):
         inputs = _graph_tensors(session.get_inputs())
         outputs = _graph_tensors(session.get_outputs())
         del session
+        if config.sequence_batching is not None:
+            inputs, outputs = _split_sequence_tensors(config, inputs, outputs)
         changes: dict[str, Any] = {}
         max_batch = config.max_batch_size
         if max_batch == 0 and not config.inputs and not config.outputs:
@@ -126,7 +170,7 @@ class OnnxRuntimeBackend(TensorBackend):
             if all(dims and dims[0] == -1 for _, _, dims in inputs + outputs):
                 max_batch = DEFAULT_MAX_BATCH_SIZE
                 changes["max_batch_size"] = max_batch
-                if config.dynamic_batching is None:
+                if config.dynamic_batching is None and config.sequence_batching is None:
                     changes["dynamic_batching"] = DynamicBatching()
         batched = max_batch > 0
         changes["inputs"] = _check_or_fill(
@@ -158,9 +202,17 @@ class OnnxRuntimeBackend(TensorBackend):
             raise ConfigError(f"{ctx.model_path}: onnxruntime failed to load the model: {exc}") from exc
         used = self._session.get_providers()[0]
         self.device = "cpu" if used == "CPUExecutionProvider" else f"cuda:{ctx.instance.device_id}"
-        self.output_names = tuple(t.name for t in config.outputs)
+        self.allows_inline = self.device == "cpu"
+        self.output_names = tuple(t.name for t in config.outputs) + config.state_outputs()
         self.batched = config.max_batch_size > 0
-        self._string_inputs = frozenset(t.name for t in config.inputs if t.data_type == "TYPE_STRING")
+        strings = [t.name for t in config.inputs if t.data_type == "TYPE_STRING"]
+        if config.sequence_batching is not None:  # a string CONTROL_SEQUENCE_CORRID
+            strings += [
+                c.name
+                for c in config.sequence_batching.control_inputs
+                if c.control.tensor_type == "TYPE_STRING"
+            ]
+        self._string_inputs = frozenset(strings)
         self._string_outputs = frozenset(t.name for t in config.outputs if t.data_type == "TYPE_STRING")
         self._bf16 = any(t.data_type == "TYPE_BF16" for t in config.inputs + config.outputs)
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)

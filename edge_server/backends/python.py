@@ -166,6 +166,9 @@ class PythonBackend(Backend):
         with pb_context.running(self._context):
             self._model = getattr(module, _CLASS_NAME)()
         self._out_dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in ctx.config.outputs}
+        if ctx.config.sequence_batching is not None:  # implicit state outputs come back like outputs
+            for state in ctx.config.sequence_batching.states:
+                self._out_dtypes[state.output_name] = dtypes.to_numpy(state.data_type)
         # Exactly Triton's keys and formats (all strings); "model_repository" is the model's directory.
         args = {
             "model_config": pb_utils.serialize_config(ctx.config.to_triton_dict()),

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from edge_server.config.sequence import SequenceBatching
 from edge_server.config.triton_json import default_dict
 
 BackendName = Literal["onnxruntime", "tensorrt", "python", "ensemble"]
@@ -169,6 +170,7 @@ class ModelConfig:
     outputs: tuple[TensorSpec, ...] = ()
     instance_groups: tuple[InstanceGroup, ...] = ()
     dynamic_batching: DynamicBatching | None = None
+    sequence_batching: SequenceBatching | None = None
     version_policy: VersionPolicy = field(default_factory=VersionPolicy)
     parameters: dict[str, str] = field(default_factory=dict)
     model_warmup: tuple[Warmup, ...] = ()
@@ -184,6 +186,14 @@ class ModelConfig:
     @property
     def model_filename(self) -> str:
         return self.default_model_filename or DEFAULT_MODEL_FILENAME.get(self.backend, "")
+
+    def server_inputs(self) -> tuple[str, ...]:
+        """Model inputs the server fills (sequence control and state inputs); never sent by a client."""
+        return self.sequence_batching.server_inputs() if self.sequence_batching else ()
+
+    def state_outputs(self) -> tuple[str, ...]:
+        """Model outputs the server keeps as implicit state; never returned to a client."""
+        return self.sequence_batching.state_outputs() if self.sequence_batching else ()
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
