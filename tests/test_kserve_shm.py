@@ -174,6 +174,9 @@ def post(path, body):
 REF = {"shared_memory_region": "nb", "shared_memory_byte_size": 16}
 INPUT = {"name": "INPUT0", "shape": [4], "datatype": "FP32"}
 REGISTER = {"key": key, "offset": 0, "byte_size": 16}
+if mode == "control":
+    print(json.dumps({"unload": post("/v2/repository/models/identity/unload", {})}))
+    sys.exit(0)
 out = {"register": post("/v2/systemsharedmemory/region/nb/register", REGISTER)}
 if mode == "use":
     out["read"] = post("/v2/models/identity/infer", {"inputs": [dict(INPUT, parameters=REF)]})
@@ -221,6 +224,13 @@ def test_a_client_of_another_user_only_gets_what_it_could_open_itself(
     assert used["read"][0] == 200 and json.loads(used["read"][1])["outputs"][0]["data"] == [0, 1, 2, 3]
     assert used["write"][0] == 400 and "may not write" in used["write"][1]
     assert shm.get_contents_as_numpy(handle, np.float32, [4]).tolist() == [0, 1, 2, 3]  # untouched
+    control = as_nobody("control")  # repository control is for the daemon's user and group, as over IPC
+    assert control["unload"][0] == 403 and "PERMISSION_DENIED" in control["unload"][1]
+    c = httpclient.InferenceServerClient(kserve.http_url)
+    try:
+        assert c.is_model_ready("identity")
+    finally:
+        c.close()
 
 
 def test_the_extension_is_off_by_default(ipc_root: Path, ipc_repository: Path) -> None:

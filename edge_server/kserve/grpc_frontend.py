@@ -187,6 +187,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
         def work() -> Any:
+            self.service.authorize_control(_peer(context, self.frontend.port), "load")
             self.service.load(request.model_name, grpc_codec.parameters(request.parameters))
             return service_pb2.RepositoryModelLoadResponse()
 
@@ -194,6 +195,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
         def work() -> Any:
+            self.service.authorize_control(_peer(context, self.frontend.port), "unload")
             self.service.unload(request.model_name, grpc_codec.parameters(request.parameters))
             return service_pb2.RepositoryModelUnloadResponse()
 
@@ -352,6 +354,7 @@ class GrpcFrontend:
         self.max_message_bytes = max_message_bytes
         self.drain_timeout = drain_timeout
         self._server: grpc.Server | None = None
+        self._stopped: threading.Event | None = None
 
     def start(self) -> None:
         """Bind (a failure raises here) and serve."""
@@ -376,9 +379,16 @@ class GrpcFrontend:
         self._server = server
         log.info("gRPC frontend (KServe v2) listening on %s:%d", self.host, self.port)
 
+    def refuse_new(self) -> None:
+        """Refuse new calls; those in flight have the drain timeout to finish, then are cancelled."""
+        if self._server is not None and self._stopped is None:
+            self._stopped = self._server.stop(self.drain_timeout)
+
     def close(self) -> None:
         """Stop taking calls, give open ones the drain timeout, then cancel them."""
         if self._server is None:
             return
-        self._server.stop(self.drain_timeout).wait(self.drain_timeout + 5)
+        self.refuse_new()
+        assert self._stopped is not None
+        self._stopped.wait(self.drain_timeout + 5)
         self._server = None

@@ -150,6 +150,7 @@ class KServeHttpApp:
             params = request.get("parameters", {})
             if not isinstance(params, dict):
                 raise InvalidArgument("'parameters' must be a JSON object")
+            service.authorize_control(_peer(scope), match.group(2))
             # Loading takes seconds: off the event loop, so that other requests go on meanwhile.
             action = service.load if match.group(2) == "load" else service.unload
             await asyncio.to_thread(action, match.group(1), params)
@@ -396,11 +397,16 @@ class HttpFrontend:
             raise RuntimeError(f"the HTTP frontend did not start: {self._failed}")
         log.info("HTTP frontend (KServe v2) listening on %s:%d", self.host, self.port)
 
+    def refuse_new(self) -> None:
+        """Close the listening socket; open requests go on (uvicorn's graceful shutdown begins)."""
+        if self._server is not None:
+            self._server.should_exit = True
+
     def close(self) -> None:
         """Stop accepting, let open requests finish (up to the drain timeout), stop the loop."""
         if self._server is None or self._thread is None:
             return
-        self._server.should_exit = True
+        self.refuse_new()
         self._thread.join(self.drain_timeout + 5)
         self._server = None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import edge_server
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported
+from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
 from edge_server.kserve import codec
-from edge_server.kserve.shm import Peer, SystemShmRegistry
+from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid, user_groups
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.validation import check_parameters
@@ -51,6 +52,7 @@ _SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte
 # HTTP status -> gRPC status code name; the one mapping for both transports.
 _GRPC_CODES = {
     400: "INVALID_ARGUMENT",
+    403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
     413: "RESOURCE_EXHAUSTED",
     499: "CANCELLED",
@@ -101,10 +103,32 @@ def shm_reference(params: Mapping[str, Any]) -> tuple[object, object, object] | 
 class KServeService:
     """One per daemon; shared by the HTTP and gRPC frontends."""
 
-    def __init__(self, server: Server, *, shm: SystemShmRegistry | None = None) -> None:
+    def __init__(
+        self, server: Server, *, shm: SystemShmRegistry | None = None, operator_gid: int | None = None
+    ) -> None:
         self.server = server
         self.dataplane = server.dataplane
         self.shm = shm
+        self.operator_gid = operator_gid
+
+    def authorize_control(self, peer: Peer, what: str) -> None:
+        """Load and unload, as over IPC: the daemon's user or group, root, or ``--operator-group``.
+
+        The caller's uid comes from the kernel's socket table (see :mod:`edge_server.kserve.shm`); a
+        caller that is not on this host may not change what is served.
+        """
+        uid = peer.uid if peer.uid is not None else peer_uid(peer)
+        if uid is not None:
+            peer.uid = uid
+            groups = user_groups(uid)
+            if uid in (0, os.geteuid()) or os.getegid() in groups or self.operator_gid in groups:
+                return
+        raise PermissionDenied(
+            f"{what} is allowed to the daemon's user and group"
+            + (" and its operator group" if self.operator_gid is not None else "")
+            + (f"; uid {uid} is neither" if uid is not None else "; the caller is not on this host")
+            + " (inference stays open to every client)"
+        )
 
     # -- health and metadata ------------------------------------------------------------------
 

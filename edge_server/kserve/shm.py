@@ -181,6 +181,11 @@ def may_access(uid: int, st: os.stat_result, *, write: bool) -> bool:
     return bool(st.st_mode & bit)
 
 
+def user_groups(uid: int) -> set[int]:
+    """The primary and supplementary groups of ``uid`` in the user database (empty if unknown)."""
+    return _groups(uid)
+
+
 def _groups(uid: int) -> set[int]:
     try:
         entry = pwd.getpwuid(uid)
