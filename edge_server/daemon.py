@@ -75,8 +75,14 @@ class Daemon:
             engine_build=options.engine_build,
         )
         frontend = None
-        kserve = KServeFrontends(server, options.kserve, max_message_bytes=options.max_message_bytes)
+        kserve = None
         try:
+            kserve = KServeFrontends(
+                server,
+                options.kserve,
+                max_message_bytes=options.max_message_bytes,
+                operator_gid=operator_gid(options.operator_group),
+            )
             kserve.start()
             if options.ipc_address != "":
                 from edge_server.ipc.addresses import default_address
@@ -104,10 +110,13 @@ class Daemon:
             log.info("stopping: draining requests (up to %.1f s)", options.drain_timeout)
             if frontend is not None:
                 frontend.refuse_new()
+            if kserve is not None:
+                kserve.refuse_new()  # HTTP/gRPC: no new calls; those in flight are answered as they finish
             server.close(deadline)
             if frontend is not None:
                 frontend.close(timeout=_FLUSH_S)  # every request has its answer now: send them
-            kserve.close()
+            if kserve is not None:
+                kserve.close()
             log.info("stopped")
         return 0
 

@@ -19,6 +19,7 @@ back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import threading
@@ -75,6 +76,7 @@ class ModelManager:
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (hash, reason)
         self._listeners: list[Listener] = []
         self._unloaded: set[str] = set()  # unloaded through the API: rescans leave them alone
+        self._overrides: dict[str, str] = {}  # configs given at load time, until loaded without one
         self._closed = False
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
         # --engine-build on-load: stale TensorRT plans are rebuilt while their ONNX serves (set by Server)
@@ -175,11 +177,13 @@ class ModelManager:
 
     # -- control --------------------------------------------------------------------------------
 
-    def load(self, name: str) -> list[VersionStatus]:
+    def load(self, name: str, *, config_override: str | None = None) -> list[VersionStatus]:
         """Load or reload ``name`` from the repository; raises if nothing of it can serve afterwards.
 
         Versions whose files did not change stay as they are; versions that failed before are tried
         again even if their files are the same (the failure may have been transient).
+        ``config_override`` (JSON, Triton's load-time ``config``) replaces config.pbtxt until the model
+        is loaded again without one; a load that fails keeps the previous choice.
         """
         check_model_name(name)
         with self._changing():
@@ -190,8 +194,21 @@ class ModelManager:
                 if name in self._serving:
                     self._unload(name)
                 raise ModelNotFound(f"no model directory {name!r} in {self.repository}")
-            self._sync(source, retry_failed=True)
+            previous = self._overrides.pop(name, None)
+            if config_override is not None:
+                self._overrides[name] = config_override
+            try:
+                self._sync(self._overridden(source), retry_failed=True)
+            except BaseException:
+                self._overrides.pop(name, None)
+                if previous is not None:
+                    self._overrides[name] = previous
+                raise
             return [s for s in self.index() if s.name == name]
+
+    def _overridden(self, source: ModelSource) -> ModelSource:
+        override = self._overrides.get(source.name)
+        return source if override is None else dataclasses.replace(source, config_override=override)
 
     def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
@@ -229,7 +246,7 @@ class ModelManager:
                         self._publish(name, [])
                         self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
                     else:
-                        self._sync(source, retry_failed=retry_failed)
+                        self._sync(self._overridden(source), retry_failed=retry_failed)
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
 

@@ -17,7 +17,7 @@ from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
 from edge_server.backends.tensorrt.fallback import choose as choose_runtime
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
-from edge_server.config import ModelConfig, load_config_file, validate_config
+from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import ConfigError
 from edge_server.platform.gpus import gpu_ids
@@ -70,7 +70,11 @@ STOP_GRACE_S = 2.0
 
 def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
     """The model's config as written, with the backend decided (from the files when the config is silent)."""
-    if source.config_path.is_file():
+    if source.config_override is not None:
+        config, warnings = parse_config_json(
+            source.config_override, source=f"{source.path} (config given at load)", default_name=source.name
+        )
+    elif source.config_path.is_file():
         config, warnings = load_config_file(source.config_path, default_name=source.name)
     else:
         config, warnings = ModelConfig(name=source.name, backend="", source=str(source.config_path)), []

@@ -83,6 +83,7 @@ class ModelSource:
     name: str
     path: Path
     versions: dict[int, Path]
+    config_override: str | None = None  # a JSON config given at load time (Triton's load API)
 
     @property
     def config_path(self) -> Path:
@@ -110,8 +111,11 @@ class ModelSource:
         ]
 
     def config_hash(self) -> str:
-        """Hash of config.pbtxt and the model directory's loose files."""
-        return _hash_files(self.path, self.config_files())
+        """Hash of config.pbtxt and the model directory's loose files (and of a load-time override)."""
+        files = _hash_files(self.path, self.config_files())
+        if self.config_override is None:
+            return files
+        return hashlib.sha256(f"{files}\0{self.config_override}".encode()).hexdigest()
 
     def version_hash(self, version: int) -> str:
         """Hash of every file under a version directory, names included."""

@@ -196,10 +196,14 @@ class Server:
             return False
         return True
 
-    def load_model(self, model: str) -> list[VersionStatus]:
-        """Load or reload ``model`` from the repository (explicit and poll modes)."""
+    def load_model(self, model: str, *, config_override: str | None = None) -> list[VersionStatus]:
+        """Load or reload ``model`` from the repository (explicit and poll modes).
+
+        ``config_override``: the model's config as JSON (Triton's load-time ``config``), used instead of
+        its config.pbtxt until it is loaded again without one.
+        """
         self._check_control()
-        return self._manager.load(model)
+        return self._manager.load(model, config_override=config_override)
 
     def unload_model(self, model: str) -> None:
         """Drain and unload every version of ``model`` (explicit and poll modes)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.daemon"]  # the real daemon, its clients and test models
+pytest_plugins = ["tests.daemon", "tests.kserve_daemon"]  # the real daemon, its clients and test models
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "models"

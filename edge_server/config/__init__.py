@@ -18,7 +18,7 @@ from edge_server.config.model import (
     Warmup,
     WarmupInput,
 )
-from edge_server.config.parser import load_config_file, parse_config_text, validate_config
+from edge_server.config.parser import load_config_file, parse_config_json, parse_config_text, validate_config
 
 __all__ = [
     "BACKEND_TO_PLATFORM",
@@ -36,6 +36,7 @@ __all__ = [
     "Warmup",
     "WarmupInput",
     "load_config_file",
+    "parse_config_json",
     "parse_config_text",
     "validate_config",
 ]

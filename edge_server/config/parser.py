@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import get_args
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 
 from edge_server import dtypes
 from edge_server.config import schema, sequence
@@ -91,6 +91,20 @@ def parse_config_text(text: str, *, source: str, default_name: str) -> tuple[Mod
     config, conversion_warnings = to_model_config(message, source=source, default_name=default_name)
     validate_config(config, completed=False)
     return config, warnings + conversion_warnings
+
+
+def parse_config_json(text: str, *, source: str, default_name: str) -> tuple[ModelConfig, list[str]]:
+    """Parse a config given as JSON (Triton's load-time ``config``), then as :func:`parse_config_text`.
+
+    The JSON names fields as Triton's ``ModelConfig`` protobuf does; it is checked against the same
+    schema and converted to text format, so that one path validates every config.
+    """
+    message = schema.new_model_config()
+    try:
+        json_format.Parse(text, message)
+    except json_format.ParseError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return parse_config_text(text_format.MessageToString(message), source=source, default_name=default_name)
 
 
 def load_config_file(path: pathlib.Path, *, default_name: str) -> tuple[ModelConfig, list[str]]:

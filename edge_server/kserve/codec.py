@@ -77,7 +77,15 @@ def wire_size(datatype: str, shape: tuple[int, ...]) -> int | None:
 
 def wire_datatype(array: np.ndarray) -> str:
     """The KServe datatype of an output array (strings and bytes are ``BYTES``)."""
-    return dtypes.to_wire(dtypes.from_numpy(array.dtype))
+    name = _WIRE_OF.get(array.dtype)
+    if name is None:
+        name = dtypes.to_wire(dtypes.from_numpy(array.dtype))
+        if len(_WIRE_OF) < 256:  # unicode dtypes differ by length: keep the memo bounded
+            _WIRE_OF[array.dtype] = name
+    return name
+
+
+_WIRE_OF: dict[np.dtype, str] = {}
 
 
 # -- raw bytes --------------------------------------------------------------------------------------
@@ -182,6 +190,14 @@ def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) ->
     except ValueError:  # ragged nesting
         raise InvalidArgument(f"tensor {name!r}: data is a ragged nested list") from None
     allowed = _JSON_KINDS.get(datatype, "iu")
+    if allowed == "iu" and array.dtype.kind in "fO":
+        # Integers beyond int64 (UINT64's upper half) make numpy fall back to float64 or objects.
+        flat = _flatten(data, name)
+        if all(type(v) is int for v in flat):
+            try:
+                array = np.array(flat, dtype=NUMPY[datatype])
+            except OverflowError:
+                raise InvalidArgument(f"tensor {name!r}: a value is out of range for {datatype}") from None
     if array.dtype.kind not in allowed or (array.size == 0 and count != 0):
         kind = {"b": "booleans", "iu": "integers", "iuf": "numbers"}[allowed]
         raise InvalidArgument(f"tensor {name!r}: {datatype} data must be {kind}, got {_sample(data)}")
@@ -254,7 +270,7 @@ def split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], 
         )
     try:
         header = json.loads(view[:header_length].tobytes() if header_length != len(body) else body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
         raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise MalformedMessage(f"the request body must be a JSON object, got {type(header).__name__}")

@@ -76,11 +76,18 @@ def kserve_options(args: Any) -> KServeOptions:
 class KServeFrontends:
     """The HTTP and gRPC frontends that ``options`` enable, over one :class:`KServeService`."""
 
-    def __init__(self, server: Server, options: KServeOptions, *, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        server: Server,
+        options: KServeOptions,
+        *,
+        max_message_bytes: int,
+        operator_gid: int | None = None,
+    ) -> None:
         self.options = options
         self.max_message_bytes = max_message_bytes
         shm = SystemShmRegistry() if options.allow_client_shm else None
-        self.service = KServeService(server, shm=shm)
+        self.service = KServeService(server, shm=shm, operator_gid=operator_gid)
         self.http: Any = None
         self.grpc: Any = None
 
@@ -113,7 +120,14 @@ class KServeFrontends:
             )
             self.grpc.start()
 
+    def refuse_new(self) -> None:
+        """Stop taking connections and calls; what is in flight goes on (the daemon's stop, step one)."""
+        for frontend in (self.http, self.grpc):
+            if frontend is not None:
+                frontend.refuse_new()
+
     def close(self) -> None:
+        """Wait (up to the drain timeout) for what is in flight to be answered, then stop."""
         for frontend in (self.http, self.grpc):
             if frontend is not None:
                 frontend.close()

@@ -8,6 +8,7 @@ memory, so that indices stay aligned as tritonclient reads them).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,7 +106,7 @@ def _from_contents(contents: Any, datatype: str, shape: tuple[int, ...], name: s
     if field is None:
         raise InvalidArgument(f"input {name!r}: {datatype} travels only in raw_input_contents")
     values = getattr(contents, field)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)
     if len(values) != count:
         raise TensorSizeMismatch(
             f"input {name!r}: shape {list(shape)} needs {count} values, got {len(values)}"

@@ -15,6 +15,7 @@ compressed when the client's ``Accept-Encoding`` asks for gzip or deflate (as tr
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import logging
@@ -26,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from edge_server.errors import (
+    AddressInUse,
     EdgeServerError,
     InvalidArgument,
     MalformedMessage,
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+MAX_HEADER_BYTES = 64 << 10  # request line and headers together
 _JSON = [(b"content-type", b"application/json")]
 _MODEL_PATH = re.compile(
     r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/stats|/infer|/trace/setting)?"
@@ -147,10 +150,10 @@ class KServeHttpApp:
             params = request.get("parameters", {})
             if not isinstance(params, dict):
                 raise InvalidArgument("'parameters' must be a JSON object")
-            if match.group(2) == "load":
-                await service.load(match.group(1), params)
-            else:
-                await service.unload(match.group(1), params)
+            service.authorize_control(_peer(scope), match.group(2))
+            # Loading takes seconds: off the event loop, so that other requests go on meanwhile.
+            action = service.load if match.group(2) == "load" else service.unload
+            await asyncio.to_thread(action, match.group(1), params)
             return 200, b"", []
         if match := _SHM_PATH.fullmatch(path):
             return await self._shm(scope, receive, headers, match)
@@ -212,7 +215,7 @@ class KServeHttpApp:
             return {}
         try:
             value = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
             raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise MalformedMessage("the request body must be a JSON object")
@@ -302,7 +305,7 @@ def _not_found(path: str) -> EdgeServerError:
 def _peer(scope: Scope) -> Peer:
     client = scope.get("client") or ("", 0)
     server = scope.get("server") or ("", 0)
-    return Peer(client[0], int(client[1]), int(server[1] or 0))
+    return Peer(client[0], int(client[1]), int(server[1] or 0), server[0] or "")
 
 
 def _response_encoding(accept: bytes) -> bytes:
@@ -354,9 +357,11 @@ class HttpFrontend:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.host, self.port))
             sock.listen(1024)
-        except OSError:
+        except OSError as exc:
             sock.close()
-            raise
+            raise AddressInUse(
+                f"the HTTP frontend cannot bind {self.host}:{self.port}: {exc.strerror}"
+            ) from None
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
@@ -392,21 +397,52 @@ class HttpFrontend:
             raise RuntimeError(f"the HTTP frontend did not start: {self._failed}")
         log.info("HTTP frontend (KServe v2) listening on %s:%d", self.host, self.port)
 
+    def refuse_new(self) -> None:
+        """Close the listening socket; open requests go on (uvicorn's graceful shutdown begins)."""
+        if self._server is not None:
+            self._server.should_exit = True
+
     def close(self) -> None:
         """Stop accepting, let open requests finish (up to the drain timeout), stop the loop."""
         if self._server is None or self._thread is None:
             return
-        self._server.should_exit = True
+        self.refuse_new()
         self._thread.join(self.drain_timeout + 5)
         self._server = None
 
 
-def _http_impl() -> str:
+def _http_impl() -> Any:
+    """The HTTP protocol: uvicorn's httptools one, bounding the request line and headers; or h11."""
     try:
-        import httptools  # noqa: F401
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return "h11"
-    return "httptools"
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        """httptools keeps every header line it is sent; past MAX_HEADER_BYTES the request is a 400."""
+
+        _header_bytes = 0
+
+        def on_message_begin(self) -> None:
+            self._header_bytes = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value))
+            super().on_header(name, value)
+
+        def _count(self, size: int) -> None:
+            self._header_bytes += size
+            if self._header_bytes > MAX_HEADER_BYTES:
+                # raised inside a parser callback: httptools reports it as a parser error, and uvicorn
+                # answers 400 and closes the connection
+                raise ValueError(f"request line and headers over {MAX_HEADER_BYTES} bytes")
+
+    return BoundedHttpToolsProtocol
 
 
 def _loop_impl() -> str:

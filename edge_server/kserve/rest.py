@@ -122,7 +122,9 @@ def encode(
         datatype = codec.wire_datatype(array)
         entry: dict[str, Any] = {"name": want.name, "datatype": datatype, "shape": list(array.shape)}
         if want.shm is not None:
-            entry["parameters"] = service.write_output(want, codec.to_raw(array, datatype), peer)
+            # No parameters on such an entry: Triton's C++ client reads every output's parameters as
+            # binary data sizes (perf_analyzer fails on anything else); the client knows its region.
+            service.write_output(want, codec.to_raw(array, datatype), peer)
         elif want.binary:
             raw = codec.to_raw(array, datatype)
             entry["parameters"] = {"binary_data_size": len(raw)}

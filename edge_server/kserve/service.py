@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import edge_server
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported
+from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
 from edge_server.kserve import codec
-from edge_server.kserve.shm import Peer, SystemShmRegistry
+from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid, user_groups
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.validation import check_parameters
@@ -39,11 +40,19 @@ EXTENSIONS = [
     "system_shared_memory",
     "parameters",
 ]
-_RESERVED = ("priority", "timeout", "sequence_id", "sequence_start", "sequence_end", "binary_data_output")
+_RESERVED = (
+    "priority",
+    "timeout",
+    "sequence_id",
+    "sequence_start",
+    "sequence_end",
+    "binary_data_output",
+)
 _SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 # HTTP status -> gRPC status code name; the one mapping for both transports.
 _GRPC_CODES = {
     400: "INVALID_ARGUMENT",
+    403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
     413: "RESOURCE_EXHAUSTED",
     499: "CANCELLED",
@@ -94,10 +103,32 @@ def shm_reference(params: Mapping[str, Any]) -> tuple[object, object, object] | 
 class KServeService:
     """One per daemon; shared by the HTTP and gRPC frontends."""
 
-    def __init__(self, server: Server, *, shm: SystemShmRegistry | None = None) -> None:
+    def __init__(
+        self, server: Server, *, shm: SystemShmRegistry | None = None, operator_gid: int | None = None
+    ) -> None:
         self.server = server
         self.dataplane = server.dataplane
         self.shm = shm
+        self.operator_gid = operator_gid
+
+    def authorize_control(self, peer: Peer, what: str) -> None:
+        """Load and unload, as over IPC: the daemon's user or group, root, or ``--operator-group``.
+
+        The caller's uid comes from the kernel's socket table (see :mod:`edge_server.kserve.shm`); a
+        caller that is not on this host may not change what is served.
+        """
+        uid = peer.uid if peer.uid is not None else peer_uid(peer)
+        if uid is not None:
+            peer.uid = uid
+            groups = user_groups(uid)
+            if uid in (0, os.geteuid()) or os.getegid() in groups or self.operator_gid in groups:
+                return
+        raise PermissionDenied(
+            f"{what} is allowed to the daemon's user and group"
+            + (" and its operator group" if self.operator_gid is not None else "")
+            + (f"; uid {uid} is neither" if uid is not None else "; the caller is not on this host")
+            + " (inference stays open to every client)"
+        )
 
     # -- health and metadata ------------------------------------------------------------------
 
@@ -144,20 +175,27 @@ class KServeService:
             rows.append(row)
         return rows
 
-    async def load(self, name: str, parameters: Mapping[str, Any]) -> None:
-        """Load or reload ``name``; Triton's config override (``config``) and files are refused clearly."""
-        for key in parameters:
-            if key == "config" or key.startswith("file:"):
-                raise Unsupported(
-                    f"loading with a {key!r} override is not supported; change the repository's "
-                    "config.pbtxt (or drop a new version) and load again"
-                )
-        await asyncio.to_thread(self.server.load_model, name)
+    def load(self, name: str, parameters: Mapping[str, Any]) -> None:
+        """Load or reload ``name`` (blocks for the load), with Triton's ``config`` override (JSON).
 
-    async def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
+        File overrides (``file:<path>`` parameters) are refused: drop files into the repository.
+        """
+        for key in parameters:
+            if key.startswith("file:"):
+                raise Unsupported(
+                    f"loading with a file override ({key!r}) is not supported; put the file into the "
+                    "repository and load again"
+                )
+        config = parameters.get("config")
+        if config is not None and not isinstance(config, str):
+            raise InvalidArgument("parameter 'config' must be the model config as a JSON string")
+        self.server.load_model(name, config_override=config or None)
+
+    def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
+        """Drain and unload every version of ``name`` (blocks until done)."""
         if not any(s.name == name for s in self.server.models()):
             raise ModelNotFound(f"unknown model {name!r}")
-        await asyncio.to_thread(self.server.unload_model, name)
+        self.server.unload_model(name)
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -172,6 +210,14 @@ class KServeService:
         parameters: Mapping[str, Any],
     ) -> InferRequest:
         """The data plane's request; reserved parameters become its fields, the others reach the model."""
+        if not parameters:
+            return InferRequest(
+                model=model,
+                version=parse_version(version),
+                inputs=inputs,
+                outputs=None if outputs is None else [o.name for o in outputs],
+                request_id=request_id,
+            )
         user = {k: v for k, v in parameters.items() if k not in _RESERVED}
         priority = _int_param(parameters, "priority", 0)
         timeout = _int_param(parameters, "timeout", 0)
@@ -198,6 +244,11 @@ class KServeService:
         if isinstance(outcome, Future):
             return await asyncio.wrap_future(outcome)
         return outcome
+
+    def infer_blocking(self, request: InferRequest) -> dict[str, np.ndarray]:
+        """Run ``request`` and wait for it in this thread (the gRPC frontend's worker threads)."""
+        outcome = self.dataplane.dispatch(request)
+        return outcome.result() if isinstance(outcome, Future) else outcome
 
     # -- system shared memory -------------------------------------------------------------------
 

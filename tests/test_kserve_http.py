@@ -1,0 +1,352 @@
+"""KServe v2 over HTTP with the real tritonclient.http against the real daemon, and hand-made requests
+for everything a stock client never sends (malformed JSON, lying lengths, oversized bodies)."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.daemon import wait_for
+from tests.kserve_daemon import KServeDaemon, ort_run, start_kserve_daemon
+
+
+@pytest.fixture
+def client(kserve: KServeDaemon) -> httpclient.InferenceServerClient:
+    c = httpclient.InferenceServerClient(kserve.http_url)
+    yield c
+    c.close()
+
+
+def raw(
+    kserve: KServeDaemon, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+):
+    conn = http.client.HTTPConnection("127.0.0.1", kserve.http_port, timeout=10)
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, response.read(), dict(response.getheaders())
+    finally:
+        conn.close()
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_health_and_server_metadata(client: httpclient.InferenceServerClient) -> None:
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("digits")
+    assert client.is_model_ready("digits", "1")
+    assert not client.is_model_ready("no-such-model")
+    meta = client.get_server_metadata()
+    assert meta["name"] == "edge-server"
+    assert {"binary_tensor_data", "model_repository", "statistics", "system_shared_memory"} <= set(
+        meta["extensions"]
+    )
+
+
+def test_model_metadata_and_config(client: httpclient.InferenceServerClient) -> None:
+    meta = client.get_model_metadata("digits")
+    assert meta["versions"] == ["1"]
+    assert meta["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
+    assert client.get_model_metadata("digits", "1") == meta
+    config = client.get_model_config("digits")
+    assert config["max_batch_size"] == 8
+    assert config["input"][0]["data_type"] == "TYPE_FP32"
+    with pytest.raises(InferenceServerException) as info:
+        client.get_model_metadata("no-such-model")
+    assert info.value.status() == "404"
+    assert "MODEL_NOT_FOUND" in info.value.message()
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_infer_equals_onnxruntime(
+    client: httpclient.InferenceServerClient, ipc_repository: Path, binary: bool
+) -> None:
+    image = np.random.default_rng(1).random((3, 1, 8, 8), dtype=np.float32)
+    tensor = httpclient.InferInput("image", list(image.shape), "FP32")
+    tensor.set_data_from_numpy(image, binary_data=binary)
+    result = client.infer(
+        "digits",
+        [tensor],
+        outputs=[httpclient.InferRequestedOutput("probabilities", binary_data=binary)],
+        request_id="r-1",
+    )
+    expected = ort_run(ipc_repository, "digits", {"image": image})[0]
+    np.testing.assert_allclose(result.as_numpy("probabilities"), expected, rtol=1e-6)
+    response = result.get_response()
+    assert response["id"] == "r-1"
+    assert response["model_version"] == "1"
+
+
+def test_infer_with_compression_both_ways(
+    client: httpclient.InferenceServerClient, ipc_repository: Path
+) -> None:
+    image = np.random.default_rng(2).random((1, 1, 8, 8), dtype=np.float32)
+    tensor = httpclient.InferInput("image", list(image.shape), "FP32")
+    tensor.set_data_from_numpy(image)
+    expected = ort_run(ipc_repository, "digits", {"image": image})[0]
+    for request_algorithm, response_algorithm in (("gzip", "deflate"), ("deflate", "gzip")):
+        result = client.infer(
+            "digits",
+            [tensor],
+            request_compression_algorithm=request_algorithm,
+            response_compression_algorithm=response_algorithm,
+        )
+        np.testing.assert_allclose(result.as_numpy("probabilities"), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_string_tensors(client: httpclient.InferenceServerClient, binary: bool) -> None:
+    text = np.array([b"hello", "w\u00f6rld".encode(), b""], dtype=object)
+    tensor = httpclient.InferInput("TEXT", [3], "BYTES")
+    tensor.set_data_from_numpy(text, binary_data=binary)
+    result = client.infer(
+        "text", [tensor], outputs=[httpclient.InferRequestedOutput("UPPER", binary_data=binary)]
+    )
+    upper = [v if isinstance(v, bytes) else v.encode() for v in result.as_numpy("UPPER").tolist()]
+    assert upper == [b"HELLO", "W\u00f6RLD".encode(), b""]  # JSON data comes back as str
+
+
+def test_bad_input_raises_with_our_message_and_code(client: httpclient.InferenceServerClient) -> None:
+    image = np.zeros((1, 8, 8), dtype=np.float32)
+    tensor = httpclient.InferInput("image", [1, 8, 8], "FP32")
+    tensor.set_data_from_numpy(image)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("digits", [tensor])
+    assert info.value.status() == "400"
+    assert info.value.message() == (
+        "INVALID_ARGUMENT: model 'digits' input 'image': expected shape [batch, 1, 8, 8], got [1, 8, 8]"
+    )
+    wrong = httpclient.InferInput("nope", [1, 1, 8, 8], "FP32")
+    wrong.set_data_from_numpy(image[None])
+    with pytest.raises(InferenceServerException, match="nope"):
+        client.infer("digits", [wrong])
+
+
+def test_statistics_count_requests(client: httpclient.InferenceServerClient) -> None:
+    def count() -> int:
+        stats = client.get_inference_statistics("identity")["model_stats"]
+        assert [s["version"] for s in stats] == ["1"]
+        return int(stats[0]["inference_count"])
+
+    before = count()
+    tensor = httpclient.InferInput("INPUT0", [4], "FP32")
+    tensor.set_data_from_numpy(np.arange(4, dtype=np.float32))
+    for _ in range(3):
+        np.testing.assert_array_equal(
+            client.infer("identity", [tensor]).as_numpy("OUTPUT0"), np.arange(4, dtype=np.float32)
+        )
+    # A queued request's statistics are recorded just after its response is delivered: ask again.
+    wait_for(lambda: count() == before + 3, what="the requests in the statistics")
+    everything = client.get_inference_statistics()["model_stats"]
+    assert {"identity", "digits"} <= {s["name"] for s in everything}
+    assert client.get_inference_statistics("identity", "1")["model_stats"][0]["version"] == "1"
+
+
+def test_unload_and_load(client: httpclient.InferenceServerClient) -> None:
+    assert client.is_model_ready("cnn")
+    client.unload_model("cnn")
+    assert not client.is_model_ready("cnn")
+    index = {row["name"]: row for row in client.get_model_repository_index()}
+    assert index["cnn"]["state"] == "UNAVAILABLE"
+    client.load_model("cnn")
+    assert client.is_model_ready("cnn")
+    with pytest.raises(InferenceServerException, match="MODEL_NOT_FOUND"):
+        client.unload_model("no-such-model")
+
+
+def test_load_with_a_config_override(client: httpclient.InferenceServerClient) -> None:
+    """Triton's load-time config (JSON) replaces config.pbtxt until the model is loaded without one."""
+    config = client.get_model_config("cnn")
+    assert config["max_batch_size"] == 16
+    override = dict(config, max_batch_size=2)
+    override.pop("dynamic_batching", None)
+    client.load_model("cnn", config=json.dumps(override))
+    try:
+        assert client.get_model_config("cnn")["max_batch_size"] == 2
+        assert client.get_model_metadata("cnn")["inputs"][0]["shape"] == [-1, 3, 64, 64]
+        too_big = httpclient.InferInput("input", [4, 3, 64, 64], "FP32")
+        too_big.set_data_from_numpy(np.zeros((4, 3, 64, 64), np.float32), binary_data=True)
+        with pytest.raises(InferenceServerException, match="batch"):
+            client.infer("cnn", [too_big])
+        with pytest.raises(InferenceServerException, match="INVALID_CONFIG") as info:
+            client.load_model("cnn", config=json.dumps({"max_batch_size": "lots"}))
+        assert info.value.status() == "400"
+        assert client.get_model_config("cnn")["max_batch_size"] == 2  # the failed load changed nothing
+        with pytest.raises(InferenceServerException, match="file override"):
+            client.load_model("cnn", files={"file:1/model.onnx": b"\0"})
+    finally:
+        client.load_model("cnn")  # back to the repository's config.pbtxt
+    assert client.get_model_config("cnn")["max_batch_size"] == 16
+
+
+def test_request_parameters_reach_the_model_and_are_checked(client: httpclient.InferenceServerClient) -> None:
+    tensor = httpclient.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([1], np.int32))
+    result = client.infer(
+        "params", [tensor], request_id="h1", parameters={"mode": "fast", "level": 3, "flag": True}
+    )
+    seen = json.loads(result.as_numpy("PARAMS")[0])
+    assert seen["parameters"] == {"mode": "fast", "level": 3, "flag": True}
+    assert seen["request_id"] == "h1"
+    with pytest.raises(InferenceServerException, match="must be a bool, an integer or a string"):
+        client.infer("params", [tensor], parameters={"ratio": 0.5})
+
+
+def test_logging_and_trace_settings_read_only(client: httpclient.InferenceServerClient) -> None:
+    assert client.get_log_settings()["log_info"] is True
+    assert client.get_trace_settings()["trace_level"] == ["OFF"]
+
+
+def test_cuda_shared_memory_is_not_supported(client: httpclient.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported") as info:
+        client.get_cuda_shared_memory_status()
+    assert info.value.status() == "501"
+
+
+# -- what stock clients never send ------------------------------------------------------------------
+
+
+def test_malformed_json_is_400(kserve: KServeDaemon) -> None:
+    status, body, _ = raw(kserve, "POST", "/v2/models/identity/infer", b"{not json")
+    assert status == 400
+    assert "not valid JSON" in json.loads(body)["error"]
+    status, body, _ = raw(kserve, "POST", "/v2/models/identity/infer", b'{"inputs": "x"}')
+    assert status == 400
+    assert "'inputs' must be a list" in json.loads(body)["error"]
+
+
+def test_wrong_lengths_are_400(kserve: KServeDaemon) -> None:
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "INPUT0", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}
+            ]
+        }
+    ).encode()
+    data = np.ones(2, dtype=np.float32).tobytes()
+    status, body, _ = raw(
+        kserve,
+        "POST",
+        "/v2/models/identity/infer",
+        header + data,
+        {"Inference-Header-Content-Length": str(len(header) + 100)},
+    )
+    assert status == 400 and "Inference-Header-Content-Length" in json.loads(body)["error"]
+    status, body, _ = raw(
+        kserve,
+        "POST",
+        "/v2/models/identity/infer",
+        header + data[:4],
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert status == 400 and "past the end of the body" in json.loads(body)["error"]
+    status, body, _ = raw(
+        kserve,
+        "POST",
+        "/v2/models/identity/infer",
+        header + data + b"xx",
+        {"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert status == 400 and "belong to no input" in json.loads(body)["error"]
+    # An HTTP Content-Length shorter than the body: the server reads what was declared, which is no JSON.
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n" + header
+        )
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 400")
+
+
+def test_oversized_body_is_refused_before_it_is_read(kserve: KServeDaemon) -> None:
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n{"
+        )
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413")
+    assert b"at most" in reply
+    bomb = gzip.compress(b" " * (40 << 20))  # inflates past the daemon's 32 MiB limit
+    status, body, _ = raw(kserve, "POST", "/v2/models/identity/infer", bomb, {"Content-Encoding": "gzip"})
+    assert status == 413 and "inflated" in json.loads(body)["error"]
+
+
+def test_unknown_routes_and_methods(kserve: KServeDaemon) -> None:
+    status, body, _ = raw(kserve, "GET", "/v2/nothing/here")
+    assert status == 404 and "no such endpoint" in json.loads(body)["error"]
+    status, body, _ = raw(kserve, "GET", "/v2/models/identity/infer")
+    assert status == 405
+    status, body, _ = raw(kserve, "GET", "/v2/models/identity/versions/x")
+    assert status == 400 and "version" in json.loads(body)["error"]
+
+
+def test_daemon_still_serves_after_all_that(client: httpclient.InferenceServerClient) -> None:
+    assert client.is_server_ready()
+
+
+def test_a_taken_port_stops_the_daemon_with_the_reason(ipc_root: Path, ipc_repository: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"ADDRESS_IN_USE.*cannot bind 127.0.0.1:{port}"):
+            start_kserve_daemon(ipc_root, ipc_repository, "taken.sock", "--http-port", str(port))
+
+
+def test_many_in_flight_through_the_dynamic_batcher(kserve: KServeDaemon, ipc_repository: Path) -> None:
+    """32 requests from 8 connections at once to a batching model: each gets its own answer."""
+    images = np.random.default_rng(7).random((32, 1, 3, 64, 64), dtype=np.float32)
+    expected = ort_run(ipc_repository, "cnn", {"input": images[:, 0]})[0]
+    c = httpclient.InferenceServerClient(kserve.http_url, concurrency=8)
+    try:
+        pending = []
+        for image in images:
+            tensor = httpclient.InferInput("input", list(image.shape), "FP32")
+            tensor.set_data_from_numpy(image, binary_data=True)
+            pending.append(c.async_infer("cnn", [tensor]))
+        for k, request in enumerate(pending):
+            np.testing.assert_allclose(
+                request.get_result().as_numpy("logits")[0], expected[k], rtol=1e-4, atol=1e-5
+            )
+    finally:
+        c.close()
+
+
+def test_a_chunked_body_is_counted_as_it_arrives(kserve: KServeDaemon) -> None:
+    chunk = b"x" * (1 << 20)
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        try:
+            for _ in range(40):  # 40 MiB against the daemon's 32 MiB limit
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the server answered and closed while we were still sending
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413")
+
+
+def test_endless_headers_are_400_not_memory(kserve: KServeDaemon) -> None:
+    line = b"X-Junk: " + b"a" * 8000 + b"\r\n"
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=30) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(2000):  # 16 MB of headers against the 64 KiB bound
+                sock.sendall(line)
+        except OSError:
+            pass  # answered and closed while we were still sending
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 400")
