@@ -61,6 +61,21 @@ class ModelExecutionError(EdgeServerError):
     http_status = 500
 
 
+class InstanceFailed(EdgeServerError):
+    """The model instance that ran this request failed in a way it cannot recover from.
+
+    A crashed isolated Python model process (``os._exit``, a segfault in native code, an OOM kill), or
+    later a lost CUDA context.  Distinct from :class:`ModelExecutionError` ("this request failed"):
+    a backend raises it to say "this instance can never serve again", and the scheduler takes the
+    instance out of service and restarts it while the version's other instances keep serving.
+    Requests that were in flight on the instance fail with this error; the same request sent again
+    may succeed on a restarted or another instance (unless the request itself crashes the model).
+    """
+
+    code = "INSTANCE_FAILED"
+    http_status = 500
+
+
 class ConfigError(EdgeServerError):
     """A model's configuration or files are invalid; that model (version) does not load."""
 

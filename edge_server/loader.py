@@ -87,7 +87,7 @@ def load_version(
             ctx = LoadContext(
                 config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
             )
-            instances.append((spec.name, backend_cls(ctx)))
+            instances.append((spec.name, backend_cls.create(ctx)))
         for name, backend in instances:
             warm_up(config, backend, version_dir, instance_name=name)
     except BaseException:
@@ -95,7 +95,22 @@ def load_version(
             backend.close()
         raise
     stats = ModelStats(source.name, version)
-    scheduler = ModelScheduler(config, instances, stats)
+
+    def restart(index: int) -> Backend:
+        """A new instance in the place of instance ``index`` after an unrecoverable fault (scheduler)."""
+        spec = specs[index]
+        ctx = LoadContext(
+            config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
+        )
+        backend = backend_cls.create(ctx)
+        try:
+            warm_up(config, backend, version_dir, instance_name=spec.name)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    scheduler = ModelScheduler(config, instances, stats, restart=restart)
     return LoadedVersion(
         name=source.name,
         version=version,

@@ -76,12 +76,23 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def __init__(self, ctx: LoadContext) -> None: ...
 
+    @classmethod
+    def create(cls, ctx: LoadContext) -> Backend:
+        """Load one instance; the loader calls this rather than the class.
+
+        So a backend may pick the class of an instance from its config (the Python backend runs a
+        model in the daemon's thread or, with ``isolation: process``, in a process of its own).
+        """
+        return cls(ctx)
+
     @abc.abstractmethod
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         """Run one batch; return one result per item, in order.
 
         An error that belongs to one request is returned in its slot; an exception raised from here fails
-        the whole batch (the instance is kept unless the error says otherwise).
+        the whole batch.  The instance is kept, unless the exception is
+        :class:`~edge_server.errors.InstanceFailed`: then the instance can never serve again (its
+        process died, its device context is lost) and the scheduler replaces it.
         """
 
     @abc.abstractmethod
