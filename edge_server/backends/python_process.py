@@ -247,6 +247,7 @@ class IsolatedPythonBackend(Backend):
         descs = iter(put(named, self._requests))
         message = {
             "op": "exec",
+            "n": self._requests.size,
             "r": [
                 {
                     "i": [next(descs) for _ in item.inputs],
@@ -269,7 +270,7 @@ class IsolatedPythonBackend(Backend):
         if "err" in reply:  # the model failed the whole batch (execute() raised); the process is fine
             raise _error(reply["err"])
         try:
-            self._responses.follow()
+            self._responses.follow(int(reply.get("n", 0)))
             results: list[Result] = []
             for entry in reply["r"]:
                 if isinstance(entry, list):

@@ -78,7 +78,7 @@ class _Stub:
                 return
             try:
                 if op == "exec":
-                    reply = self._execute(message["r"])
+                    reply = self._execute(message["r"], message["n"])
                 elif op == "init":
                     reply = self._init(message)
                 elif op == "complete":
@@ -102,9 +102,9 @@ class _Stub:
         config = pickle.loads(message["config"])  # from the daemon that started this process
         return {"ok": True, "config": python_backend.complete_in_thread(config, Path(message["path"]))}
 
-    def _execute(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    def _execute(self, requests: list[dict[str, Any]], size: int) -> dict[str, Any]:
         assert self._backend is not None and self._requests is not None and self._responses is not None
-        self._requests.follow()  # the daemon may have grown it
+        self._requests.follow(size)  # the daemon may have grown it
         items = [
             BatchItem(
                 inputs=dict(read(desc, self._requests, copy=False) for desc in r["i"]),
@@ -135,7 +135,7 @@ class _Stub:
             else:
                 encoded.append({"o": [next(descs) for _ in result]})
         # A request's outputs are {"o": [descriptor, ...]}, its error a [code, message] list.
-        return {"r": encoded, "t": timing.compute_infer_ns}
+        return {"r": encoded, "t": timing.compute_infer_ns, "n": self._responses.size}
 
     def _finalize(self) -> None:
         reply: dict[str, Any] = {"ok": True}

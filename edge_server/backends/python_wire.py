@@ -45,6 +45,7 @@ class Channel:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._buffer = bytearray()
+        self._timeout: float | None = None  # the socket's, changed only when asked (a syscall)
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -58,7 +59,9 @@ class Channel:
 
     def recv(self, timeout: float | None = None) -> dict[str, Any]:
         """The next message; ``TimeoutError`` after ``timeout`` seconds, ``ChannelClosed`` at EOF."""
-        self._sock.settimeout(timeout)
+        if timeout != self._timeout:
+            self._sock.settimeout(timeout)
+            self._timeout = timeout
         buffer = self._buffer
         while True:
             if len(buffer) >= _HEADER.size:
@@ -111,8 +114,14 @@ class Arena:
             os.close(fd)
             raise
 
-    def follow(self) -> None:
-        """Map the whole file as it is now (after the other side grew it)."""
+    def follow(self, size: int | None = None) -> None:
+        """Map the whole file as it is now, when the other side says it grew it (``size``).
+
+        The size is only a hint to look: the mapping always has the file's real size (``fstat``), and
+        a file that never shrinks keeps a smaller old mapping valid.
+        """
+        if size is not None and size <= self.size:
+            return
         size = os.fstat(self.fd).st_size
         if size != self.size or self.map is None:
             # The old mapping is released when the last view of it goes (mmap objects count exports).
@@ -123,7 +132,7 @@ class Arena:
         """Grow the file (never shrink) so that ``size`` bytes fit, and map it."""
         if size > self.size:
             os.ftruncate(self.fd, 1 << max(size - 1, 1).bit_length())
-        self.follow()
+            self.follow()
 
     def write(self, offset: int, array: np.ndarray) -> None:
         target = np.ndarray(array.shape, array.dtype, buffer=self.map, offset=offset)
