@@ -176,11 +176,6 @@ def isolation_mode(config: ModelConfig) -> str:
             f"{config.source or config.name}: parameters {{ key: {ISOLATION_KEY!r} }} must be one of "
             f"{list(ISOLATION_MODES)}, got {mode!r}"
         )
-    if mode == "process" and config.decoupled:
-        raise ConfigError(
-            f"{config.source or config.name}: a decoupled model cannot run with isolation 'process' yet "
-            "(its response sender needs the daemon's stream); use isolation 'thread'"
-        )
     return mode
 
 
@@ -204,7 +199,6 @@ class PythonBackend(Backend):
             completed = complete_in_thread(config, model_path)
         if completed is not None:
             config = apply_auto_complete(config, completed)
-            isolation_mode(config)  # auto-complete may have made the model decoupled
         if not config.outputs:
             raise ConfigError(f"{config.source or model_path}: a Python model must declare its outputs")
         return config

@@ -15,20 +15,23 @@ as in the thread mode.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import edge_server
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
-from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, put, read
+from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, put, read, unpack_inline
 from edge_server.config.model import ModelConfig
 from edge_server.errors import (
     AlreadyExists,
@@ -39,9 +42,11 @@ from edge_server.errors import (
     InvalidArgument,
     ModelExecutionError,
     NotFound,
+    ServerShuttingDown,
     Unavailable,
     Unsupported,
 )
+from edge_server.request import ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +130,53 @@ class _Child:
         finally:
             theirs.close()
         self.channel = Channel(mine)
+        self._replies: queue.SimpleQueue[dict[str, Any] | None] | None = None
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    def start_reader(
+        self, name: str, on_send: Callable[[dict[str, Any]], None], on_gone: Callable[[], None]
+    ) -> None:
+        """Read the pipe in a thread of its own from now on (decoupled models send at any time).
+
+        ``send`` messages go to ``on_send``; replies to :meth:`call`; ``on_gone`` runs once the pipe is
+        closed (the process died or was stopped).
+        """
+        replies: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                while True:
+                    message = self.channel.recv()
+                    if message.get("op") == "send":
+                        on_send(message)
+                    else:
+                        replies.put(message)
+            except (ChannelClosed, OSError):
+                pass
+            except Exception:
+                log.exception("%s: reading the model's process failed", name)
+                self.kill()
+            replies.put(None)
+            on_gone()
+
+        self._replies = replies
+        threading.Thread(target=read, name=f"edge-{name}-stream", daemon=True).start()
+
     def call(self, message: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         self.channel.send(message)
-        return self.channel.recv(timeout)
+        if self._replies is None:
+            return self.channel.recv(timeout)
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError("no reply within the timeout") from None
+        if reply is None:
+            self._replies.put(None)  # for any later call
+            raise ChannelClosed("the model's process is gone")
+        return reply
 
     def reap(self) -> int | None:
         """Wait briefly for the process to end (its pipe closed), kill it if it does not; its status."""
@@ -158,7 +202,8 @@ class _Child:
             except (ChannelClosed, TimeoutError, subprocess.TimeoutExpired):
                 log.warning("pid %d did not finish finalize() within %.0f s; killed", self.pid, timeout)
         self.kill()
-        self.channel.close()
+        if self._replies is None:  # else the reader closes it when it sees the end
+            self.channel.close()
 
 
 def complete_in_process(config: ModelConfig, model_path: Path) -> dict[str, Any] | None:
@@ -202,12 +247,18 @@ class IsolatedPythonBackend(Backend):
         self._model = ctx.config.name
         self._name = ctx.instance.name
         self._failure: InstanceFailed | None = None
+        # decoupled: the open streams by token (requests whose final response has not come yet)
+        self._streams: dict[int, ResponseSink] = {}
+        self._tokens = itertools.count(1)
+        self._closing = False
         self._requests = Arena.create(f"edge-{self._name}-requests")
         self._responses = Arena.create(f"edge-{self._name}-responses")
         self._child: _Child | None = None
         try:
             self._child = _Child(self._name, (self._requests, self._responses))
             self._initialize(ctx)
+            if ctx.config.decoupled:
+                self._child.start_reader(self._name, self._on_send, self._on_gone)
         except BaseException:
             self.close()
             raise
@@ -233,6 +284,35 @@ class IsolatedPythonBackend(Backend):
         if "err" in reply:
             raise ConfigError(str(reply["err"][1]))
 
+    def _on_send(self, message: dict[str, Any]) -> None:
+        """A streamed response from the model (reader thread): hand it to its request's stream."""
+        token = message["k"]
+        final = bool(message["f"])
+        sink = self._streams.pop(token, None) if final else self._streams.get(token)
+        if sink is None:
+            return
+        error = _error(message["e"]) if message.get("e") else None
+        outputs = unpack_inline(message["o"]) if message.get("o") is not None else None
+        sink.put(outputs, error, final=final)
+        if sink.cancelled and not final and self._child is not None:
+            self._child.channel.send({"op": "cancel", "k": token})  # the model sees is_cancelled()
+
+    def _on_gone(self) -> None:
+        """The pipe closed: end every open stream (the process died, or the instance was unloaded)."""
+        if self._closing:
+            error: EdgeServerError = ServerShuttingDown(
+                f"model {self._model!r} was unloaded before it sent the final response"
+            )
+        else:
+            assert self._child is not None
+            error = InstanceFailed(
+                f"model {self._model!r}: instance {self._name} failed: its process {self._child.pid} "
+                f"{exit_reason(self._child.reap())} before it sent the final response"
+            )
+        while self._streams:
+            _, sink = self._streams.popitem()
+            sink.put(None, error, final=True)
+
     @property
     def pid(self) -> int | None:
         """The instance's process (for logs and tests)."""
@@ -245,23 +325,25 @@ class IsolatedPythonBackend(Backend):
             self._fail("before this request reached it")
         named = [pair for item in batch for pair in item.inputs.items()]
         descs = iter(put(named, self._requests))
-        message = {
-            "op": "exec",
-            "n": self._requests.size,
-            "r": [
-                {
-                    "i": [next(descs) for _ in item.inputs],
-                    "b": item.batch_size,
-                    "o": list(item.requested_outputs),
-                    "id": item.request_id,
-                    "p": dict(item.parameters),
-                    "c": item.correlation_id,
-                    "f": item.flags,
-                    "t": item.timeout_us,
-                }
-                for item in batch
-            ],
-        }
+        requests = []
+        for item in batch:
+            request = {
+                "i": [next(descs) for _ in item.inputs],
+                "b": item.batch_size,
+                "o": list(item.requested_outputs),
+                "id": item.request_id,
+                "p": dict(item.parameters),
+                "c": item.correlation_id,
+                "f": item.flags,
+                "t": item.timeout_us,
+            }
+            if item.stream is not None:  # a decoupled model's request: its responses are streamed
+                token = next(self._tokens)
+                self._streams[token] = item.stream
+                request["k"] = token
+                request["x"] = item.stream.cancelled
+            requests.append(request)
+        message = {"op": "exec", "n": self._requests.size, "r": requests}
         try:
             reply = self._child.call(message)
         except ChannelClosed:
@@ -294,6 +376,7 @@ class IsolatedPythonBackend(Backend):
         raise self._failure
 
     def close(self) -> None:
+        self._closing = True
         if self._child is not None:
             if self._failure is None:
                 self._child.stop(FINALIZE_TIMEOUT_S)

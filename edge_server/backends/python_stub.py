@@ -10,6 +10,12 @@ in the thread mode, errors included) and answers the daemon's messages one at a 
   responses arena (grown when needed), errors sent as ``[code, message]``.
 * ``fini``: ``finalize()``, answer, exit.
 
+A decoupled model's responses leave as ``send`` messages (``k``: the request's token, ``o``: tensors
+inline, ``e``: an error, ``f``: final), from whichever thread the model sends on; the daemon answers a
+response for a cancelled request with ``cancel``, after which ``request.is_cancelled()`` is true and
+later responses are dropped here.  (A model that polls ``is_cancelled()`` inside ``execute`` sees a
+cancellation that came meanwhile once ``execute`` returned: this loop reads one message at a time.)
+
 The stub ignores SIGINT and SIGTERM (a terminal's Ctrl-C or systemd's stop reach the whole group; the
 daemon decides when its models finalize) and exits within a second when its daemon is gone (its
 parent changes), so that no stub outlives the daemon that owns it.
@@ -34,8 +40,9 @@ import numpy as np
 
 from edge_server.backends import python as python_backend
 from edge_server.backends.base import BatchItem, Timing
-from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, put, read
+from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, pack_inline, put, read
 from edge_server.errors import EdgeServerError
+from edge_server.request import ResponseSink
 
 log = logging.getLogger("edge_server.backends.python_stub")
 
@@ -59,12 +66,35 @@ def _detach_signals(parent_pid: int) -> None:
     threading.Thread(target=watch, name="orphan-check", daemon=True).start()
 
 
+class _PipeSink(ResponseSink):
+    """A streamed request's responses, sent to the daemon as they come (any thread)."""
+
+    def __init__(self, channel: Channel, token: int) -> None:
+        super().__init__()
+        self._channel = channel
+        self.token = token
+
+    def deliver(
+        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
+    ) -> None:
+        self._channel.send(
+            {
+                "op": "send",
+                "k": self.token,
+                "o": pack_inline(outputs.items()) if outputs is not None else None,
+                "e": [error.code, error.message] if error is not None else None,
+                "f": final,
+            }
+        )
+
+
 class _Stub:
     def __init__(self, channel: Channel, requests: Arena | None, responses: Arena | None) -> None:
         self._channel = channel
         self._requests = requests
         self._responses = responses
         self._backend: python_backend.PythonBackend | None = None
+        self._streams: dict[int, _PipeSink] = {}  # decoupled: requests that may still send
 
     def serve(self) -> None:
         while True:
@@ -79,6 +109,11 @@ class _Stub:
             try:
                 if op == "exec":
                     reply = self._execute(message["r"], message["n"])
+                elif op == "cancel":
+                    sink = self._streams.get(message["k"])
+                    if sink is not None:
+                        sink.cancel()
+                    continue  # no reply: the daemon does not wait for one
                 elif op == "init":
                     reply = self._init(message)
                 elif op == "complete":
@@ -105,6 +140,8 @@ class _Stub:
     def _execute(self, requests: list[dict[str, Any]], size: int) -> dict[str, Any]:
         assert self._backend is not None and self._requests is not None and self._responses is not None
         self._requests.follow(size)  # the daemon may have grown it
+        for token in [t for t, sink in self._streams.items() if sink.finished]:
+            del self._streams[token]
         items = [
             BatchItem(
                 inputs=dict(read(desc, self._requests, copy=False) for desc in r["i"]),
@@ -115,6 +152,7 @@ class _Stub:
                 correlation_id=r["c"],
                 flags=r["f"],
                 timeout_us=r["t"],
+                stream=self._sink(r["k"], r["x"]) if "k" in r else None,
             )
             for r in requests
         ]
@@ -136,6 +174,13 @@ class _Stub:
                 encoded.append({"o": [next(descs) for _ in result]})
         # A request's outputs are {"o": [descriptor, ...]}, its error a [code, message] list.
         return {"r": encoded, "t": timing.compute_infer_ns, "n": self._responses.size}
+
+    def _sink(self, token: int, cancelled: bool) -> _PipeSink:
+        sink = self._streams[token] = _PipeSink(self._channel, token)
+        sink.model_sends = True
+        if cancelled:
+            sink.cancel()
+        return sink
 
     def _finalize(self) -> None:
         reply: dict[str, Any] = {"ok": True}

@@ -10,7 +10,9 @@
   (``F_SEAL_SHRINK``), so neither side can ever fault on the other's mapping; the writer grows it
   when a batch does not fit, and the reader follows the file's size (``fstat``), never a size it
   was told.  Tensors cross as raw bytes at 64-byte aligned offsets: one copy in, one copy out.
-  String (``TYPE_STRING``) tensors travel inside the message as lists of ``bytes`` instead.
+  String (``TYPE_STRING``) tensors travel inside the message as lists of ``bytes`` instead, and so
+  do the tensors of a decoupled model's streamed responses (they are sent from the model's own
+  threads at any time, also while the next batch uses the arenas).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import mmap
 import os
 import socket
 import struct
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,6 +49,7 @@ class Channel:
         self._sock = sock
         self._buffer = bytearray()
         self._timeout: float | None = None  # the socket's, changed only when asked (a syscall)
+        self._send_lock = threading.Lock()  # a decoupled model's threads send beside the main loop
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -53,7 +57,8 @@ class Channel:
     def send(self, message: dict[str, Any]) -> None:
         payload = msgpack.packb(message, use_bin_type=True)
         try:
-            self._sock.sendall(_HEADER.pack(len(payload)) + payload)
+            with self._send_lock:
+                self._sock.sendall(_HEADER.pack(len(payload)) + payload)
         except OSError as exc:  # EPIPE, ECONNRESET: the peer died
             raise ChannelClosed(f"send failed: {exc}") from exc
 
@@ -206,3 +211,37 @@ def put(named: list[tuple[str, np.ndarray]], arena: Arena) -> list[list[Any]]:
             arena.write(offset, array)
         descs.append(describe(name, array, offset))
     return descs
+
+
+def pack_inline(named: Iterable[tuple[str, np.ndarray]]) -> list[list[Any]]:
+    """Descriptors that carry their bytes: ``[name, dtype, shape, data]`` (strings: as :func:`describe`)."""
+    descs: list[list[Any]] = []
+    for name, array in named:
+        if array.dtype.kind not in _NUMERIC_KINDS:
+            descs.append(describe(name, array, -1))
+        else:
+            descs.append([name, array.dtype.str, list(array.shape), np.ascontiguousarray(array).tobytes()])
+    return descs
+
+
+def unpack_inline(descs: list[list[Any]]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for desc in descs:
+        name, dtype_str, shape = str(desc[0]), desc[1], tuple(int(d) for d in desc[2])
+        if dtype_str == "S":
+            out[name] = read(desc, _NO_ARENA, copy=True)[1]
+            continue
+        dtype = np.dtype(dtype_str)
+        data = desc[3]
+        if dtype.kind not in _NUMERIC_KINDS or len(data) != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {name!r}: {dtype_str} {list(shape)} does not match {len(data)} bytes")
+        out[name] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+    return out
+
+
+class _NoArena(Arena):
+    def __init__(self) -> None:  # strings never touch an arena
+        self.fd, self.map, self.size = -1, None, 0
+
+
+_NO_ARENA = _NoArena()
