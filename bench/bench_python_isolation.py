@@ -128,7 +128,8 @@ def main() -> None:
     args = parser.parse_args()
     counts = {"tiny": 400, "frame": 40} if args.quick else {"tiny": 5000, "frame": 400}
     rounds = 4 if args.quick else 10
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, {'quick' if args.quick else 'full'} run\n")
+    mode = "quick" if args.quick else "full"
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores, {mode} run\n")
     print("| path | model | thread median µs | process median µs | added µs | thread p90 | process p90 | n |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="bench-iso-") as tmp:
