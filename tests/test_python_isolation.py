@@ -10,6 +10,7 @@ its load timeout.
 from __future__ import annotations
 
 import os
+import signal
 import textwrap
 import time
 from collections.abc import Iterator
@@ -220,6 +221,21 @@ def test_segfault_fails_its_request_and_the_instance_comes_back(client: Client, 
     _healthy(client, iso_daemon)
     out = client.infer("crash1", {"IN": np.array([4.0], np.float32)})["OUT"]
     np.testing.assert_array_equal(out, np.array([12.0], np.float32))
+
+
+def test_a_process_killed_while_idle_is_replaced_before_a_request_reaches_it(
+    client: Client, iso_daemon: Daemon
+) -> None:
+    victim = _stubs(iso_daemon)["crash1_0_0"]
+    os.kill(victim, signal.SIGKILL)  # what the OOM killer does
+    deadline = time.monotonic() + 40  # the back-off may be at 4 s after the crashes above
+    while _stubs(iso_daemon).get("crash1_0_0", victim) == victim:
+        assert time.monotonic() < deadline, "the killed instance was not replaced"
+        time.sleep(0.05)
+    assert "was killed by SIGKILL while idle" in iso_daemon.log()
+    out = client.infer("crash1", {"IN": np.array([1.0], np.float32)})["OUT"]
+    np.testing.assert_array_equal(out, np.array([3.0], np.float32))
+    _healthy(client, iso_daemon)
 
 
 def test_the_versions_other_instance_serves_during_the_restart(client: Client, iso_daemon: Daemon) -> None:

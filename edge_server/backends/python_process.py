@@ -313,6 +313,28 @@ class IsolatedPythonBackend(Backend):
             _, sink = self._streams.popitem()
             sink.put(None, error, final=True)
 
+    def watch(self, report: Callable[[InstanceFailed], None]) -> None:
+        """Wait for the process in a thread of its own.
+
+        A death between batches (an OOM kill, a model's own thread) is reported at once, so that no
+        request is sent to a dead instance.
+        """
+        child = self._child
+        assert child is not None
+
+        def wait() -> None:
+            returncode = child.proc.wait()
+            if self._closing or self._failure is not None:
+                return
+            self._failure = InstanceFailed(
+                f"model {self._model!r}: instance {self._name} failed: its process {child.pid} "
+                f"{exit_reason(returncode)} while idle"
+            )
+            log.error("%s", self._failure.message)
+            report(self._failure)
+
+        threading.Thread(target=wait, name=f"edge-{self._name}-watch", daemon=True).start()
+
     @property
     def pid(self) -> int | None:
         """The instance's process (for logs and tests)."""

@@ -21,6 +21,7 @@ Lock order: the scheduler's lock is never held while a backend runs or a future 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -123,6 +124,8 @@ class ModelScheduler:
         self._restarts = [0] * len(instances)  # consecutive restarts per instance (the back-off)
         self._since = [time.monotonic()] * len(instances)  # when each instance entered service
         self._unavailable = ""  # why requests are refused: every instance is down and restarts fail
+        for _, backend in instances:
+            backend.watch(functools.partial(self._lost, backend))
         self._threads = [
             threading.Thread(target=self._worker, args=(index,), name=f"edge-{name}", daemon=True)
             for index, (name, _) in enumerate(instances)
@@ -411,15 +414,19 @@ class ModelScheduler:
                 )
             return results
         except InstanceFailed as exc:  # not "this request failed": this instance can never serve again
-            with self._lock:
-                self._failed.add(backend)
-                self._cond.notify_all()  # its worker may be waiting while the instance is lent
+            self._lost(backend, exc)
             return [exc] * len(items)
         except EdgeServerError as exc:
             return [exc] * len(items)
         except Exception as exc:
             log.exception("instance of %r failed a batch of %d", self._config.name, len(items))
             return [ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")] * len(items)
+
+    def _lost(self, backend: Backend, exc: InstanceFailed) -> None:
+        """Take ``backend`` out of service (from execute, or reported by the backend while idle)."""
+        with self._lock:
+            self._failed.add(backend)
+            self._cond.notify_all()  # wakes its worker, also one waiting while the instance is lent
 
     def _replace(self, index: int, dead: Backend) -> Backend | None:
         """Put a restarted instance in the place of a failed one; None when the scheduler stops first.
@@ -454,6 +461,7 @@ class ModelScheduler:
                 log.error("restarting instance %s failed: %s", name, exc)
                 self._refuse_if_all_down(f"restarting failed: {exc}")
                 continue
+            fresh.watch(functools.partial(self._lost, fresh))
             with self._lock:
                 stopping = self._stopping
                 if not stopping:
