@@ -152,6 +152,9 @@ def iso_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         name = f"mixed_{isolation}"
         _write(repo / name / "config.pbtxt", MIXED_CONFIG % {"name": name, "isolation": isolation})
         _write(repo / name / "1" / "model.py", MIXED_MODEL)
+    bogus = CRASH_CONFIG.replace('"process"', '"Process"') % {"name": "bogus", "count": 1}
+    _write(repo / "bogus" / "config.pbtxt", bogus)
+    _write(repo / "bogus" / "1" / "model.py", CRASH_MODEL)
     _write(repo / "hang" / "config.pbtxt", HANG_CONFIG)
     _write(repo / "hang" / "1" / "model.py", HANG_MODEL)
     proc = start_daemon(root, repo, "iso.sock")
@@ -323,3 +326,9 @@ def test_unload_ends_the_models_processes(client: Client, iso_daemon: Daemon) ->
     client.load_model("mixed_process")
     inputs, _ = _mixed_request(2)
     assert client.infer("mixed_process", inputs)["SUM"].tolist() == [[2000]]
+
+
+def test_an_unknown_isolation_mode_is_refused_at_load(client: Client) -> None:
+    (bogus,) = [m for m in client.models() if m["name"] == "bogus"]
+    assert bogus["state"] != "READY"
+    assert "'isolation'" in bogus["reason"] and "['thread', 'process'], got 'Process'" in bogus["reason"]
