@@ -37,6 +37,7 @@ parameters [ { key: "isolation", value: { string_value: "process" } } ]
 CRASH_MODEL = """
 import ctypes
 import os
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -50,6 +51,8 @@ class TritonPythonModel:
                 os._exit(1)
             if x.size and x[0] == 11:
                 ctypes.string_at(0)  # reads address 0: SIGSEGV
+            if x.size and x[0] == 7:
+                time.sleep(600)  # stuck in user code
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x * 3)]))
         return responses
 """
@@ -111,6 +114,10 @@ class TritonPythonModel:
         return responses
 """
 
+SLOW_PARAMETERS = """
+parameters [ { key: "isolation_execute_timeout_s", value: { string_value: "1" } } ]
+"""
+
 HANG_CONFIG = """
 name: "hang"
 backend: "python"
@@ -152,6 +159,9 @@ def iso_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         name = f"mixed_{isolation}"
         _write(repo / name / "config.pbtxt", MIXED_CONFIG % {"name": name, "isolation": isolation})
         _write(repo / name / "1" / "model.py", MIXED_MODEL)
+    slow = CRASH_CONFIG % {"name": "slow", "count": 1} + SLOW_PARAMETERS
+    _write(repo / "slow" / "config.pbtxt", slow)
+    _write(repo / "slow" / "1" / "model.py", CRASH_MODEL)
     bogus = CRASH_CONFIG.replace('"process"', '"Process"') % {"name": "bogus", "count": 1}
     _write(repo / "bogus" / "config.pbtxt", bogus)
     _write(repo / "bogus" / "1" / "model.py", CRASH_MODEL)
@@ -332,3 +342,16 @@ def test_an_unknown_isolation_mode_is_refused_at_load(client: Client) -> None:
     (bogus,) = [m for m in client.models() if m["name"] == "bogus"]
     assert bogus["state"] != "READY"
     assert "'isolation'" in bogus["reason"] and "['thread', 'process'], got 'Process'" in bogus["reason"]
+
+
+def test_an_execute_past_its_timeout_is_killed_and_the_instance_restarted(
+    client: Client, iso_daemon: Daemon
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(EdgeServerError) as info:
+        client.infer("slow", {"IN": np.array([7.0], np.float32)})
+    assert info.value.code == "INSTANCE_FAILED"
+    assert "was killed by SIGKILL after execute() ran past 1 s" in info.value.message
+    assert time.monotonic() - started < 5
+    out = client.infer("slow", {"IN": np.array([1.0], np.float32)})["OUT"]
+    np.testing.assert_array_equal(out, np.array([3.0], np.float32))

@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 #: ``initialize()`` (or ``auto_complete_config``) before it is killed and the load fails.
 INIT_TIMEOUT_KEY = "isolation_init_timeout_s"
 DEFAULT_INIT_TIMEOUT_S = 120.0
+#: config.pbtxt ``parameters`` key: seconds one ``execute()`` may run before the process is killed and
+#: the instance replaced (its requests fail with INSTANCE_FAILED); unset: no limit.  A thread cannot be
+#: stopped; a process can.
+EXECUTE_TIMEOUT_KEY = "isolation_execute_timeout_s"
 #: how long ``finalize()`` may take at unload before the child is killed
 FINALIZE_TIMEOUT_S = 5.0
 
@@ -74,20 +78,24 @@ _ERRORS: dict[str, type[EdgeServerError]] = {
 _PACKAGE_ROOT = str(Path(edge_server.__file__).resolve().parent.parent)
 
 
-def init_timeout(config: ModelConfig) -> float:
-    raw = config.parameters.get(INIT_TIMEOUT_KEY)
+def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
+    raw = config.parameters.get(key)
     if raw is None:
-        return DEFAULT_INIT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise ConfigError(
-            f"{config.source or config.name}: parameters {{ key: {INIT_TIMEOUT_KEY!r} }} must be a positive "
-            f"number of seconds, got {raw!r}"
+            f"{config.source or config.name}: parameters {{ key: {key!r} }} must be a positive number of "
+            f"seconds, got {raw!r}"
         )
     return value
+
+
+def init_timeout(config: ModelConfig) -> float:
+    return _seconds(config, INIT_TIMEOUT_KEY, DEFAULT_INIT_TIMEOUT_S) or DEFAULT_INIT_TIMEOUT_S
 
 
 def exit_reason(returncode: int | None) -> str:
@@ -246,7 +254,9 @@ class IsolatedPythonBackend(Backend):
     def __init__(self, ctx: LoadContext) -> None:
         self._model = ctx.config.name
         self._name = ctx.instance.name
+        self._execute_timeout = _seconds(ctx.config, EXECUTE_TIMEOUT_KEY, None)
         self._failure: InstanceFailed | None = None
+        self._busy = False  # in execute(), which reports a death itself (the watcher stays quiet)
         # decoupled: the open streams by token (requests whose final response has not come yet)
         self._streams: dict[int, ResponseSink] = {}
         self._tokens = itertools.count(1)
@@ -324,7 +334,7 @@ class IsolatedPythonBackend(Backend):
 
         def wait() -> None:
             returncode = child.proc.wait()
-            if self._closing or self._failure is not None:
+            if self._closing or self._busy or self._failure is not None:
                 return
             self._failure = InstanceFailed(
                 f"model {self._model!r}: instance {self._name} failed: its process {child.pid} "
@@ -345,6 +355,14 @@ class IsolatedPythonBackend(Backend):
             raise self._failure or InstanceFailed(f"model {self._model!r}: instance {self._name} is closed")
         if self._child.proc.poll() is not None:  # died while idle (an OOM kill, a model's own thread)
             self._fail("before this request reached it")
+        self._busy = True
+        try:
+            return self._execute(batch, timing)
+        finally:
+            self._busy = False
+
+    def _execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        assert self._child is not None
         named = [pair for item in batch for pair in item.inputs.items()]
         descs = iter(put(named, self._requests))
         requests = []
@@ -367,9 +385,12 @@ class IsolatedPythonBackend(Backend):
             requests.append(request)
         message = {"op": "exec", "n": self._requests.size, "r": requests}
         try:
-            reply = self._child.call(message)
+            reply = self._child.call(message, self._execute_timeout)
         except ChannelClosed:
             self._fail("while running this request")
+        except TimeoutError:
+            self._child.kill()
+            self._fail(f"after execute() ran past {self._execute_timeout:g} s ({EXECUTE_TIMEOUT_KEY})")
         timing.compute_infer_ns += int(reply.get("t", 0))
         if "err" in reply:  # the model failed the whole batch (execute() raised); the process is fine
             raise _error(reply["err"])
