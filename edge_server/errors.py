@@ -61,13 +61,14 @@ class ModelExecutionError(EdgeServerError):
     http_status = 500
 
 
-class InstanceFailed(EdgeServerError):
+class InstanceFailed(ModelExecutionError):
     """The model instance that ran this request failed in a way it cannot recover from.
 
     A crashed isolated Python model process (``os._exit``, a segfault in native code, an OOM kill), or
-    later a lost CUDA context.  Distinct from :class:`ModelExecutionError` ("this request failed"):
-    a backend raises it to say "this instance can never serve again", and the scheduler takes the
-    instance out of service and restarts it while the version's other instances keep serving.
+    a lost CUDA context (a sticky CUDA error).  A kind of execution failure, with a code of its own:
+    where a plain :class:`ModelExecutionError` says "this request failed", a backend raises this to
+    say "this instance can never serve again", and the scheduler takes the instance out of service and
+    restarts it while the version's other instances keep serving.
     Requests that were in flight on the instance fail with this error; the same request sent again
     may succeed on a restarted or another instance (unless the request itself crashes the model).
     """
@@ -129,6 +130,16 @@ class Cancelled(EdgeServerError):
 
     code = "CANCELLED"
     http_status = 499
+
+
+class UnsupportedBackend(ConfigError):
+    """The config names a backend (or platform) edge-server does not have at all: pytorch, openvino, ...
+
+    Different from :class:`BackendUnavailable`, which is a backend edge-server has but this machine
+    cannot run.
+    """
+
+    code = "UNSUPPORTED_BACKEND"
 
 
 class BackendUnavailable(EdgeServerError):

@@ -85,6 +85,11 @@ class ModelScheduler:
         *,
         restart: Restart | None = None,
     ) -> None:
+        """Start one worker per instance.
+
+        ``restart(index)`` loads (and warms up) a fresh instance in place of instance ``index`` after
+        it failed unrecoverably (:class:`InstanceFailed`); without it such an instance leaves service.
+        """
         self._config = config
         self._stats = stats
         self._settings = batch_settings(config)
@@ -112,8 +117,9 @@ class ModelScheduler:
         self._next_seq = 0
         self._delivered_seq = 0
         self._instances = instances
+        # Inline execution is an explicit opt-in of each backend (TensorRT opts out: never on a frontend).
         self._inline_capable = not self._settings.batching and all(
-            isinstance(backend, TensorBackend) for _, backend in instances
+            isinstance(backend, TensorBackend) and backend.allows_inline for _, backend in instances
         )
         self._compute_ema_ns = float("inf")  # moving average of one request's execution
         self._waiting: set[Backend] = set()  # instances whose worker is idle, waiting for work
