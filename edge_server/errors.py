@@ -61,6 +61,22 @@ class ModelExecutionError(EdgeServerError):
     http_status = 500
 
 
+class InstanceFailed(ModelExecutionError):
+    """The model instance that ran this request failed in a way it cannot recover from.
+
+    A crashed isolated Python model process (``os._exit``, a segfault in native code, an OOM kill), or
+    a lost CUDA context (a sticky CUDA error).  A kind of execution failure, with a code of its own:
+    where a plain :class:`ModelExecutionError` says "this request failed", a backend raises this to
+    say "this instance can never serve again", and the scheduler takes the instance out of service and
+    restarts it while the version's other instances keep serving.
+    Requests that were in flight on the instance fail with this error; the same request sent again
+    may succeed on a restarted or another instance (unless the request itself crashes the model).
+    """
+
+    code = "INSTANCE_FAILED"
+    http_status = 500
+
+
 class ConfigError(EdgeServerError):
     """A model's configuration or files are invalid; that model (version) does not load."""
 
@@ -131,17 +147,6 @@ class UnsupportedBackend(ConfigError):
     """
 
     code = "UNSUPPORTED_BACKEND"
-
-
-class InstanceFailed(ModelExecutionError):
-    """The instance can never serve again (e.g. its CUDA context is lost).
-
-    The batch fails; the scheduler takes the instance out of service and loads a fresh one while the
-    others keep serving.
-    """
-
-    code = "EXECUTION_FAILED"
-    http_status = 500
 
 
 class BackendUnavailable(EdgeServerError):

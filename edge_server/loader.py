@@ -121,7 +121,7 @@ def load_version(
             ctx = LoadContext(
                 config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
             )
-            instances.append((spec.name, backend_cls(ctx)))
+            instances.append((spec.name, backend_cls.create(ctx)))
         for name, backend in instances:
             warm_up(config, backend, version_dir, instance_name=name)
     except BaseException:
@@ -129,20 +129,20 @@ def load_version(
             backend.close()
         raise
     stats = ModelStats(source.name, version)
-    by_name = {spec.name: spec for spec in specs}
 
-    def reload(name: str) -> Backend:
-        """A fresh, warmed-up instance for one that failed unrecoverably (called by its worker)."""
+    def restart(index: int) -> Backend:
+        """A fresh, warmed-up instance in place of instance ``index`` after an unrecoverable fault.
+
+        Called by the failed instance's worker.  By index, not name: the copies of a group on several
+        GPUs or DLA cores share one name.
+        """
+        spec = specs[index]
         ctx = LoadContext(
-            config=config,
-            version=version,
-            version_dir=version_dir,
-            model_path=model_path,
-            instance=by_name[name],
+            config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
         )
-        backend = backend_cls(ctx)
+        backend = backend_cls.create(ctx)
         try:
-            warm_up(config, backend, version_dir, instance_name=name)
+            warm_up(config, backend, version_dir, instance_name=spec.name)
         except BaseException:
             backend.close()
             raise
@@ -152,7 +152,7 @@ def load_version(
     if config.sequence_batching is not None:
         scheduler = SequenceScheduler(config, instances, stats, source.path)
     else:
-        scheduler = ModelScheduler(config, instances, stats, reload=reload)
+        scheduler = ModelScheduler(config, instances, stats, restart=restart)
     return LoadedVersion(
         name=source.name,
         version=version,

@@ -454,35 +454,35 @@ def _ask(scheduler: ModelScheduler) -> dict[str, np.ndarray] | Exception:
 def test_failed_instance_is_replaced() -> None:
     broken = _LostContext(tag=1.0, healthy_runs=1)
     fresh = _LostContext(tag=2.0)
-    reloaded: list[str] = []
+    reloaded: list[int] = []
 
-    def reload(name: str) -> TensorBackend:
-        reloaded.append(name)
+    def restart(index: int) -> TensorBackend:
+        reloaded.append(index)
         return fresh
 
     scheduler = ModelScheduler(
-        _one_instance_config(), [("gpu_0", broken)], ModelStats("gpu", 1), reload=reload
+        _one_instance_config(), [("gpu_0", broken)], ModelStats("gpu", 1), restart=restart
     )
     try:
         first, second = _ask(scheduler), _ask(scheduler)
         assert isinstance(first, dict) and first["y"][0] == 1.0
-        assert isinstance(second, InstanceFailed) and second.code == "EXECUTION_FAILED"
-        third = _ask(scheduler)  # served by the replacement
+        assert isinstance(second, InstanceFailed) and second.code == "INSTANCE_FAILED"
+        third = _ask(scheduler)  # served by the replacement (after the restart back-off)
         assert isinstance(third, dict) and third["y"][0] == 2.0
     finally:
         scheduler.stop()
-    assert reloaded == ["gpu_0"] and broken.closed == 1 and fresh.closed == 1  # each closed exactly once
+    assert reloaded == [0] and broken.closed == 1 and fresh.closed == 1  # each closed exactly once
 
 
 def test_instance_that_cannot_be_reloaded_leaves_service_and_the_others_serve() -> None:
     broken = _LostContext(tag=1.0, healthy_runs=0)
     healthy = _LostContext(tag=3.0)
 
-    def reload(name: str) -> TensorBackend:
+    def restart(index: int) -> TensorBackend:
         raise BackendUnavailable("the GPU is gone")
 
     scheduler = ModelScheduler(
-        _one_instance_config(), [("gpu_0", broken), ("gpu_1", healthy)], ModelStats("gpu", 1), reload=reload
+        _one_instance_config(), [("gpu_0", broken), ("gpu_1", healthy)], ModelStats("gpu", 1), restart=restart
     )
     try:
         answers = [_ask(scheduler) for _ in range(40)]

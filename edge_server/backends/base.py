@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from edge_server.config.model import ModelConfig
-from edge_server.errors import ModelExecutionError
+from edge_server.errors import InstanceFailed, ModelExecutionError
 from edge_server.request import BatchItem, Result, Timing
 
 __all__ = [
@@ -76,12 +76,32 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def __init__(self, ctx: LoadContext) -> None: ...
 
+    @classmethod
+    def create(cls, ctx: LoadContext) -> Backend:
+        """Load one instance; the loader calls this rather than the class.
+
+        So a backend may pick the class of an instance from its config (the Python backend runs a
+        model in the daemon's thread or, with ``isolation: process``, in a process of its own).
+        """
+        return cls(ctx)
+
+    def watch(self, report: Callable[[InstanceFailed], None]) -> None:
+        """Called once by the scheduler that owns the instance, before it runs anything.
+
+        A backend that can find out about an unrecoverable fault while it is idle (its process was
+        killed between batches) calls ``report`` with it, from any thread, so that the instance is
+        replaced before a request is sent to it.  Faults found by :meth:`execute` are raised there.
+        """
+        return None  # by default faults are found only by execute()
+
     @abc.abstractmethod
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         """Run one batch; return one result per item, in order.
 
         An error that belongs to one request is returned in its slot; an exception raised from here fails
-        the whole batch (the instance is kept unless the error says otherwise).
+        the whole batch.  The instance is kept, unless the exception is
+        :class:`~edge_server.errors.InstanceFailed`: then the instance can never serve again (its
+        process died, its device context is lost) and the scheduler replaces it.
         """
 
     @abc.abstractmethod

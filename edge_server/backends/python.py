@@ -1,9 +1,11 @@
 """Python models: ``<version>/model.py`` with Triton's ``TritonPythonModel`` interface.
 
 Each instance imports the file as its own module object and makes its own model object, so instances
-share no state.  User code runs in the instance's worker thread (Triton runs a stub process per
-instance; on a Jetson the saved copies matter more than the isolation).  Anything user code raises, or
-an error it returns for one request, becomes that request's error; the daemon carries on.
+share no state.  By default user code runs in the instance's worker thread (no copies, no round trip);
+with ``parameters { key: "isolation" value: { string_value: "process" } }`` each instance runs in a
+process of its own (``python_process.py``), as in Triton, so that a crash of user code fails only
+that instance's requests.  Anything user code raises, or an error it returns for one request,
+becomes that request's error; the daemon carries on.
 
 A model may also return a plain ``{name: ndarray}`` dict per request instead of an InferenceResponse.
 """
@@ -114,8 +116,8 @@ def _tensor_from_dict(spec: dict[str, Any]) -> TensorSpec:
     )
 
 
-def _auto_complete(config: ModelConfig, model_cls: Any, model_path: Path) -> ModelConfig:
-    """Run the model's ``auto_complete_config`` and take back what Triton lets it change."""
+def run_auto_complete(config: ModelConfig, model_cls: Any, model_path: Path) -> dict[str, Any]:
+    """Run the model's ``auto_complete_config``; the config it made, as Triton's JSON-shaped dict."""
     holder = pb_utils.ModelConfig(config.to_triton_dict())
     try:
         with pb_context.running(pb_context.ModelContext(config.name, model_path.parent)):
@@ -132,7 +134,11 @@ def _auto_complete(config: ModelConfig, model_cls: Any, model_path: Path) -> Mod
             f"{model_path}: auto_complete_config returned {type(result).__name__}, "
             "expected the pb_utils.ModelConfig it was given"
         )
-    completed = result.as_dict()
+    return result.as_dict()
+
+
+def apply_auto_complete(config: ModelConfig, completed: dict[str, Any]) -> ModelConfig:
+    """Take back from an auto-completed config what Triton lets a model change."""
     max_batch_size = int(completed.get("max_batch_size", config.max_batch_size))
     batching = config.dynamic_batching
     if batching is None and "dynamic_batching" in completed and max_batch_size > 0:
@@ -147,16 +153,59 @@ def _auto_complete(config: ModelConfig, model_cls: Any, model_path: Path) -> Mod
     )
 
 
+#: config.pbtxt ``parameters`` key choosing where a Python model runs; see isolation_mode()
+ISOLATION_KEY = "isolation"
+ISOLATION_MODES = ("thread", "process")
+DEFAULT_ISOLATION = "thread"
+
+
+def isolation_mode(config: ModelConfig) -> str:
+    """``thread`` (in the daemon, the default) or ``process`` (a process of its own per instance).
+
+    ``process`` contains crashes of user code (``os._exit``, a segfault in native code, an OOM kill):
+    they fail that instance's requests with INSTANCE_FAILED and the instance is restarted; the cost is
+    a round trip to the child per batch (README, "Python models": which to choose, with numbers).
+    """
+    mode = config.parameters.get(ISOLATION_KEY, DEFAULT_ISOLATION)
+    if mode not in ISOLATION_MODES:
+        raise ConfigError(
+            f"{config.source or config.name}: parameters {{ key: {ISOLATION_KEY!r} }} must be one of "
+            f"{list(ISOLATION_MODES)}, got {mode!r}"
+        )
+    return mode
+
+
+def complete_in_thread(config: ModelConfig, model_path: Path) -> dict[str, Any] | None:
+    """Import ``model.py`` here and run its ``auto_complete_config`` (None when it has none)."""
+    module = _import_model(model_path)
+    model_cls = getattr(module, _CLASS_NAME)
+    if not hasattr(model_cls, "auto_complete_config"):
+        return None
+    return run_auto_complete(config, model_cls, model_path)
+
+
 class PythonBackend(Backend):
     @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
-        module = _import_model(model_path)
-        model_cls = getattr(module, _CLASS_NAME)
-        if hasattr(model_cls, "auto_complete_config"):
-            config = _auto_complete(config, model_cls, model_path)
+        if isolation_mode(config) == "process":  # model.py is not even imported by the daemon
+            from edge_server.backends.python_process import complete_in_process
+
+            completed = complete_in_process(config, model_path)
+        else:
+            completed = complete_in_thread(config, model_path)
+        if completed is not None:
+            config = apply_auto_complete(config, completed)
         if not config.outputs:
             raise ConfigError(f"{config.source or model_path}: a Python model must declare its outputs")
         return config
+
+    @classmethod
+    def create(cls, ctx: LoadContext) -> Backend:
+        if isolation_mode(ctx.config) == "process":
+            from edge_server.backends.python_process import IsolatedPythonBackend
+
+            return IsolatedPythonBackend(ctx)
+        return cls(ctx)
 
     def __init__(self, ctx: LoadContext) -> None:
         self._config = ctx.config

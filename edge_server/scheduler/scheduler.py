@@ -10,12 +10,18 @@ A model without dynamic batching whose executions are cheap (a moving average un
 queued: a thread hand-off costs more than such a model, and the caller would only wait for it anyway.
 The idle instance is lent for that one request; its worker does not touch it meanwhile.
 
+An instance whose backend raises :class:`InstanceFailed` (its process died, its device context is
+lost) is taken out of service: its worker closes it and asks the ``restart`` callback for a new one
+in its place, after a back-off (1 s, 2 s, 4 s ... ``RESTART_BACKOFF_MAX_S``), while the other instances
+keep serving.  See :meth:`ModelScheduler._replace`.
+
 Lock order: the scheduler's lock is never held while a backend runs or a future is completed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -32,6 +38,7 @@ from edge_server.errors import (
     InvalidArgument,
     ModelExecutionError,
     ServerShuttingDown,
+    Unavailable,
 )
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue
@@ -48,6 +55,15 @@ INLINE_BUDGET_NS = 100_000
 INLINE_SIZE_FACTOR = 2.0
 INLINE_SIZE_SLACK = 16 * 1024
 _EMA_WEIGHT = 0.2
+
+# Replacing failed instances: the n-th restart in a row waits RESTART_BACKOFF_S * 2**(n-1), at most
+# RESTART_BACKOFF_MAX_S; the count starts again once an instance has served for RESTART_RESET_S.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_RESET_S = 60.0
+
+#: Builds a new, warmed-up backend for the instance at this index (the loader's); raises if it cannot.
+Restart = Callable[[int], Backend]
 
 
 def _input_bytes(item: BatchItem) -> int:
@@ -79,17 +95,14 @@ class ModelScheduler:
         instances: list[tuple[str, Backend]],
         stats: ModelStats,
         *,
-        reload: Callable[[str], Backend] | None = None,
+        restart: Restart | None = None,
     ) -> None:
         """Start one worker per instance.
 
-        ``reload(name)`` loads (and warms up) a fresh instance in place of one that raised
-        :class:`InstanceFailed`; without it such an instance just leaves service.
+        ``restart(index)`` loads (and warms up) a fresh instance in place of instance ``index`` after
+        it failed unrecoverably (:class:`InstanceFailed`); without it such an instance leaves service.
         """
         self._config = config
-        self._reload = reload
-        self._broken: set[Backend] = set()  # raised InstanceFailed; touched only by its own worker
-        self._retired: set[Backend] = set()  # closed after failing; stop() must not close them again
         self._stats = stats
         self._settings = batch_settings(config)
         # While draining, queued requests go at once: no batching delay, no preferred sizes.
@@ -124,9 +137,17 @@ class ModelScheduler:
         self._bytes_ema = 0.0  # moving average of the input bytes of the requests measured
         self._waiting: set[Backend] = set()  # instances whose worker is idle, waiting for work
         self._borrowed: set[Backend] = set()  # idle instances lent to a caller's thread
+        # Unrecoverable instance faults (see _replace): failed instances wait here for their worker.
+        self._restart = restart
+        self._failed: set[Backend] = set()
+        self._restarts = [0] * len(instances)  # consecutive restarts per instance (the back-off)
+        self._since = [time.monotonic()] * len(instances)  # when each instance entered service
+        self._unavailable = ""  # why requests are refused: every instance is down and restarts fail
+        for _, backend in instances:
+            backend.watch(functools.partial(self._lost, backend))
         self._threads = [
-            threading.Thread(target=self._worker, args=(backend,), name=f"edge-{name}", daemon=True)
-            for name, backend in instances
+            threading.Thread(target=self._worker, args=(index,), name=f"edge-{name}", daemon=True)
+            for index, (name, _) in enumerate(instances)
         ]
         for thread in self._threads:
             thread.start()
@@ -161,6 +182,8 @@ class ModelScheduler:
         with self._lock:
             if not self._accepting:
                 raise SchedulerClosed(f"model {self._config.name!r} is unloading")
+            if self._unavailable:
+                raise Unavailable(self._unavailable)
             lent = self._lend(nbytes)
             if lent is None:
                 future: Future[dict] = Future()
@@ -210,7 +233,7 @@ class ModelScheduler:
         if nbytes > INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK:
             return None  # out of line with what was measured: a worker runs it (and measures it)
         for backend in self._waiting:
-            if backend not in self._borrowed:
+            if backend not in self._borrowed and backend not in self._failed:
                 self._borrowed.add(backend)
                 return backend
         return None
@@ -273,10 +296,11 @@ class ModelScheduler:
             thread.join(max(0.0, deadline - time.monotonic()))
             with self._lock:
                 busy = thread.is_alive() or backend in self._borrowed
+                closed = backend in self._failed  # its worker closed it already (_replace)
             if busy:
                 log.error("instance %s is still executing after the drain deadline; left running", name)
                 continue
-            if backend in self._retired:
+            if closed:
                 continue
             try:
                 backend.close()
@@ -285,48 +309,25 @@ class ModelScheduler:
 
     # -- workers --------------------------------------------------------------------------------
 
-    def _worker(self, backend: Backend) -> None:
+    def _worker(self, index: int) -> None:
+        backend = self._instances[index][1]
         while True:
             try:
                 taken = self._take_batch(backend)
                 if taken is None:
-                    return
+                    if backend not in self._failed:
+                        return  # stopping
+                    replacement = self._replace(index, backend)
+                    if replacement is None:
+                        return
+                    backend = replacement
+                    continue
                 self._run(backend, *taken)
                 # Drop the batch now, not at the next request: its inputs may be views of a client's
                 # shared memory that must be unmapped when the client unregisters it.
                 taken = None
-                if backend in self._broken:
-                    replacement = self._replace(backend)
-                    if replacement is None:
-                        return  # out of service; the other instances keep serving the queue
-                    backend = replacement
             except Exception:  # the loop never dies: log it and serve the next batch
                 log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
-
-    def _replace(self, broken: Backend) -> Backend | None:
-        """Close an instance that can never serve again and load a fresh one in its place (this thread)."""
-        index = next(i for i, (_, b) in enumerate(self._instances) if b is broken)
-        name = self._instances[index][0]
-        log.error("instance %s of %r failed unrecoverably; replacing it", name, self._config.name)
-        self._retired.add(broken)
-        try:
-            broken.close()
-        except Exception:
-            log.exception("closing the failed instance %s failed", name)
-        if self._reload is None or self._stopping:
-            return None
-        try:
-            fresh = self._reload(name)
-        except Exception:
-            log.exception("instance %s could not be reloaded; it stays out of service", name)
-            return None
-        with self._lock:
-            if self._stopping:  # stop() began while it loaded: it will not see this instance
-                fresh.close()
-                return None
-            self._instances[index] = (name, fresh)
-        log.info("instance %s of %r is serving again", name, self._config.name)
-        return fresh
 
     def _take_batch(self, backend: Backend) -> tuple[list[QueuedRequest], int] | None:
         with self._lock:
@@ -338,6 +339,8 @@ class ModelScheduler:
 
     def _next_batch_locked(self, backend: Backend) -> tuple[list[QueuedRequest], int] | None:
         while not self._stopping:
+            if backend in self._failed:
+                return None  # the worker replaces it
             if backend in self._borrowed:
                 self._cond.wait()
                 continue
@@ -432,9 +435,10 @@ class ModelScheduler:
                     f"backend returned {len(results)} results for {len(items)} requests"
                 )
             return results
+        except InstanceFailed as exc:  # not "this request failed": this instance can never serve again
+            self._lost(backend, exc)
+            return [exc] * len(items)
         except EdgeServerError as exc:
-            if isinstance(exc, InstanceFailed):
-                self._broken.add(backend)
             return [exc] * len(items)
         except Exception as exc:
             log.exception("instance of %r failed a batch of %d", self._config.name, len(items))
@@ -451,6 +455,69 @@ class ModelScheduler:
         else:
             self._compute_ema_ns = ema + _EMA_WEIGHT * (spent_ns - ema)
             self._bytes_ema += _EMA_WEIGHT * (nbytes - self._bytes_ema)
+
+    def _lost(self, backend: Backend, exc: InstanceFailed) -> None:
+        """Take ``backend`` out of service (from execute, or reported by the backend while idle)."""
+        with self._lock:
+            self._failed.add(backend)
+            self._cond.notify_all()  # wakes its worker, also one waiting while the instance is lent
+
+    def _replace(self, index: int, dead: Backend) -> Backend | None:
+        """Put a restarted instance in the place of a failed one; None when the scheduler stops first.
+
+        Runs in the failed instance's own worker, so the other instances keep serving meanwhile, and
+        queued requests wait for the first instance free.  The worker closes the failed backend, waits
+        its back-off, and asks ``restart`` for a new one; while every instance is down and a restart
+        has failed, queued and new requests fail with UNAVAILABLE instead of waiting for it.
+        """
+        name = self._instances[index][0]
+        try:
+            dead.close()
+        except Exception:
+            log.exception("closing failed instance %s", name)
+        if time.monotonic() - self._since[index] >= RESTART_RESET_S:
+            self._restarts[index] = 0
+        while True:
+            delay = min(RESTART_BACKOFF_S * 2 ** self._restarts[index], RESTART_BACKOFF_MAX_S)
+            self._restarts[index] += 1
+            if self._restart is None:
+                log.error("instance %s failed and cannot be restarted; it stays out of service", name)
+                delay = float("inf")
+            else:
+                log.error("instance %s failed; out of service, restarting in %.0f s", name, delay)
+            with self._lock:
+                if self._cond.wait_for(lambda: self._stopping, None if delay == float("inf") else delay):
+                    return None
+            assert self._restart is not None
+            try:
+                fresh = self._restart(index)
+            except Exception as exc:
+                log.error("restarting instance %s failed: %s", name, exc)
+                self._refuse_if_all_down(f"restarting failed: {exc}")
+                continue
+            fresh.watch(functools.partial(self._lost, fresh))
+            with self._lock:
+                stopping = self._stopping
+                if not stopping:
+                    self._instances[index] = (name, fresh)
+                    self._failed.discard(dead)
+                    self._since[index] = time.monotonic()
+                    self._unavailable = ""
+            if stopping:
+                fresh.close()
+                return None
+            log.warning("instance %s restarted and back in service", name)
+            return fresh
+
+    def _refuse_if_all_down(self, why: str) -> None:
+        with self._lock:
+            if len(self._failed) < len(self._instances):
+                return
+            self._unavailable = f"model {self._config.name!r}: every instance failed and {why}"
+            leftover = self._queue.drain()
+        for request in leftover:
+            if request.future.set_running_or_notify_cancel():
+                request.future.set_exception(Unavailable(self._unavailable))
 
     def _deliver(self, future: Future[dict], result: Result) -> None:
         if self._output_dims and not isinstance(result, Exception):

@@ -1,0 +1,433 @@
+"""A Python model instance in a process of its own (``isolation: process``): the daemon's side.
+
+Each instance is one stub process (``python_stub.py``, started with ``subprocess``: fork and exec, so
+nothing of the daemon's threads or sockets is inherited) that imports ``model.py`` with the same
+``triton_python_backend_utils`` and runs the in-thread :class:`PythonBackend` on its side of a
+private pipe.  Requests and responses cross as described in ``python_wire.py``: fields in small
+msgpack messages, tensors through two ``memfd`` arenas owned by this instance.
+
+When the process dies (``os._exit``, a segfault in native code, an OOM kill) or its pipe breaks,
+the batch it was running fails with :class:`~edge_server.errors.InstanceFailed` and the instance
+refuses all further work; the scheduler then replaces it (restart with back-off).  A failure in the
+model's own Python code is no such fault: the child reports it, and only its requests fail, exactly
+as in the thread mode.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import edge_server
+from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
+from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, put, read, unpack_inline
+from edge_server.config.model import ModelConfig
+from edge_server.errors import (
+    AlreadyExists,
+    Cancelled,
+    ConfigError,
+    EdgeServerError,
+    InstanceFailed,
+    InvalidArgument,
+    ModelExecutionError,
+    NotFound,
+    ServerShuttingDown,
+    Unavailable,
+    Unsupported,
+)
+from edge_server.request import ResponseSink
+
+log = logging.getLogger(__name__)
+
+#: config.pbtxt ``parameters`` key: seconds the child may spend importing the model and in
+#: ``initialize()`` (or ``auto_complete_config``) before it is killed and the load fails.
+INIT_TIMEOUT_KEY = "isolation_init_timeout_s"
+DEFAULT_INIT_TIMEOUT_S = 120.0
+#: config.pbtxt ``parameters`` key: seconds one ``execute()`` may run before the process is killed and
+#: the instance replaced (its requests fail with INSTANCE_FAILED); unset: no limit.  A thread cannot be
+#: stopped; a process can.
+EXECUTE_TIMEOUT_KEY = "isolation_execute_timeout_s"
+#: how long ``finalize()`` may take at unload before the child is killed
+FINALIZE_TIMEOUT_S = 5.0
+
+# The errors a child can report for a request or a batch, by wire code; anything else is EXECUTION_FAILED.
+_ERRORS: dict[str, type[EdgeServerError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        Unavailable,
+        Unsupported,
+        AlreadyExists,
+        Cancelled,
+        ModelExecutionError,
+        ConfigError,
+    )
+}
+_PACKAGE_ROOT = str(Path(edge_server.__file__).resolve().parent.parent)
+
+
+def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
+    raw = config.parameters.get(key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ConfigError(
+            f"{config.source or config.name}: parameters {{ key: {key!r} }} must be a positive number of "
+            f"seconds, got {raw!r}"
+        )
+    return value
+
+
+def init_timeout(config: ModelConfig) -> float:
+    return _seconds(config, INIT_TIMEOUT_KEY, DEFAULT_INIT_TIMEOUT_S) or DEFAULT_INIT_TIMEOUT_S
+
+
+def exit_reason(returncode: int | None) -> str:
+    """How a process ended, in words: 'exited with status 1', 'was killed by SIGSEGV'."""
+    if returncode is None:
+        return "stopped answering"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def _error(entry: Any) -> EdgeServerError:
+    code, message = str(entry[0]), str(entry[1])
+    return _ERRORS.get(code, ModelExecutionError)(message)
+
+
+class _Child:
+    """One stub process and the daemon's end of its pipe."""
+
+    def __init__(self, label: str, arenas: Sequence[Arena]) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        # The child imports edge_server from where this daemon did, installed or not.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        fds = [theirs.fileno(), *(arena.fd for arena in arenas)]
+        command = [sys.executable, "-m", "edge_server.backends.python_stub", label, str(os.getpid())]
+        try:
+            self.proc = subprocess.Popen(
+                [*command, *(str(fd) for fd in fds)],
+                pass_fds=fds,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self.channel = Channel(mine)
+        self._replies: queue.SimpleQueue[dict[str, Any] | None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start_reader(
+        self, name: str, on_send: Callable[[dict[str, Any]], None], on_gone: Callable[[], None]
+    ) -> None:
+        """Read the pipe in a thread of its own from now on (decoupled models send at any time).
+
+        ``send`` messages go to ``on_send``; replies to :meth:`call`; ``on_gone`` runs once the pipe is
+        closed (the process died or was stopped).
+        """
+        replies: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                while True:
+                    message = self.channel.recv()
+                    if message.get("op") == "send":
+                        on_send(message)
+                    else:
+                        replies.put(message)
+            except (ChannelClosed, OSError):
+                pass
+            except Exception:
+                log.exception("%s: reading the model's process failed", name)
+                self.kill()
+            replies.put(None)
+            on_gone()
+
+        self._replies = replies
+        threading.Thread(target=read, name=f"edge-{name}-stream", daemon=True).start()
+
+    def call(self, message: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        self.channel.send(message)
+        if self._replies is None:
+            return self.channel.recv(timeout)
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError("no reply within the timeout") from None
+        if reply is None:
+            self._replies.put(None)  # for any later call
+            raise ChannelClosed("the model's process is gone")
+        return reply
+
+    def reap(self) -> int | None:
+        """Wait briefly for the process to end (its pipe closed), kill it if it does not; its status."""
+        try:
+            return self.proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout: float) -> None:
+        """Ask the child to finalize and exit; kill it when it does not within ``timeout``."""
+        if self.proc.poll() is None:
+            try:
+                reply = self.call({"op": "fini"}, timeout)
+                if "err" in reply:
+                    log.error("pid %d: finalize() failed: %s", self.pid, reply["err"][1])
+                self.proc.wait(timeout)
+            except (ChannelClosed, TimeoutError, subprocess.TimeoutExpired):
+                log.warning("pid %d did not finish finalize() within %.0f s; killed", self.pid, timeout)
+        self.kill()
+        if self._replies is None:  # else the reader closes it when it sees the end
+            self.channel.close()
+
+
+def complete_in_process(config: ModelConfig, model_path: Path) -> dict[str, Any] | None:
+    """``auto_complete_config`` run by a short-lived child, so that the daemon never imports model.py."""
+    child = _Child(f"{config.name}-autocomplete", ())
+    timeout = init_timeout(config)
+    try:
+        message = {"op": "complete", "config": pickle.dumps(config), "path": str(model_path)}
+        reply = child.call(message, timeout)
+    except TimeoutError:
+        child.kill()
+        raise ConfigError(
+            f"{model_path}: importing the model in its own process took more than {timeout:g} s "
+            f"({INIT_TIMEOUT_KEY}); the process was killed"
+        ) from None
+    except ChannelClosed:
+        raise ConfigError(
+            f"{model_path}: the model's process {exit_reason(child.reap())} while importing model.py"
+        ) from None
+    finally:
+        child.stop(FINALIZE_TIMEOUT_S)
+    if "err" in reply:
+        raise ConfigError(str(reply["err"][1]))
+    completed = reply.get("config")
+    return completed if isinstance(completed, dict) else None
+
+
+class IsolatedPythonBackend(Backend):
+    """One Python model instance in its own process; see the module docstring.
+
+    Made by ``PythonBackend.create``, which also completes the config (in a child as well).
+    """
+
+    @classmethod
+    def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
+        from edge_server.backends.python import PythonBackend
+
+        return PythonBackend.complete_config(config, model_path)
+
+    def __init__(self, ctx: LoadContext) -> None:
+        self._model = ctx.config.name
+        self._name = ctx.instance.name
+        self._execute_timeout = _seconds(ctx.config, EXECUTE_TIMEOUT_KEY, None)
+        self._failure: InstanceFailed | None = None
+        self._busy = False  # in execute(), which reports a death itself (the watcher stays quiet)
+        # decoupled: the open streams by token (requests whose final response has not come yet)
+        self._streams: dict[int, ResponseSink] = {}
+        self._tokens = itertools.count(1)
+        self._closing = False
+        self._requests = Arena.create(f"edge-{self._name}-requests")
+        self._responses = Arena.create(f"edge-{self._name}-responses")
+        self._child: _Child | None = None
+        try:
+            self._child = _Child(self._name, (self._requests, self._responses))
+            self._initialize(ctx)
+            if ctx.config.decoupled:
+                self._child.start_reader(self._name, self._on_send, self._on_gone)
+        except BaseException:
+            self.close()
+            raise
+        log.info("%s: running in process %d", self._name, self._child.pid)
+
+    def _initialize(self, ctx: LoadContext) -> None:
+        assert self._child is not None
+        timeout = init_timeout(ctx.config)
+        message = {"op": "init", "context": pickle.dumps(ctx), "log_level": logging.getLogger().level}
+        try:
+            reply = self._child.call(message, timeout)
+        except TimeoutError:
+            self._child.kill()
+            raise ConfigError(
+                f"{ctx.model_path}: loading the model in its own process took more than {timeout:g} s "
+                f"({INIT_TIMEOUT_KEY}); the process was killed"
+            ) from None
+        except ChannelClosed:
+            raise ConfigError(
+                f"{ctx.model_path}: the model's process {exit_reason(self._child.reap())} while loading "
+                "(importing model.py or in initialize())"
+            ) from None
+        if "err" in reply:
+            raise ConfigError(str(reply["err"][1]))
+
+    def _on_send(self, message: dict[str, Any]) -> None:
+        """A streamed response from the model (reader thread): hand it to its request's stream."""
+        token = message["k"]
+        final = bool(message["f"])
+        sink = self._streams.pop(token, None) if final else self._streams.get(token)
+        if sink is None:
+            return
+        error = _error(message["e"]) if message.get("e") else None
+        outputs = unpack_inline(message["o"]) if message.get("o") is not None else None
+        sink.put(outputs, error, final=final)
+        if sink.cancelled and not final and self._child is not None:
+            self._child.channel.send({"op": "cancel", "k": token})  # the model sees is_cancelled()
+
+    def _on_gone(self) -> None:
+        """The pipe closed: end every open stream (the process died, or the instance was unloaded)."""
+        if self._closing:
+            error: EdgeServerError = ServerShuttingDown(
+                f"model {self._model!r} was unloaded before it sent the final response"
+            )
+        else:
+            assert self._child is not None
+            error = InstanceFailed(
+                f"model {self._model!r}: instance {self._name} failed: its process {self._child.pid} "
+                f"{exit_reason(self._child.reap())} before it sent the final response"
+            )
+        while self._streams:
+            _, sink = self._streams.popitem()
+            sink.put(None, error, final=True)
+
+    def watch(self, report: Callable[[InstanceFailed], None]) -> None:
+        """Wait for the process in a thread of its own.
+
+        A death between batches (an OOM kill, a model's own thread) is reported at once, so that no
+        request is sent to a dead instance.
+        """
+        child = self._child
+        assert child is not None
+
+        def wait() -> None:
+            returncode = child.proc.wait()
+            if self._closing or self._busy or self._failure is not None:
+                return
+            self._failure = InstanceFailed(
+                f"model {self._model!r}: instance {self._name} failed: its process {child.pid} "
+                f"{exit_reason(returncode)} while idle"
+            )
+            log.error("%s", self._failure.message)
+            report(self._failure)
+
+        threading.Thread(target=wait, name=f"edge-{self._name}-watch", daemon=True).start()
+
+    @property
+    def pid(self) -> int | None:
+        """The instance's process (for logs and tests)."""
+        return self._child.pid if self._child is not None else None
+
+    def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        if self._failure is not None or self._child is None:
+            raise self._failure or InstanceFailed(f"model {self._model!r}: instance {self._name} is closed")
+        if self._child.proc.poll() is not None:  # died while idle (an OOM kill, a model's own thread)
+            self._fail("before this request reached it")
+        self._busy = True
+        try:
+            return self._execute(batch, timing)
+        finally:
+            self._busy = False
+
+    def _execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        assert self._child is not None
+        named = [pair for item in batch for pair in item.inputs.items()]
+        descs = iter(put(named, self._requests))
+        requests = []
+        for item in batch:
+            request = {
+                "i": [next(descs) for _ in item.inputs],
+                "b": item.batch_size,
+                "o": list(item.requested_outputs),
+                "id": item.request_id,
+                "p": dict(item.parameters),
+                "c": item.correlation_id,
+                "f": item.flags,
+                "t": item.timeout_us,
+            }
+            if item.stream is not None:  # a decoupled model's request: its responses are streamed
+                token = next(self._tokens)
+                self._streams[token] = item.stream
+                request["k"] = token
+                request["x"] = item.stream.cancelled
+            requests.append(request)
+        message = {"op": "exec", "n": self._requests.size, "r": requests}
+        try:
+            reply = self._child.call(message, self._execute_timeout)
+        except ChannelClosed:
+            self._fail("while running this request")
+        except TimeoutError:
+            self._child.kill()
+            self._fail(f"after execute() ran past {self._execute_timeout:g} s ({EXECUTE_TIMEOUT_KEY})")
+        timing.compute_infer_ns += int(reply.get("t", 0))
+        if "err" in reply:  # the model failed the whole batch (execute() raised); the process is fine
+            raise _error(reply["err"])
+        try:
+            self._responses.follow(int(reply.get("n", 0)))
+            results: list[Result] = []
+            for entry in reply["r"]:
+                if isinstance(entry, list):
+                    results.append(_error(entry))
+                else:
+                    results.append(dict(read(desc, self._responses, copy=True) for desc in entry["o"]))
+            return results
+        except (KeyError, TypeError, ValueError, IndexError) as exc:  # our own child cannot say this
+            log.error("%s: unreadable reply from process %d: %r", self._name, self._child.pid, exc)
+            self._child.kill()
+            self._fail("after sending an unreadable reply")
+
+    def _fail(self, when: str) -> NoReturn:
+        assert self._child is not None
+        reason = exit_reason(self._child.reap())
+        self._failure = InstanceFailed(
+            f"model {self._model!r}: instance {self._name} failed: its process {self._child.pid} {reason} "
+            f"{when}"
+        )
+        log.error("%s", self._failure.message)
+        raise self._failure
+
+    def close(self) -> None:
+        self._closing = True
+        if self._child is not None:
+            if self._failure is None:
+                self._child.stop(FINALIZE_TIMEOUT_S)
+            else:
+                self._child.kill()
+                self._child.channel.close()
+            self._child = None
+        for arena in (self._requests, self._responses):
+            if arena.fd >= 0:
+                arena.close()
+                arena.fd = -1
