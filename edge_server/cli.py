@@ -69,6 +69,16 @@ class _JsonFormatter(logging.Formatter):
         )
 
 
+def boolean(text: str) -> bool:
+    """Triton's boolean flag values: ``--exit-on-error false``."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-server", description=__doc__)
     parser.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
@@ -99,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
+    )
+    serve.add_argument(
+        "--strict-readiness",
+        type=boolean,
+        default=True,
+        metavar="BOOL",
+        help="server ready only when every model that should load is ready (default true, as Triton)",
+    )
+    serve.add_argument(
+        "--exit-on-error",
+        type=boolean,
+        default=True,
+        metavar="BOOL",
+        help="exit non-zero when a model fails to load at start-up (default true, as Triton)",
     )
 
     for name, help_text in (
@@ -150,6 +174,8 @@ def _serve(args: argparse.Namespace) -> int:
         shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
+        strict_readiness=args.strict_readiness,
+        exit_on_error=args.exit_on_error,
     )
     return Daemon(options).run()
 

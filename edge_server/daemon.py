@@ -18,6 +18,8 @@ from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREF
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
 from edge_server.server import ControlMode, Server
+from edge_server.service.notify import Notifier
+from edge_server.service.supervisor import Supervisor, unavailable_models
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ class DaemonOptions:
     shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
+    strict_readiness: bool = True  # Triton's default: ready only when every model that should load is
+    exit_on_error: bool = True  # Triton's default: a model that fails at start-up stops the daemon
 
 
 class Daemon:
@@ -47,15 +51,30 @@ class Daemon:
         limit_malloc_arenas()  # before any thread starts: see edge_server.memory
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record)
+        supervisor = Supervisor(Notifier(), strict_readiness=options.strict_readiness)
+        supervisor.starting()
         server = Server(
             options.model_repository,
             model_control_mode=options.model_control_mode,
             load_models=options.load_models,
             drain_timeout=options.drain_timeout,
             watch_quiet_s=options.watch_quiet_s,
+            listeners=(supervisor.on_model_state,),
         )
+        supervisor.attach(server)
         frontend = None
+        status = 0
         try:
+            failed = unavailable_models(server.models())
+            if failed and options.exit_on_error:
+                for name, reason in sorted(failed.items()):
+                    log.error("model %s failed to load: %s", name, reason)
+                log.error(
+                    "exiting: %d model(s) failed to load at start-up (--exit-on-error false serves the rest)",
+                    len(failed),
+                )
+                status = 1
+                return status
             if options.ipc_address != "":
                 from edge_server.ipc.addresses import default_address
                 from edge_server.ipc.frontend import IpcFrontend
@@ -69,19 +88,23 @@ class Daemon:
                     drain_timeout=options.drain_timeout,
                 )
                 frontend.start()
+                supervisor.add_frontend("IPC frontend", frontend)
                 log.info("serving on %s", address)
             ready = [s for s in server.models() if s.state is ModelState.READY]
             log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
-            self._loop(server)
+            supervisor.serving()
+            self._loop(server, supervisor)
         finally:
             log.info("stopping: draining requests")
+            supervisor.stopping()
             if frontend is not None:
                 frontend.close()
             server.close()
+            supervisor.stopped()
             log.info("stopped")
-        return 0
+        return status
 
-    def _loop(self, server: Server) -> None:
+    def _loop(self, server: Server, supervisor: Supervisor) -> None:
         while True:
             try:
                 signum = self._signals.get(timeout=1.0)
@@ -89,10 +112,15 @@ class Daemon:
                 continue
             if signum == signal.SIGHUP:
                 log.info("SIGHUP: rescanning %s", server.repository)
+                supervisor.reloading()
                 try:
                     server.rescan()
                 except EdgeServerError as exc:
                     log.error("rescan failed: %s", exc.message)
+                    supervisor.reloaded(False, exc.message)
+                else:
+                    missing = unavailable_models(server.models())
+                    supervisor.reloaded(not missing, "; ".join(sorted(missing)))
                 continue
             log.info("received %s", signal.Signals(signum).name)
             return

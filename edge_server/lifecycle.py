@@ -357,6 +357,8 @@ class ModelManager:
             return known[1]
         self._set(name, version, ModelState.LOADING, "replacing the serving copy" if existing else "")
         self._heap_changed = True
+        log.info("%s v%d loading", name, version)
+        began = time.monotonic()
         try:
             loaded = load_version(
                 source, version, config, content_hash=content_hash, cpu_count=self._cpu_count
@@ -379,7 +381,9 @@ class ModelManager:
             log.warning("%s v%d: %s", name, version, reason)
             return reason
         self._failed.pop((name, version), None)
-        log.info("%s v%d ready on %s", name, version, ", ".join(loaded.devices))
+        log.info(
+            "%s v%d ready on %s in %.2f s", name, version, ", ".join(loaded.devices), time.monotonic() - began
+        )
         return loaded
 
     def _fail_model(self, name: str, current: dict[int, LoadedVersion], exc: EdgeServerError) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
@@ -22,7 +22,7 @@ import numpy as np
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane, InferRequest
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
-from edge_server.lifecycle import ModelManager, VersionStatus
+from edge_server.lifecycle import Listener, ModelManager, VersionStatus
 from edge_server.watcher import RepositoryWatcher
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,12 @@ class Server:
         drain_timeout: float = 30.0,
         cpu_count: int | None = None,
         watch_quiet_s: float = 0.5,
+        listeners: Iterable[Listener] = (),
     ) -> None:
-        """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads."""
+        """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
+
+        ``listeners`` hear every model state change from the first load on (see ``add_listener``).
+        """
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
                 f"model_control_mode must be one of {list(CONTROL_MODES)}, got {model_control_mode!r}"
@@ -65,7 +69,11 @@ class Server:
         self.repository = repository
         self.control_mode = model_control_mode
         self._manager = ModelManager(repository, drain_timeout=drain_timeout, cpu_count=cpu_count)
+        for listener in listeners:
+            self._manager.add_listener(listener)
         self._dataplane = DataPlane(self._manager)
+        # The daemon answers server readiness from its own state (starting, draining, strict readiness).
+        self.readiness: Callable[[], bool] | None = None
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None
@@ -175,7 +183,7 @@ class Server:
         if self._closed.is_set():
             return False
         if model is None:
-            return True
+            return True if self.readiness is None else self.readiness()
         try:
             self._manager.resolve(model, version)
         except EdgeServerError:
