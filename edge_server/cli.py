@@ -15,7 +15,8 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.errors import EdgeServerError
-from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.server import CONTROL_MODES
 
 log = logging.getLogger("edge_server")
@@ -105,8 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     serve.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        help="IPC: largest request header decoded (msgpack); larger ones are refused unread",
+    )
+    serve.add_argument(
         "--shm-prefix", default=DEFAULT_SHM_PREFIX, help="only shared-memory names with this prefix register"
     )
+    add_kserve_arguments(serve)
     serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
     )
@@ -143,7 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
             )
             sub.add_argument("--output", action="append", default=None, metavar="NAME")
             sub.add_argument("--top", type=int, default=3, help="classes to print for classification outputs")
+    _add_tools(commands)
     return parser
+
+
+def _add_tools(commands: Any) -> None:
+    """Register the tools in edge_server/tools (dla-report, build-engine, doctor); each sets ``tool_run``."""
+    import importlib
+
+    from edge_server.tools import TOOLS
+
+    for name in TOOLS:
+        importlib.import_module(f"edge_server.tools.{name}").add_parser(commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "models":
             return _models(args)
+        if hasattr(args, "tool_run"):  # a tool from edge_server/tools
+            return int(args.tool_run(args))
         return _infer(args)
     except EdgeServerError as exc:
         print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
@@ -171,11 +192,13 @@ def _serve(args: argparse.Namespace) -> int:
         load_models=tuple(args.load_model),
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
+        max_header_bytes=args.max_header_bytes,
         shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
         strict_readiness=args.strict_readiness,
         exit_on_error=args.exit_on_error,
+        kserve=kserve_options(args),
     )
     return Daemon(options).run()
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from types import FrameType
 
 from edge_server.errors import EdgeServerError
-from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
 from edge_server.server import ControlMode, Server
@@ -31,11 +32,13 @@ class DaemonOptions:
     load_models: tuple[str, ...] = ()
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
     strict_readiness: bool = True  # Triton's default: ready only when every model that should load is
     exit_on_error: bool = True  # Triton's default: a model that fails at start-up stops the daemon
+    kserve: KServeOptions = KServeOptions()
 
 
 class Daemon:
@@ -63,6 +66,7 @@ class Daemon:
         )
         supervisor.attach(server)
         frontend = None
+        kserve = KServeFrontends(server, options.kserve, max_message_bytes=options.max_message_bytes)
         status = 0
         try:
             failed = unavailable_models(server.models())
@@ -75,6 +79,7 @@ class Daemon:
                 )
                 status = 1
                 return status
+            kserve.start()
             if options.ipc_address != "":
                 from edge_server.ipc.addresses import default_address
                 from edge_server.ipc.frontend import IpcFrontend
@@ -84,6 +89,7 @@ class Daemon:
                     server,
                     address,
                     max_message_bytes=options.max_message_bytes,
+                    max_header_bytes=options.max_header_bytes,
                     shm_prefix=options.shm_prefix,
                     drain_timeout=options.drain_timeout,
                 )
@@ -99,6 +105,7 @@ class Daemon:
             supervisor.stopping()
             if frontend is not None:
                 frontend.close()
+            kserve.close()
             server.close()
             supervisor.stopped()
             log.info("stopped")

@@ -8,37 +8,35 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends.base import Result
 from edge_server.config.model import ModelConfig, TensorSpec
+from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument
 from edge_server.lifecycle import ModelManager
+from edge_server.request import InferRequest, ResponseSink, Result
 from edge_server.scheduler.scheduler import ModelScheduler, SchedulerClosed
 
-
-@dataclass(slots=True)
-class InferRequest:
-    """One inference request as every frontend hands it to the data plane; not changed afterwards.
-
-    (Not frozen: a frozen dataclass costs three times as much to build, and every request builds one.)
-    """
-
-    model: str
-    inputs: Mapping[str, np.ndarray]
-    version: int | None = None
-    outputs: Sequence[str] | None = None  # None: every output
-    priority: int = 0
-    timeout_us: int | None = None
-    request_id: str = ""
-
-
 _Outcome = Result | Future[dict[str, np.ndarray]]
+
+
+def _finish_stream(sink: ResponseSink, future: Future[dict[str, np.ndarray]]) -> None:
+    """End ``sink`` with the request's own outcome, unless its model already sent the final response."""
+    if future.cancelled():
+        sink.put(None, Cancelled("the request was cancelled before it ran"), final=True)
+        return
+    error = future.exception()
+    if error is not None:
+        if not isinstance(error, EdgeServerError):
+            error = EdgeServerError(f"internal error: {error!r}")
+        sink.put(None, error, final=True)
+    elif not sink.model_sends:
+        sink.put(future.result(), None, final=True)
 
 
 class DataPlane:
@@ -49,7 +47,7 @@ class DataPlane:
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         """Validate, route and queue ``request``; the future gets its outputs or its error."""
-        return self._route(request, ModelScheduler.submit)  # type: ignore[return-value]
+        return self._route(request, ModelScheduler.submit, None)  # type: ignore[return-value]
 
     def dispatch(self, request: InferRequest) -> dict[str, np.ndarray] | Future[dict[str, np.ndarray]]:
         """:meth:`submit`, except that a request that ran inline in this thread returns its outputs.
@@ -57,17 +55,40 @@ class DataPlane:
         Cheap models run in the caller's thread when an instance is idle (see the scheduler); a frontend
         that can answer at once saves a future per request this way.  Errors of an inline run raise.
         """
-        outcome = self._route(request, ModelScheduler.dispatch)
+        outcome = self._route(request, ModelScheduler.dispatch, None)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
-    def _route(self, request: InferRequest, call: Callable[..., _Outcome]) -> _Outcome:
+    def stream(self, request: InferRequest, sink: ResponseSink) -> None:
+        """Run ``request`` and send its responses to ``sink``, ending with exactly one final.
+
+        A decoupled model sends zero or more responses itself (maybe after its ``execute`` returned);
+        any other model's single result becomes one final response.  Errors before or instead of a
+        response (validation, queue policy, a failed execution) end the stream as an error; a
+        validation error raises here instead, before anything was queued.
+        """
+        future: Future[dict[str, np.ndarray]] = self._route(  # type: ignore[assignment]
+            request, ModelScheduler.submit, sink
+        )
+        future.add_done_callback(partial(_finish_stream, sink))
+
+    def _route(
+        self, request: InferRequest, call: Callable[..., _Outcome], sink: ResponseSink | None
+    ) -> _Outcome:
         # A version that is being swapped out can close between routing and queueing; a request that did
         # not ask for a specific version then goes to the version that replaced it.
         for _attempt in range(3):
             loaded = self._manager.resolve(request.model, request.version)
             item, shape_key = loaded.validator(request)
+            if loaded.config.decoupled:
+                if sink is None:
+                    raise InvalidArgument(
+                        f"model {request.model!r} is decoupled (it may send many responses per request): "
+                        "call it with a streaming call (Client.stream, Server.stream, gRPC ModelStreamInfer)"
+                    )
+                item.stream = sink
+                sink.model_sends = True
             try:
                 return call(
                     loaded.scheduler,

@@ -1,7 +1,13 @@
-"""Triton data type names and their numpy, ONNX and wire equivalents, in one table."""
+"""Triton data type names and their numpy, ONNX and wire equivalents, in one table.
+
+``TYPE_BF16`` is ``ml_dtypes.bfloat16`` (numpy has no bfloat16; ml_dtypes is the numpy extension type
+JAX and TensorFlow use): two bytes per element on the wire, as in KServe v2's ``BF16``.  ONNX Runtime's
+Python API does not take or return such arrays; its backend converts at its edge.
+"""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from edge_server.errors import InvalidArgument
@@ -22,6 +28,7 @@ _TABLE: dict[str, tuple[str, np.dtype]] = {
     "TYPE_FP32": ("FP32", np.dtype(np.float32)),
     "TYPE_FP64": ("FP64", np.dtype(np.float64)),
     "TYPE_STRING": ("BYTES", np.dtype(np.object_)),
+    "TYPE_BF16": ("BF16", np.dtype(ml_dtypes.bfloat16)),
 }
 
 _WIRE_TO_CONFIG = {wire: name for name, (wire, _) in _TABLE.items()}
@@ -41,6 +48,7 @@ _ORT_TO_CONFIG = {
     "tensor(float)": "TYPE_FP32",
     "tensor(double)": "TYPE_FP64",
     "tensor(string)": "TYPE_STRING",
+    "tensor(bfloat16)": "TYPE_BF16",
 }
 
 
@@ -89,3 +97,58 @@ def from_onnxruntime(ort_type: str) -> str:
         return _ORT_TO_CONFIG[ort_type]
     except KeyError:
         raise InvalidArgument(f"ONNX element type {ort_type!r} is not supported") from None
+
+
+def as_bytes_array(array: np.ndarray, *, where: str = "tensor") -> np.ndarray:
+    """``array`` as TYPE_STRING travels everywhere: a numpy object array of ``bytes`` (Triton's form).
+
+    ``str`` elements and unicode arrays are UTF-8 encoded, fixed-width bytes arrays (``S``) become
+    objects; an array that already holds only ``bytes`` is returned as is.  Anything else (numbers,
+    None inside an object array) is an InvalidArgument naming ``where``.
+    """
+    kind = array.dtype.kind
+    if kind in "SU":
+        encoded = np.empty(array.size, dtype=object)
+        if kind == "S":
+            encoded[:] = [bytes(x) for x in array.flat]
+        else:
+            encoded[:] = [str(x).encode("utf-8") for x in array.flat]
+        return encoded.reshape(array.shape)
+    if kind != "O":
+        raise InvalidArgument(f"{where}: expected TYPE_STRING (bytes), got {array.dtype}")
+    flat = array.reshape(-1)
+    if all(type(x) is bytes for x in flat):
+        return array
+    encoded = np.empty(array.size, dtype=object)
+    for index, item in enumerate(flat):
+        if isinstance(item, bytes):
+            encoded[index] = bytes(item)
+        elif isinstance(item, str):
+            encoded[index] = item.encode("utf-8")
+        else:
+            raise InvalidArgument(
+                f"{where}: TYPE_STRING element {index} is {type(item).__name__}, expected bytes or str"
+            )
+    return encoded.reshape(array.shape)
+
+
+def as_str_array(array: np.ndarray, *, where: str = "tensor") -> np.ndarray:
+    """An object array of ``bytes`` as ONNX Runtime's Python API needs it: ``str`` (UTF-8 decoded).
+
+    ONNX Runtime turns a ``bytes`` element into the text of its repr (``"b'a'"``) without a word, so
+    every string tensor is converted at its edge; bytes that are not UTF-8 cannot be passed at all.
+    """
+    flat = array.reshape(-1)
+    decoded = np.empty(array.size, dtype=object)
+    for index, item in enumerate(flat):
+        if isinstance(item, bytes):
+            try:
+                decoded[index] = item.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidArgument(
+                    f"{where}: element {index} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                    "ONNX Runtime string tensors must be UTF-8"
+                ) from None
+        else:
+            decoded[index] = str(item)
+    return decoded.reshape(array.shape)

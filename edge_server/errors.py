@@ -68,11 +68,45 @@ class ConfigError(EdgeServerError):
     http_status = 400
 
 
-class ServerShuttingDown(EdgeServerError):
-    """The server is draining or stopped and takes no new requests."""
+class Unavailable(EdgeServerError):
+    """Something the request needs is not available now; trying again later may succeed.
+
+    Also what a Python model's ``TritonError(..., TritonError.UNAVAILABLE)`` becomes.
+    """
 
     code = "UNAVAILABLE"
     http_status = 503
+
+
+class ServerShuttingDown(Unavailable):
+    """The server is draining or stopped and takes no new requests."""
+
+
+class NotFound(EdgeServerError):
+    """A model said that something the request names does not exist (``TritonError.NOT_FOUND``).
+
+    Not MODEL_NOT_FOUND: the model was found and ran; what it looked up was not.
+    """
+
+    code = "NOT_FOUND"
+    http_status = 404
+
+
+class Unsupported(EdgeServerError):
+    """Something asked for is not supported: a protocol feature, or what a model refuses.
+
+    CUDA shared memory over KServe, or ``TritonError.UNSUPPORTED`` from a model.
+    """
+
+    code = "UNSUPPORTED"
+    http_status = 501
+
+
+class AlreadyExists(EdgeServerError):
+    """A model said that what the request would create exists already (``TritonError.ALREADY_EXISTS``)."""
+
+    code = "ALREADY_EXISTS"
+    http_status = 409
 
 
 class Cancelled(EdgeServerError):
@@ -188,3 +222,13 @@ class ReplyTimeout(RequestTimeout):
     """Client side: no reply within the caller's timeout (the daemon may be down or overloaded)."""
 
     code = "TIMEOUT"
+
+
+# -- tools (edge_server.tools, edge_server.dla) ------------------------------------------------------
+
+
+class MissingDependency(EdgeServerError):
+    """An optional package a tool needs is not installed; the message names the package and the extra."""
+
+    code = "MISSING_DEPENDENCY"
+    http_status = 500

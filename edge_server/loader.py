@@ -7,23 +7,21 @@ the router can take traffic.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-
-from edge_server import dtypes
 from edge_server.backends import backend_class, guess_backend
-from edge_server.backends.base import Backend, BatchItem, InstanceSpec, LoadContext, Timing
+from edge_server.backends.base import Backend, InstanceSpec, LoadContext
 from edge_server.config import ModelConfig, load_config_file, validate_config
-from edge_server.config.model import InstanceGroup, TensorSpec, Warmup
-from edge_server.errors import ConfigError, EdgeServerError
+from edge_server.config.model import InstanceGroup
+from edge_server.errors import ConfigError
 from edge_server.repository import ModelSource
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
 from edge_server.validation import RequestValidator
+from edge_server.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +79,7 @@ def load_version(
     config = backend_cls.complete_config(config, model_path)
     validate_config(config)  # what the backend filled in obeys the same rules as what was written
     _check_io(config)
+    config = config.replace(instance_groups=named_instance_groups(config))
     specs = instance_specs(config, backend_cls, cpu_count=cpu_count or os.cpu_count() or 1)
     instances: list[tuple[str, Backend]] = []
     try:
@@ -116,11 +115,28 @@ def _check_io(config: ModelConfig) -> None:
         raise ConfigError(f"{config.source}: model {config.name!r} declares no outputs")
 
 
+def named_instance_groups(config: ModelConfig) -> tuple[InstanceGroup, ...]:
+    """The instance groups with Triton's default names: ``<model>_<group index>``.
+
+    A config without ``instance_group`` gets one group named after the model, as in Triton.
+    """
+    if not config.instance_groups:
+        return (InstanceGroup(name=config.name),)
+    return tuple(
+        group if group.name else dataclasses.replace(group, name=f"{config.name}_{index}")
+        for index, group in enumerate(config.instance_groups)
+    )
+
+
 def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count: int) -> list[InstanceSpec]:
-    """Resolve ``instance_group`` into concrete instances; CPU threads are split among CPU instances."""
-    groups = config.instance_groups or (InstanceGroup(),)
+    """Resolve ``instance_group`` into concrete instances; CPU threads are split among CPU instances.
+
+    Instance ``c`` of a group is named ``<group name>_<c>``, as Triton names them (a group spread over
+    several GPUs or DLA cores gives each device's copy the same name, as in Triton).
+    """
+    groups = named_instance_groups(config)
     gpu = backend_cls.gpu_available()
-    resolved: list[tuple[str, int]] = []
+    resolved: list[tuple[str, str, int]] = []
     for group in groups:
         if group.passive:
             log.warning(
@@ -129,73 +145,17 @@ def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count
         kind = group.kind
         if kind in ("KIND_AUTO", "KIND_MODEL"):
             kind = "KIND_GPU" if gpu and kind == "KIND_AUTO" else "KIND_CPU"
-        for _ in range(group.count):
+        for copy in range(group.count):
+            name = f"{group.name}_{copy}"
             if group.secondary_devices:
-                resolved.extend(("KIND_DLA", d.device_id) for d in group.secondary_devices)
+                resolved.extend((name, "KIND_DLA", d.device_id) for d in group.secondary_devices)
             elif kind == "KIND_GPU":
-                resolved.extend(("KIND_GPU", g) for g in (group.gpus or (0,)))
+                resolved.extend((name, "KIND_GPU", g) for g in (group.gpus or (0,)))
             else:
-                resolved.append(("KIND_CPU", 0))
-    cpu_instances = sum(1 for kind, _ in resolved if kind == "KIND_CPU")
+                resolved.append((name, "KIND_CPU", 0))
+    cpu_instances = sum(1 for _, kind, _ in resolved if kind == "KIND_CPU")
     threads = max(1, cpu_count // max(cpu_instances, 1))
     return [
-        InstanceSpec(name=f"{config.name}_{index}", kind=kind, device_id=device, threads=threads)
-        for index, (kind, device) in enumerate(resolved)
+        InstanceSpec(name=name, kind=kind, device_id=device, threads=threads)
+        for name, kind, device in resolved
     ]
-
-
-def _warmup_array(spec: TensorSpec, batch: int | None, source: str, data: Path | None) -> np.ndarray:
-    dtype = dtypes.to_numpy(spec.data_type)
-    shape = tuple(d if d >= 0 else 1 for d in spec.dims)
-    if batch is not None:
-        shape = (batch, *shape)
-    if source == "input_data_file" and data is not None:
-        raw = data.read_bytes()
-        return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-    if dtype.kind == "O":
-        return np.full(shape, b"", dtype=object)
-    if source == "random_data":
-        rng = np.random.default_rng(0)
-        return rng.random(shape).astype(dtype)
-    return np.zeros(shape, dtype=dtype)
-
-
-def _warmup_samples(config: ModelConfig) -> list[Warmup]:
-    if config.model_warmup:
-        return list(config.model_warmup)
-    if config.backend == "python":  # user code may rightly reject made-up zeros: only explicit samples
-        return []
-    if any(d < 0 for spec in config.inputs for d in (spec.reshape or spec.dims)):
-        # A variable dim has no safe made-up size (a conv net on 1x1 images fails): as in Triton, such a
-        # model is warmed up only by its own model_warmup samples.
-        return []
-    return [Warmup(name="generated_zero_input")]
-
-
-def warm_up(config: ModelConfig, backend: Backend, version_dir: Path, *, instance_name: str) -> None:
-    """Run every warmup sample (or one generated zero input) through one instance; raise if it fails."""
-    batched = config.max_batch_size > 0
-    for sample in _warmup_samples(config):
-        inputs: dict[str, np.ndarray] = {}
-        for spec in config.inputs:
-            given = sample.inputs.get(spec.name)
-            if given is None and sample.inputs:
-                continue
-            tensor = spec if given is None else TensorSpec(spec.name, given.data_type, given.dims)
-            data = version_dir / "warmup" / given.input_data_file if given and given.input_data_file else None
-            batch = sample.batch_size if batched else None
-            inputs[spec.name] = _warmup_array(tensor, batch, given.source if given else "zero_data", data)
-        item = BatchItem(
-            inputs=inputs,
-            batch_size=sample.batch_size if batched else 1,
-            requested_outputs=tuple(t.name for t in config.outputs),
-        )
-        for _ in range(max(sample.count, 1)):
-            try:
-                (result,) = backend.execute([item], Timing())
-            except EdgeServerError as exc:
-                raise ConfigError(f"{instance_name}: warmup {sample.name!r} failed: {exc.message}") from exc
-            except Exception as exc:
-                raise ConfigError(f"{instance_name}: warmup {sample.name!r} failed: {exc!r}") from exc
-            if isinstance(result, EdgeServerError):
-                raise ConfigError(f"{instance_name}: warmup {sample.name!r} failed: {result.message}")

@@ -11,19 +11,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from edge_server.config.model import ModelConfig
-from edge_server.dataplane import DataPlane, InferRequest
+from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
 from edge_server.lifecycle import Listener, ModelManager, VersionStatus
+from edge_server.request import InferRequest, RequestOptions
+from edge_server.streaming import AsyncResponseIterator, ResponseIterator
 from edge_server.watcher import RepositoryWatcher
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -102,62 +107,64 @@ class Server:
     # -- inference ------------------------------------------------------------------------------
 
     def submit(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        version: int | None = None,
-        outputs: Sequence[str] | None = None,
-        priority: int = 0,
-        timeout_us: int | None = None,
-        request_id: str = "",
+        self, model: str, inputs: Mapping[str, np.ndarray], **options: Unpack[RequestOptions]
     ) -> Future[dict[str, np.ndarray]]:
-        """Queue a request and return at once; for many requests in flight from one thread."""
+        """Queue a request and return at once; for many requests in flight from one thread.
+
+        ``options`` are :class:`~edge_server.request.InferRequest`'s fields: ``version``, ``outputs``,
+        ``priority``, ``timeout_us``, ``request_id``, ``parameters``, ``correlation_id``,
+        ``sequence_start``, ``sequence_end``.
+        """
         self._check_open()
-        return self._dataplane.submit(
-            InferRequest(
-                model=model,
-                inputs=inputs,
-                version=version,
-                outputs=outputs,
-                priority=priority,
-                timeout_us=timeout_us,
-                request_id=request_id,
-            )
-        )
+        return self._dataplane.submit(InferRequest(model=model, inputs=inputs, **options))
 
     def infer(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        version: int | None = None,
-        outputs: Sequence[str] | None = None,
-        priority: int = 0,
-        timeout_us: int | None = None,
+        self, model: str, inputs: Mapping[str, np.ndarray], **options: Unpack[RequestOptions]
     ) -> dict[str, np.ndarray]:
         """Run one request and wait for its outputs; failures raise an :class:`EdgeServerError`."""
         self._check_open()
-        outcome = self._dataplane.dispatch(
-            InferRequest(model, inputs, version, outputs, priority, timeout_us)
-        )  # the outputs themselves when the request ran in this thread
+        outcome = self._dataplane.dispatch(InferRequest(model=model, inputs=inputs, **options))
+        # the outputs themselves when the request ran in this thread
         return outcome.result() if isinstance(outcome, Future) else outcome
 
     async def infer_async(
+        self, model: str, inputs: Mapping[str, np.ndarray], **options: Unpack[RequestOptions]
+    ) -> dict[str, np.ndarray]:
+        """The asyncio form of :meth:`infer`; many may be awaited at once."""
+        return await asyncio.wrap_future(self.submit(model, inputs, **options))
+
+    def stream(
         self,
         model: str,
         inputs: Mapping[str, np.ndarray],
         *,
-        version: int | None = None,
-        outputs: Sequence[str] | None = None,
-        priority: int = 0,
-        timeout_us: int | None = None,
-    ) -> dict[str, np.ndarray]:
-        """The asyncio form of :meth:`infer`; many may be awaited at once."""
-        future = self.submit(
-            model, inputs, version=version, outputs=outputs, priority=priority, timeout_us=timeout_us
-        )
-        return await asyncio.wrap_future(future)
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
+    ) -> ResponseIterator:
+        """Run a request whose responses are streamed (a decoupled model: zero, one or many).
+
+        Iterate the result for each response's outputs; an error response raises from ``next()``;
+        the final response ends the iteration; ``close()`` stops early.  ``timeout`` bounds the wait
+        for each response.  Any model may be streamed: an ordinary one answers once.
+        """
+        self._check_open()
+        responses = ResponseIterator(timeout)
+        self._dataplane.stream(InferRequest(model=model, inputs=inputs, **options), responses)
+        return responses
+
+    async def stream_async(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
+    ) -> AsyncResponseIterator:
+        """:meth:`stream` for asyncio: ``async for outputs in await server.stream_async(...)``."""
+        self._check_open()
+        responses = AsyncResponseIterator(timeout)
+        self._dataplane.stream(InferRequest(model=model, inputs=inputs, **options), responses)
+        return responses
 
     @property
     def dataplane(self) -> DataPlane:

@@ -9,17 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends.base import BatchItem
 from edge_server.config.model import ModelConfig, TensorSpec
 from edge_server.errors import InvalidArgument
+from edge_server.request import (
+    REQUEST_FLAG_SEQUENCE_END,
+    REQUEST_FLAG_SEQUENCE_START,
+    BatchItem,
+    InferRequest,
+    Parameters,
+)
 
-if TYPE_CHECKING:
-    from edge_server.dataplane import InferRequest
+#: Bounds on request parameters, the same for every frontend.
+MAX_PARAMETERS = 64
+MAX_PARAMETER_KEY = 256
+MAX_PARAMETER_STR = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,30 @@ def _rule(model: str, spec: TensorSpec) -> _InputRule:
         optional=spec.optional,
         where=f"model {model!r} input {spec.name!r}",
     )
+
+
+def check_parameters(parameters: object) -> Parameters:
+    """``parameters`` if it is a small map of str to bool, int or str (KServe v2's parameter types)."""
+    if not isinstance(parameters, Mapping):
+        raise InvalidArgument(f"parameters must be a map of name to value, got {type(parameters).__name__}")
+    if len(parameters) > MAX_PARAMETERS:
+        raise InvalidArgument(
+            f"a request may carry at most {MAX_PARAMETERS} parameters, got {len(parameters)}"
+        )
+    for key, value in parameters.items():
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_PARAMETER_KEY:
+            raise InvalidArgument(f"parameter names must be strings of 1..{MAX_PARAMETER_KEY} characters")
+        if isinstance(value, str):
+            if len(value) > MAX_PARAMETER_STR:
+                raise InvalidArgument(f"parameter {key!r} is longer than {MAX_PARAMETER_STR} characters")
+        elif isinstance(value, int):  # bool is an int
+            if not -(2**63) <= value < 2**64:
+                raise InvalidArgument(f"parameter {key!r} is outside the 64-bit integer range")
+        else:
+            raise InvalidArgument(
+                f"parameter {key!r} must be a bool, an integer or a string, got {type(value).__name__}"
+            )
+    return parameters
 
 
 class RequestValidator:
@@ -105,6 +136,15 @@ class RequestValidator:
             self._requested_outputs(requested) if requested else self._outputs,
             request.request_id,
         )
+        if request.parameters:
+            item.parameters = check_parameters(request.parameters)
+        if request.correlation_id or request.sequence_start or request.sequence_end:
+            item.correlation_id = request.correlation_id
+            item.flags = (REQUEST_FLAG_SEQUENCE_START if request.sequence_start else 0) | (
+                REQUEST_FLAG_SEQUENCE_END if request.sequence_end else 0
+            )
+        if request.timeout_us:
+            item.timeout_us = request.timeout_us
         return item, key
 
     def _check_names(self, inputs: Mapping[str, object]) -> None:
@@ -129,6 +169,8 @@ class RequestValidator:
                 )
             if array.dtype.kind not in "OSU":
                 raise InvalidArgument(f"{rule.where}: expected {rule.data_type} (bytes), got {array.dtype}")
+        if rule.dtype.kind == "O":  # TYPE_STRING reaches every backend as an object array of bytes
+            array = dtypes.as_bytes_array(array, where=rule.where)
         shape = array.shape
         if self._batched:
             ok = len(shape) >= 1 and self._dims_match(rule, shape[1:])

@@ -241,6 +241,10 @@ class Daemon:
             self.address,
             "--exit-timeout-secs",
             "5",
+            "--allow-http",  # KServe tests turn these on, on ports of their own (later flags win)
+            "false",
+            "--allow-grpc",
+            "false",
             *self.args,
         ]
         with open(self.log_path, "ab") as log:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from edge_server.backends.base import BatchItem
 from edge_server.config.model import QueuePolicy
 from edge_server.errors import QueueFull, RequestTimeout
+from edge_server.request import BatchItem
 from edge_server.scheduler.policy import BatchSettings, Decision, next_batch
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue
 

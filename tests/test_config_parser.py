@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+from google.protobuf import json_format, text_format
 
 from edge_server.config import (
     Accelerator,
@@ -138,7 +139,6 @@ sequence_batching {
   ]
 }
 response_cache { enable: true }
-model_transaction_policy { decoupled: true }
 optimization { graph { level: 1 } input_pinned_memory { enable: false } }
 instance_group [ { kind: KIND_CPU count: 1 rate_limiter { resources [ { name: "R1" count: 2 } ] } } ]
 metric_tags { key: "team" value: "vision" }
@@ -262,6 +262,11 @@ def test_to_triton_dict_round_trips_key_fields() -> None:
             "dims": [3, 224, 224],
             "reshape": {"shape": [1, 3, 224, 224]},
             "format": "FORMAT_NCHW",
+            # Every field, defaults included, as Triton renders it.
+            "is_shape_tensor": False,
+            "allow_ragged_batch": False,
+            "optional": False,
+            "is_non_linear_format_io": False,
         }
     ]
     assert d["output"][0]["label_filename"] == "densenet_labels.txt"
@@ -272,7 +277,8 @@ def test_to_triton_dict_round_trips_key_fields() -> None:
     assert d["dynamic_batching"]["priority_queue_policy"]["1"]["timeout_action"] == "DELAY"
     assert d["parameters"]["intra_op_thread_count"] == {"string_value": "2"}
     # Feed the rendering back through the parser: the same config comes out.
-    text = _dict_to_pbtxt(d)
+    message = json_format.ParseDict(d, schema.new_model_config())
+    text = text_format.MessageToString(message)
     again, _ = parse_config_text(text, source=SOURCE, default_name="densenet")
     assert again.inputs == config.inputs
     assert again.outputs == config.outputs
@@ -280,32 +286,6 @@ def test_to_triton_dict_round_trips_key_fields() -> None:
     assert again.dynamic_batching == config.dynamic_batching
     assert again.version_policy == config.version_policy
     assert again.parameters == config.parameters
-
-
-def _dict_to_pbtxt(value: object, key: str = "") -> str:
-    """Tiny JSON-to-text-format writer, enough for to_triton_dict's output."""
-    if isinstance(value, dict):
-        if key in ("parameters", "priority_queue_policy"):
-            return " ".join(
-                f"{key} {{ key: {_scalar(k if key == 'parameters' else int(k))} value {{ "
-                f"{_dict_to_pbtxt(v)} }} }}"
-                for k, v in value.items()
-            )
-        body = " ".join(_dict_to_pbtxt(v, k) for k, v in value.items())
-        return f"{key} {{ {body} }}" if key else body
-    if isinstance(value, list):
-        return " ".join(_dict_to_pbtxt(v, key) for v in value)
-    return f"{key}: {_scalar(value)}"
-
-
-def _scalar(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str) and not (
-        value.startswith(("TYPE_", "KIND_", "FORMAT_")) or value in ("REJECT", "DELAY")
-    ):
-        return f'"{value}"'
-    return str(value)
 
 
 def test_minimal_config_defaults() -> None:
@@ -438,12 +418,20 @@ def test_sequence_batching_and_other_ignored_fields_warn() -> None:
         "optimization.input_pinned_memory",
         "sequence_batching",
         "metric_tags",
-        "model_transaction_policy",
         "response_cache",
     ]
     for path in expected:
         assert f"config.pbtxt: field '{path}' is not supported by edge-server yet and is ignored" in warnings
     assert len(warnings) == len(expected)
+
+
+def test_decoupled_is_parsed_and_refused_for_backends_that_answer_once() -> None:
+    python = 'name: "m"\nbackend: "python"\nmodel_transaction_policy { decoupled: true }\n'
+    config, warnings = parse(python, name="m")
+    assert config.decoupled and warnings == []
+    assert config.to_triton_dict()["model_transaction_policy"] == {"decoupled": True}
+    with pytest.raises(ConfigError, match="model_transaction_policy.decoupled"):
+        parse(python.replace("python", "onnxruntime"), name="m")
 
 
 def test_ensemble_scheduling_warns() -> None:
@@ -540,15 +528,12 @@ def test_syntax_error_and_duplicate_scalar() -> None:
             "duplicate",
         ),
         ("input { data_type: TYPE_FP32 dims: 1 }", "input[0].name", "name"),
-        ('input { name: "x" dims: 1 }', "input[0].data_type", "data_type"),
-        ('output { name: "y" data_type: TYPE_INVALID dims: 1 }', "output[0].data_type", "data_type"),
-        ('input { name: "x" data_type: TYPE_BF16 dims: 1 }', "input[0].data_type", "TYPE_BF16"),
         ('input { name: "x" data_type: TYPE_FP32 dims: [ 3, 0 ] }', "input[0].dims", "[3, 0]"),
         ('output { name: "y" data_type: TYPE_FP32 dims: [ -2 ] }', "output[0].dims", "-1"),
         (
             'input { name: "x" data_type: TYPE_FP32 dims: [ 2, 3 ] reshape { shape: [ 5 ] } }',
             "input[0].reshape",
-            "5 elements",
+            "has 5 elements but dims [2, 3] have 6 elements",
         ),
         (
             'input { name: "x" data_type: TYPE_FP32 dims: [ 1 ] reshape { shape: [ ] } }',

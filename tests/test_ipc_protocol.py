@@ -19,10 +19,10 @@ from edge_server.errors import (
     MalformedMessage,
     MessageTooLarge,
     ModelNotReady,
-    ServerShuttingDown,
     ShmNotRegistered,
     ShmOutOfBounds,
     TensorSizeMismatch,
+    Unavailable,
     UnsupportedProtocolVersion,
 )
 from edge_server.ipc import handlers, protocol
@@ -99,7 +99,7 @@ def test_versions_and_ids() -> None:
 def test_errors_map_to_their_class_and_unknown_codes_survive() -> None:
     exc = protocol.error_from_wire({"code": "MODEL_NOT_READY", "message": "unloading"})
     assert type(exc) is ModelNotReady and exc.message == "unloading"
-    assert type(protocol.error_from_wire({"code": "UNAVAILABLE", "message": ""})) is ServerShuttingDown
+    assert type(protocol.error_from_wire({"code": "UNAVAILABLE", "message": ""})) is Unavailable
     assert type(protocol.error_from_wire({"code": "CONNECTION_LOST", "message": ""})) is ConnectionLost
     future = protocol.error_from_wire({"code": "SOMETHING_NEW", "message": "from a newer server"})
     assert type(future) is EdgeServerError and future.code == "SOMETHING_NEW"

@@ -14,7 +14,6 @@ import onnxruntime as ort
 import pytest
 
 from edge_server import ModelState, Server
-from edge_server.dataplane import InferRequest
 from edge_server.errors import (
     InvalidArgument,
     ModelExecutionError,
@@ -22,6 +21,7 @@ from edge_server.errors import (
     ModelNotReady,
     ServerShuttingDown,
 )
+from edge_server.request import InferRequest
 from tests.onnx_factory import affine_model
 
 ADDER_CONFIG = """
@@ -448,7 +448,7 @@ def test_dispatch_returns_inline_outputs_and_queued_futures(server: Server) -> N
     x = np.array([1.0, 2.0], np.float32)
     kinds = []
     for _ in range(200):
-        outcome = server.dataplane.dispatch(InferRequest("renamed", {"INPUT0": x}))
+        outcome = server.dataplane.dispatch(InferRequest(model="renamed", inputs={"INPUT0": x}))
         kinds.append(type(outcome))
         out = outcome.result() if isinstance(outcome, Future) else outcome
         np.testing.assert_array_equal(out["OUTPUT0"], x + 7.0)
@@ -460,8 +460,10 @@ def test_dispatch_returns_inline_outputs_and_queued_futures(server: Server) -> N
     assert kinds[0] is Future
     stats = server.statistics("renamed")[0]
     assert stats["inference_stats"]["success"]["count"] == len(kinds)  # inline runs are counted too
-    batched = server.dataplane.dispatch(InferRequest("adder", {"INPUT0": np.ones((1, 4), np.float32)}))
+    batched = server.dataplane.dispatch(
+        InferRequest(model="adder", inputs={"INPUT0": np.ones((1, 4), np.float32)})
+    )
     assert isinstance(batched, Future)  # dynamic batching: always through the queue
     np.testing.assert_array_equal(batched.result()["OUTPUT0"], np.full((1, 4), 4.0, np.float32))
     with pytest.raises(InvalidArgument, match="expected shape"):
-        server.dataplane.dispatch(InferRequest("renamed", {"INPUT0": np.ones(3, np.float32)}))
+        server.dataplane.dispatch(InferRequest(model="renamed", inputs={"INPUT0": np.ones(3, np.float32)}))

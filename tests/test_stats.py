@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from edge_server.backends.base import Timing
+from edge_server.request import Timing
 from edge_server.scheduler import stats as stats_module
 from edge_server.scheduler.stats import ModelStats
 

@@ -18,7 +18,19 @@ from pathlib import Path
 import numpy as np
 
 from edge_server.config.model import ModelConfig
-from edge_server.errors import EdgeServerError, ModelExecutionError
+from edge_server.errors import ModelExecutionError
+from edge_server.request import BatchItem, Result, Timing
+
+__all__ = [
+    "Backend",
+    "BatchItem",
+    "InstanceSpec",
+    "LoadContext",
+    "Result",
+    "TensorBackend",
+    "Timing",
+    "scatter",
+]
 
 
 @dataclass(frozen=True)
@@ -40,28 +52,6 @@ class LoadContext:
     version_dir: Path
     model_path: Path
     instance: InstanceSpec
-
-
-@dataclass(slots=True)
-class BatchItem:
-    """One validated request in a batch; ``inputs`` carry the batch axis where the model has one."""
-
-    inputs: dict[str, np.ndarray]
-    batch_size: int
-    requested_outputs: tuple[str, ...]
-    request_id: str = ""
-
-
-@dataclass(slots=True)
-class Timing:
-    """Nanoseconds a backend spent on one batch, split as Triton's compute input/infer/output."""
-
-    compute_input_ns: int = 0
-    compute_infer_ns: int = 0
-    compute_output_ns: int = 0
-
-
-Result = dict[str, np.ndarray] | EdgeServerError
 
 
 class Backend(abc.ABC):

@@ -8,6 +8,7 @@ instead of each spawning a pool as large as the machine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,7 @@ def _check_or_fill(
             TensorSpec(name=name, data_type=dtype, dims=tuple(dims[1:] if batched else dims))
             for name, dtype, dims in graph
         )
+    completed = []
     for spec in configured:
         if spec.name not in by_name:
             raise ConfigError(
@@ -57,6 +59,8 @@ def _check_or_fill(
                 f"{sorted(by_name)}"
             )
         dtype, dims = by_name[spec.name]
+        spec = _fill_from_graph(spec, dtype, dims, batched=batched)
+        completed.append(spec)
         if spec.data_type != dtype:
             raise ConfigError(
                 f"{source}: {role} {spec.name!r} has data_type {spec.data_type} "
@@ -82,7 +86,17 @@ def _check_or_fill(
                 f"{source}: max_batch_size > 0 but the ONNX model's {role} {spec.name!r} has a fixed first "
                 f"dimension {dims[0]}; export it with a dynamic batch axis or set max_batch_size: 0"
             )
-    return configured
+    return tuple(completed)
+
+
+def _fill_from_graph(spec: TensorSpec, dtype: str, dims: list[int], *, batched: bool) -> TensorSpec:
+    """Fill a data_type or dims the config left out (TYPE_INVALID, no dims) from the graph."""
+    changes: dict[str, Any] = {}
+    if spec.data_type == "TYPE_INVALID":
+        changes["data_type"] = dtype
+    if not spec.dims and spec.reshape is None:
+        changes["dims"] = tuple(dims[1:] if batched and dims else dims)
+    return dataclasses.replace(spec, **changes) if changes else spec
 
 
 class OnnxRuntimeBackend(TensorBackend):
@@ -142,6 +156,8 @@ class OnnxRuntimeBackend(TensorBackend):
         self.device = "cpu" if used == "CPUExecutionProvider" else f"cuda:{ctx.instance.device_id}"
         self.output_names = tuple(t.name for t in config.outputs)
         self.batched = config.max_batch_size > 0
+        self._string_inputs = frozenset(t.name for t in config.inputs if t.data_type == "TYPE_STRING")
+        self._string_outputs = frozenset(t.name for t in config.outputs if t.data_type == "TYPE_STRING")
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
 
     @staticmethod
@@ -189,11 +205,19 @@ class OnnxRuntimeBackend(TensorBackend):
         return providers
 
     def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        feed: dict[str, Any] = inputs
+        if self._string_inputs:  # bytes in, str for onnxruntime (see dtypes.as_str_array)
+            feed = dict(inputs)
+            for name in self._string_inputs.intersection(inputs):
+                feed[name] = dtypes.as_str_array(inputs[name], where=f"input {name!r}")
         try:
-            values = self._session.run(list(output_names), inputs)
+            values = self._session.run(list(output_names), feed)
         except Exception as exc:
             raise ModelExecutionError(f"onnxruntime failed: {exc}") from exc
-        return dict(zip(output_names, values, strict=True))
+        outputs = dict(zip(output_names, values, strict=True))
+        for name in self._string_outputs.intersection(outputs):
+            outputs[name] = dtypes.as_bytes_array(outputs[name], where=f"output {name!r}")
+        return outputs
 
     def close(self) -> None:
         self._session = None  # type: ignore[assignment]

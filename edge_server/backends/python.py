@@ -24,10 +24,21 @@ from typing import Any
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends import pb_utils
+from edge_server.backends import pb_context, pb_utils
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
-from edge_server.errors import ConfigError, ModelExecutionError
+from edge_server.errors import (
+    AlreadyExists,
+    Cancelled,
+    ConfigError,
+    EdgeServerError,
+    InvalidArgument,
+    ModelExecutionError,
+    NotFound,
+    Unavailable,
+    Unsupported,
+)
+from edge_server.request import ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +46,8 @@ log = logging.getLogger(__name__)
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 
 _CLASS_NAME = "TritonPythonModel"
+# args["model_instance_kind"], as Triton writes it
+_INSTANCE_KINDS = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_DLA": "GPU"}
 # A fresh module name per instance and per reload, so no state leaks between them (next() is atomic).
 _module_numbers = itertools.count(1)
 
@@ -55,14 +68,86 @@ def _import_model(path: Path) -> ModuleType:
     return module
 
 
+class _Discard(ResponseSink):
+    """Where a decoupled model's responses go when nobody streams them (warm-up samples)."""
+
+    def deliver(self, outputs: Any, error: Any, final: bool) -> None:
+        pass
+
+
+def _stream(item: BatchItem) -> ResponseSink:
+    if item.stream is None:
+        item.stream = _Discard()
+    return item.stream
+
+
+# TritonError code -> the error the client gets.  INTERNAL and UNKNOWN (and any other) stay
+# EXECUTION_FAILED: the model failed, and the client cannot do better by changing the request.
+_ERRORS_BY_TRITON_CODE: dict[int, type[EdgeServerError]] = {
+    pb_utils.TritonError.INVALID_ARG: InvalidArgument,
+    pb_utils.TritonError.NOT_FOUND: NotFound,
+    pb_utils.TritonError.UNAVAILABLE: Unavailable,
+    pb_utils.TritonError.UNSUPPORTED: Unsupported,
+    pb_utils.TritonError.ALREADY_EXISTS: AlreadyExists,
+    pb_utils.TritonError.CANCELLED: Cancelled,
+}
+
+
+def model_error(model: str, error: object) -> EdgeServerError:
+    """The error a client sees for a ``TritonError`` (or anything else) a model returned or raised."""
+    if isinstance(error, pb_utils.TritonError):
+        cls = _ERRORS_BY_TRITON_CODE.get(error.code(), ModelExecutionError)
+        return cls(f"model {model!r}: {error.message()}")
+    return ModelExecutionError(f"model {model!r}: {error}")
+
+
 def _tensor_from_dict(spec: dict[str, Any]) -> TensorSpec:
-    reshape = spec.get("reshape", {}).get("shape")
+    reshape = (spec.get("reshape") or {}).get("shape")
     return TensorSpec(
         name=str(spec["name"]),
-        data_type=str(spec["data_type"]),
-        dims=tuple(int(d) for d in spec["dims"]),
+        data_type=str(spec.get("data_type", "TYPE_INVALID")),
+        dims=tuple(int(d) for d in spec.get("dims", ())),
         reshape=tuple(int(d) for d in reshape) if reshape is not None else None,
         optional=bool(spec.get("optional", False)),
+        format=str(spec.get("format", "FORMAT_NONE")),
+        label_filename=str(spec.get("label_filename", "")),
+    )
+
+
+def _auto_complete(config: ModelConfig, model_cls: Any, model_path: Path) -> ModelConfig:
+    """Run the model's ``auto_complete_config`` and take back what Triton lets it change."""
+    holder = pb_utils.ModelConfig(config.to_triton_dict())
+    try:
+        with pb_context.running(pb_context.ModelContext(config.name, model_path.parent)):
+            result = model_cls.auto_complete_config(holder)
+    except Exception as exc:
+        raise ConfigError(f"{model_path}: auto_complete_config failed: {exc}") from exc
+    if result is None:
+        raise ConfigError(
+            f"{model_path}: auto_complete_config returned None; it must return the config object it "
+            "was given (as Triton requires)"
+        )
+    if not isinstance(result, pb_utils.ModelConfig):
+        raise ConfigError(
+            f"{model_path}: auto_complete_config returned {type(result).__name__}, "
+            "expected the pb_utils.ModelConfig it was given"
+        )
+    completed = result.as_dict()
+    max_batch_size = int(completed.get("max_batch_size", config.max_batch_size))
+    batching = config.dynamic_batching
+    if batching is None and "dynamic_batching" in completed and max_batch_size > 0:
+        batching = DynamicBatching()  # set_dynamic_batching(): Triton's defaults
+    written = dict(config.written)
+    if "model_transaction_policy" in completed:
+        written["model_transaction_policy"] = dict(completed["model_transaction_policy"])
+    # TODO(issue 9, decoupled): when ModelConfig models the transaction policy itself, set it here
+    # from completed["model_transaction_policy"] as well.
+    return config.replace(
+        max_batch_size=max_batch_size,
+        inputs=tuple(_tensor_from_dict(t) for t in completed.get("input", [])),
+        outputs=tuple(_tensor_from_dict(t) for t in completed.get("output", [])),
+        dynamic_batching=batching,
+        written=written,
     )
 
 
@@ -71,24 +156,8 @@ class PythonBackend(Backend):
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
         module = _import_model(model_path)
         model_cls = getattr(module, _CLASS_NAME)
-        auto = getattr(model_cls, "auto_complete_config", None)
-        if auto is not None:
-            holder = pb_utils.ModelConfig(config.to_triton_dict())
-            try:
-                result = auto(holder)
-            except Exception as exc:
-                raise ConfigError(f"{model_path}: auto_complete_config failed: {exc!r}") from exc
-            completed = (result or holder).as_dict()
-            max_batch_size = int(completed.get("max_batch_size", config.max_batch_size))
-            batching = config.dynamic_batching
-            if batching is None and "dynamic_batching" in completed and max_batch_size > 0:
-                batching = DynamicBatching()  # set_dynamic_batching(): Triton's defaults
-            config = config.replace(
-                max_batch_size=max_batch_size,
-                inputs=tuple(_tensor_from_dict(t) for t in completed.get("input", [])),
-                outputs=tuple(_tensor_from_dict(t) for t in completed.get("output", [])),
-                dynamic_batching=batching,
-            )
+        if hasattr(model_cls, "auto_complete_config"):
+            config = _auto_complete(config, model_cls, model_path)
         if not config.outputs:
             raise ConfigError(f"{config.source or model_path}: a Python model must declare its outputs")
         return config
@@ -96,12 +165,15 @@ class PythonBackend(Backend):
     def __init__(self, ctx: LoadContext) -> None:
         self._config = ctx.config
         self._name = ctx.instance.name
+        self._context = pb_context.ModelContext(ctx.instance.name, ctx.version_dir)
         module = _import_model(ctx.model_path)
-        self._model = getattr(module, _CLASS_NAME)()
+        with pb_context.running(self._context):
+            self._model = getattr(module, _CLASS_NAME)()
         self._out_dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in ctx.config.outputs}
+        # Exactly Triton's keys and formats (all strings); "model_repository" is the model's directory.
         args = {
             "model_config": pb_utils.serialize_config(ctx.config.to_triton_dict()),
-            "model_instance_kind": "CPU",
+            "model_instance_kind": _INSTANCE_KINDS.get(ctx.instance.kind, "CPU"),
             "model_instance_name": ctx.instance.name,
             "model_instance_device_id": str(ctx.instance.device_id),
             "model_repository": str(ctx.version_dir.parent),
@@ -111,22 +183,35 @@ class PythonBackend(Backend):
         initialize = getattr(self._model, "initialize", None)
         if initialize is not None:
             try:
-                initialize(args)
+                with pb_context.running(self._context):
+                    initialize(args)
             except Exception as exc:
                 raise ConfigError(f"{ctx.model_path}: initialize() failed: {exc!r}") from exc
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
-        requests = [
-            pb_utils.InferenceRequest(item.inputs, item.requested_outputs, item.request_id) for item in batch
-        ]
+        requests = [self._request(item) for item in batch]
         t0 = time.perf_counter_ns()
         try:
-            responses = self._model.execute(requests)
+            with pb_context.running(self._context):
+                responses = self._model.execute(requests)
         except Exception as exc:
-            log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
-            raise ModelExecutionError(f"model {self._config.name!r} raised {exc!r}") from exc
+            if isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
+                error = model_error(self._config.name, exc)
+            else:
+                log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
+                error = ModelExecutionError(f"model {self._config.name!r} raised {exc!r}")
+            if not self._config.decoupled:
+                raise error from exc
+            for item in batch:  # ends every stream the model left open; finished ones refuse it
+                _stream(item).put(None, error, final=True)
+            responses = None
         finally:
             timing.compute_infer_ns += time.perf_counter_ns() - t0
+        if self._config.decoupled:
+            # Responses went through the senders (maybe still going, from the model's own threads).
+            if responses is not None:
+                log.warning("%s: a decoupled model's execute() should return None; ignoring", self._name)
+            return [{} for _ in batch]
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
             raise ModelExecutionError(
@@ -135,13 +220,37 @@ class PythonBackend(Backend):
             )
         return [self._convert(response, item) for response, item in zip(responses, batch, strict=True)]
 
+    def _request(self, item: BatchItem) -> pb_utils.InferenceRequest:
+        sender = None
+        if self._config.decoupled:
+            stream = _stream(item)
+
+            def emit(response: pb_utils.InferenceResponse | None, final: bool) -> bool:
+                if response is None:
+                    return stream.put(None, None, final=final)
+                result = self._convert(response, item)
+                if isinstance(result, Exception):
+                    return stream.put(None, result, final=final)
+                return stream.put(result, None, final=final)
+
+            sender = pb_utils.InferenceResponseSender(emit, lambda: stream.cancelled)
+        return pb_utils.InferenceRequest(
+            item.inputs,
+            item.requested_outputs,
+            item.request_id,
+            parameters=item.parameters,
+            correlation_id=item.correlation_id,
+            flags=item.flags,
+            timeout=item.timeout_us,
+            sender=sender,
+        )
+
     def _convert(self, response: Any, item: BatchItem) -> Result:
         model = self._config.name
         if isinstance(response, pb_utils.InferenceResponse):
             error = response.error()
             if error is not None:
-                message = error.message() if isinstance(error, pb_utils.TritonError) else str(error)
-                return ModelExecutionError(f"model {model!r}: {message}")
+                return model_error(model, error)
             outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
         elif isinstance(response, dict):
             outputs = response
@@ -159,6 +268,11 @@ class PythonBackend(Backend):
                 return ModelExecutionError(
                     f"model {model!r}: output {name!r} has dtype {array.dtype}, config says {expected}"
                 )
+            if expected.kind == "O":  # TYPE_STRING leaves as an object array of bytes, str encoded
+                try:
+                    array = dtypes.as_bytes_array(array, where=f"model {model!r} output {name!r}")
+                except InvalidArgument as exc:
+                    return ModelExecutionError(exc.message)
             result[name] = array
         return result
 
@@ -166,7 +280,8 @@ class PythonBackend(Backend):
         finalize = getattr(self._model, "finalize", None)
         if finalize is not None:
             try:
-                finalize()
+                with pb_context.running(self._context):
+                    finalize()
             except Exception:
                 log.exception("%s: finalize() raised", self._name)
         self._model = None

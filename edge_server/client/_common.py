@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import zmq
 
@@ -105,6 +105,8 @@ def reply_outcome(
     """(value, None) for an ok reply, decoded; (None, error) for an error or a reply that fails to decode."""
     if header.get("ok") is not True:
         return None, protocol.error_from_wire(header.get("error"))
+    if header.get("final") is True and "outputs" not in header:
+        return None, None  # a stream's bare final flag: no response of its own
     try:
         return decode(header, frames), None
     except EdgeServerError as exc:
@@ -126,6 +128,26 @@ def queue_timeout_us(value: int | None) -> int | None:
     if us < 0 or isinstance(value, bool):
         raise InvalidArgument(f"queue_timeout_us must be a non-negative integer, got {value!r}")
     return us
+
+
+class InferOptions(TypedDict, total=False):
+    """The keyword arguments of ``infer``, ``submit`` and ``stream`` on both clients.
+
+    ``timeout``: seconds to wait for the reply (for a stream: for each response); the client's patience
+    only.  ``queue_timeout_us``: ask the daemon to give up on the request after that long in the
+    model's queue (where its queue policy allows an override).  ``parameters``: str -> bool/int/str,
+    handed to the model.  ``sequence_id``/``sequence_start``/``sequence_end``: Triton's sequence fields.
+    """
+
+    version: int | None
+    outputs: _wire.Outputs
+    priority: int
+    timeout: float | None
+    queue_timeout_us: int | None
+    parameters: Mapping[str, bool | int | str] | None
+    sequence_id: int | str | None
+    sequence_start: bool
+    sequence_end: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,31 +225,40 @@ class ClientBase:
         return self.timeout if timeout is None else timeout
 
     def _infer_request(
-        self,
-        model: str,
-        inputs: Mapping[str, Any],
-        version: int | None,
-        outputs: _wire.Outputs,
-        priority: int,
-        timeout: float | None,
-        queue_timeout: int | None,
+        self, model: str, inputs: Mapping[str, Any], options: InferOptions, op: str = "infer"
     ) -> Request:
         rid = next(self._ids)
+        queue_timeout = options.get("queue_timeout_us")
+        extra: dict[str, Any] = {}
+        parameters = options.get("parameters")
+        if parameters:
+            extra["parameters"] = dict(parameters)
+        if options.get("sequence_id") is not None:
+            extra["sequence_id"] = options["sequence_id"]
+        for flag in ("sequence_start", "sequence_end"):
+            if options.get(flag):
+                extra[flag] = True
         frames, nbytes = _wire.infer_message(
             rid,
             model,
             inputs,
-            version=version,
-            outputs=outputs,
-            priority=priority,
+            version=options.get("version"),
+            outputs=options.get("outputs"),
+            priority=options.get("priority", 0),
             timeout_us=None if queue_timeout is None else queue_timeout_us(queue_timeout),
             pack=self._packer(),
+            op=op,
+            extra=extra,
         )
         if nbytes > self._limit.allowed:  # checked again before sending, once the daemon's is known
             self._limit.check(nbytes)
         regions = self._regions
         return Request(
-            rid, frames, nbytes, lambda h, f: _wire.infer_outputs(h, f, regions), self._reply_timeout(timeout)
+            rid,
+            frames,
+            nbytes,
+            lambda h, f: _wire.infer_outputs(h, f, regions),
+            self._reply_timeout(options.get("timeout")),
         )
 
     def _control(self, op: str, key: str | None, timeout: float | None, **fields: Any) -> Control:

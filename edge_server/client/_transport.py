@@ -90,6 +90,21 @@ class Call:
         return self.value
 
 
+class StreamCall(Call):
+    """A ``stream`` request: its responses queue up here until the caller takes them.
+
+    ``settled`` means "a response is waiting (or the stream ended)", so the leader's loop stops for
+    it exactly as for a plain call; it is reset when the caller takes the last waiting response.
+    """
+
+    __slots__ = ("items", "done")
+
+    def __init__(self, rid: int, frames: list[Any], decode: Decoder, *, nbytes: int = 0) -> None:
+        super().__init__(rid, frames, decode, None, nbytes=nbytes)
+        self.items: collections.deque[tuple[Any, BaseException | None, bool]] = collections.deque()
+        self.done = False  # the final response (or the stream's end by error) has arrived
+
+
 class Transport:
     """The socket machinery: leader election, outbox, replies, timeouts, reconnection."""
 
@@ -158,10 +173,18 @@ class Transport:
 
     def wait(self, call: Call) -> Any:
         """Lead until ``call`` is answered, or let the current leader answer it."""
+        self._await(call, None)
+        return call.outcome()
+
+    def _await(self, call: Call, deadline: float | None) -> None:
+        """Return once ``call`` is settled, or at ``deadline`` (monotonic; None: never)."""
         while not call.settled:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return
             if self._io.acquire(blocking=False):
                 try:
-                    self._drive(call)
+                    self._drive(call, deadline)
                 finally:
                     self._release()
             else:
@@ -171,13 +194,60 @@ class Transport:
                     self._waiting += 1
                     try:
                         if not call.settled:
-                            self._answered.wait(1.0)
+                            self._answered.wait(1.0 if remaining is None else min(1.0, remaining))
                     finally:
                         self._waiting -= 1
-        return call.outcome()
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def enqueue_stream(self, rid: int, frames: list[Any], decode: Decoder, nbytes: int) -> StreamCall:
+        if self._closed:
+            raise Cancelled("the client is closed")
+        call = StreamCall(rid, frames, decode, nbytes=nbytes)
+        with self._lock:
+            self._pending[rid] = call
+            self._outbox.append(call)
+        return call
+
+    def next_response(
+        self, call: StreamCall, timeout: float | None
+    ) -> tuple[Any, BaseException | None, bool]:
+        """The stream's next (value, error, final), waiting up to ``timeout`` seconds for it."""
+        if not call.sent and not call.settled:
+            self.kick()
+        self._await(call, None if timeout is None else time.monotonic() + timeout)
+        with self._lock:
+            if not call.items:
+                raise ReplyTimeout(f"no response from {self.address} within {timeout} s")
+            item = call.items.popleft()
+            call.settled = bool(call.items) or call.done
+        return item
+
+    def cancel_stream(self, call: StreamCall) -> None:
+        """The caller stops reading: forget the stream and ask the daemon to cancel it (not awaited)."""
+        with self._lock:
+            self._pending.pop(call.rid, None)
+            call.done = call.settled = True
+            if not call.sent:
+                call.frames = None  # never sent: nothing to cancel
+                return
+        rid = next(self._ids)
+        self.enqueue(rid, _wire.control_message(rid, "cancel", target=call.rid), _ignore, None)
+        self.kick()
+
+    def _push(self, call: StreamCall, value: Any, error: BaseException | None, final: bool) -> None:
+        with self._lock:
+            call.items.append((value, error, final))
+            call.done = call.done or final
+            call.settled = True
+            if self._waiting:
+                self._answered.notify_all()
 
     def _settle(self, call: Call, result: Any = None, exc: BaseException | None = None) -> None:
         """Give ``call`` its outcome (never under ``_lock``) and wake whoever waits for it."""
+        if type(call) is StreamCall:  # lost, closed: the stream ends with that error
+            self._push(call, result, exc, True)
+            return
         call.value, call.error = result, exc
         call.settled = True
         future = call.future
@@ -239,8 +309,11 @@ class Transport:
 
     # -- the leader's loop (caller holds _io) ---------------------------------------------------
 
-    def _drive(self, until: Call | None) -> None:
-        """Send, receive and expire until ``until`` is settled (None: until nothing is pending)."""
+    def _drive(self, until: Call | None, deadline: float | None = None) -> None:
+        """Send, receive and expire until ``until`` is settled (None: until nothing is pending).
+
+        ``deadline`` (monotonic): return then even if it is not.
+        """
         sock, monitor = self._sock, self._monitor
         now = time.monotonic()
         if now - self._polled_at > _UNWATCHED_S:
@@ -260,6 +333,9 @@ class Transport:
             if self._deadlines:
                 # ``now`` may be a flush old: a deadline then fires that much late (microseconds).
                 timeout_ms = max(0, int((self._deadlines[0][0] - now) * 1000.0) + 1)
+            if deadline is not None:
+                mine = max(0, int((deadline - now) * 1000.0) + 1)
+                timeout_ms = mine if timeout_ms < 0 else min(timeout_ms, mine)
             received = False
             for item, revents in zmq.zmq_poll(self._poll_items, timeout_ms):
                 if item is sock:
@@ -278,6 +354,8 @@ class Transport:
                 self._expire()
             if received and self._finished(until) and not self._outbox:
                 return  # the usual round trip ends here; monitor events wait for the next turn
+            if deadline is not None and now >= deadline:
+                return
 
     def _finished(self, until: Call | None) -> bool:
         return until.settled if until is not None else self._closed or not self._pending
@@ -330,13 +408,21 @@ class Transport:
             return
         rid = header.get("id")
         with self._lock:
-            call = self._pending.pop(rid, None) if isinstance(rid, int) else None
+            call = self._pending.get(rid) if isinstance(rid, int) else None
+            if call is None:
+                return  # a ping, or the reply to a request that already timed out or was cancelled
+            # A stream stays pending until its final response (an error without 'final' ends it too).
+            stream = type(call) is StreamCall
+            final = not stream or header.get("final", True) is not False
+            if final:
+                del self._pending[call.rid]
             deadlines = self._deadlines
-            if call is not None and deadlines and deadlines[0][1] == rid:
+            if final and deadlines and deadlines[0][1] == rid:
                 heapq.heappop(deadlines)  # answered: its deadline is moot (the others expire lazily)
-        if call is None:
-            return  # a ping, or the reply to a request that already timed out
-        self._settle(call, *reply_outcome(header, frames[1:], call.decode))
+        if stream:
+            self._push(call, *reply_outcome(header, frames[1:], call.decode), final)  # type: ignore[arg-type]
+        else:
+            self._settle(call, *reply_outcome(header, frames[1:], call.decode))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -459,6 +545,10 @@ class Transport:
             self._ctx.term()
             fd, self._wake_fd = self._wake_fd, -1
             os.close(fd)
+
+
+def _ignore(header: dict[str, Any], frames: list[Any]) -> None:
+    return None
 
 
 def _log_reregister(header: dict[str, Any], frames: list[Any]) -> None:

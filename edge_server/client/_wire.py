@@ -46,11 +46,14 @@ def infer_message(
     priority: int,
     timeout_us: int | None,
     pack: protocol.Pack = protocol.pack,
+    op: str = "infer",
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[list[Any], int]:
-    """Frames of an infer request and their total size; array bytes are referenced, not copied.
+    """Frames of an infer (or ``stream``) request and their total size; array bytes are not copied.
 
     ``timeout_us`` is the queue timeout the daemon is asked to apply (None: the model's own policy).
     ``pack``: the header packer (the calling thread's own :func:`protocol.packer` is faster).
+    ``extra``: further header fields (parameters, sequence fields), sent as given.
     """
     descs: list[dict[str, Any]] = []
     frames: list[Any] = [b""]
@@ -64,7 +67,7 @@ def infer_message(
         descs.append({"name": name, "datatype": datatype, "shape": shape, "frame": len(frames) - 1})
         frames.append(data)
         total += len(data) if isinstance(data, bytes) else data.nbytes
-    header: dict[str, Any] = {"v": protocol.PROTOCOL_VERSION, "id": rid, "op": "infer", "model": model}
+    header: dict[str, Any] = {"v": protocol.PROTOCOL_VERSION, "id": rid, "op": op, "model": model}
     header["inputs"] = descs
     if version is not None:
         header["version"] = version
@@ -74,6 +77,8 @@ def infer_message(
         header["priority"] = priority
     if timeout_us is not None:
         header["timeout_us"] = timeout_us
+    if extra:
+        header.update(extra)
     frames[0] = pack(header)
     return frames, total + len(frames[0])
 

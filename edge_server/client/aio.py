@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 import zmq.asyncio
@@ -27,6 +27,7 @@ from edge_server.client._common import (
     ClientBase,
     Control,
     Decoder,
+    InferOptions,
     Steps,
     T,
     daemon_limit,
@@ -37,16 +38,68 @@ from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, ReplyTimeout
 from edge_server.ipc import protocol
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 log = logging.getLogger(__name__)
 
 
-class _Pending:
-    __slots__ = ("future", "decode", "sent")
+_StreamItem = tuple[Any, BaseException | None, bool]
 
-    def __init__(self, future: asyncio.Future[Any], decode: Decoder) -> None:
+
+class _Pending:
+    __slots__ = ("future", "decode", "sent", "responses")
+
+    def __init__(
+        self,
+        future: asyncio.Future[Any],
+        decode: Decoder,
+        responses: asyncio.Queue[_StreamItem] | None = None,
+    ) -> None:
         self.future = future
         self.decode = decode
         self.sent = False
+        self.responses = responses  # a stream's: its responses until the final one
+
+
+class AsyncResponseStream:
+    """The responses of one ``AsyncClient.stream`` call: ``async for outputs in stream``."""
+
+    def __init__(self, client: AsyncClient, rid: int, pending: _Pending, timeout: float | None) -> None:
+        assert pending.responses is not None
+        self._client = client
+        self._rid = rid
+        self._responses = pending.responses
+        self._timeout = timeout
+        self._done = False
+
+    def __aiter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        while not self._done:
+            try:
+                value, error, final = await asyncio.wait_for(self._responses.get(), self._timeout)
+            except asyncio.TimeoutError:
+                raise ReplyTimeout(f"no response within {self._timeout} s") from None
+            self._done = final
+            if error is not None:
+                raise error
+            if value is not None:
+                return value  # type: ignore[no-any-return]
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Stop reading; the daemon cancels the request (the model sees ``is_cancelled()``)."""
+        if not self._done:
+            self._done = True
+            await self._client._cancel_stream(self._rid)
+
+    async def __aenter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class AsyncClient(ClientBase):
@@ -91,31 +144,41 @@ class AsyncClient(ClientBase):
         if self._closed:
             raise Cancelled("the client is closed")
         loop = asyncio.get_running_loop()
-        if self._reader is None:
-            self._reader = loop.create_task(self._read())
-            self._watcher = loop.create_task(self._watch())
         pending = _Pending(loop.create_future(), decode)
         self._pending[rid] = pending
         # call_later instead of wait_for: no extra task per request on the hot path.
         timer = loop.call_later(timeout, self._expire, rid) if timeout is not None else None
         try:
-            while True:
-                if self._can_send.is_set():
-                    if nbytes > self._limit.allowed:
-                        self._limit.check(nbytes)  # over the daemon's limit, learned since it was built
-                    if await self._try_send(frames):
-                        break
-                if pending.future.done():
-                    break
-                waiter = loop.create_task(self._can_send.wait())
-                await asyncio.wait([waiter, pending.future], return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-            pending.sent = True
+            await self._send_when_ready(frames, nbytes, pending)
             return await pending.future
         finally:
             self._pending.pop(rid, None)
             if timer is not None:
                 timer.cancel()
+
+    async def _send_when_ready(self, frames: list[Any], nbytes: int, pending: _Pending) -> None:
+        """Send once connected and the daemon's limit is known; give up if ``pending`` ends first."""
+        loop = asyncio.get_running_loop()
+        if self._reader is None:
+            self._reader = loop.create_task(self._read())
+            self._watcher = loop.create_task(self._watch())
+        while True:
+            if self._can_send.is_set():
+                if nbytes > self._limit.allowed:
+                    self._limit.check(nbytes)  # over the daemon's limit, learned since it was built
+                if await self._try_send(frames):
+                    break
+            if pending.future.done():
+                return
+            waiter = loop.create_task(self._can_send.wait())
+            await asyncio.wait([waiter, pending.future], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        pending.sent = True
+
+    async def _cancel_stream(self, rid: int) -> None:
+        pending = self._pending.pop(rid, None)
+        if pending is not None and pending.sent and not self._closed:
+            await self._try_send(_wire.control_message(next(self._ids), "cancel", target=rid))
 
     async def _try_send(self, frames: list[Any]) -> bool:
         try:
@@ -140,10 +203,19 @@ class AsyncClient(ClientBase):
                 log.warning("ignoring a reply that is not protocol: %s", exc.message)
                 continue
             rid = header.get("id")
-            pending = self._pending.pop(rid, None) if isinstance(rid, int) else None
+            if not isinstance(rid, int):
+                continue  # a ping
+            pending = self._pending.get(rid)
             if pending is None or pending.future.done():
                 continue  # a ping, a re-registration, or the reply to a request that timed out
             value, error = reply_outcome(header, frames[1:], pending.decode)
+            if pending.responses is not None:
+                final = header.get("final", True) is not False
+                if final:
+                    del self._pending[rid]
+                pending.responses.put_nowait((value, error, final))
+                continue
+            del self._pending[rid]
             if error is not None:
                 pending.future.set_exception(error)
             else:
@@ -163,9 +235,11 @@ class AsyncClient(ClientBase):
                 for rid, pending in list(self._pending.items()):
                     if pending.sent and not pending.future.done():
                         del self._pending[rid]
-                        pending.future.set_exception(
-                            ConnectionLost(f"the daemon at {self.address} went away before replying")
-                        )
+                        lost = ConnectionLost(f"the daemon at {self.address} went away before replying")
+                        if pending.responses is not None:
+                            pending.responses.put_nowait((None, lost, True))
+                        else:
+                            pending.future.set_exception(lost)
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._limit.learned(None)
                 if self._was_connected:
@@ -230,22 +304,31 @@ class AsyncClient(ClientBase):
     # -- inference ------------------------------------------------------------------------------
 
     async def infer(
-        self,
-        model: str,
-        inputs: Mapping[str, Any],
-        *,
-        version: int | None = None,
-        outputs: _wire.Outputs = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        queue_timeout_us: int | None = None,
+        self, model: str, inputs: Mapping[str, Any], **options: Unpack[InferOptions]
     ) -> dict[str, Any]:
         """Run one request; await many of these at once to keep requests in flight.
 
-        ``timeout`` and ``queue_timeout_us`` as for :meth:`edge_server.client.Client.infer`.
+        ``options`` as for :meth:`edge_server.client.Client.infer`.
         """
-        r = self._infer_request(model, inputs, version, outputs, priority, timeout, queue_timeout_us)
+        r = self._infer_request(model, inputs, options)
         return await self._call(r.frames, r.rid, r.decode, r.timeout, r.nbytes)  # type: ignore[no-any-return]
+
+    async def stream(
+        self, model: str, inputs: Mapping[str, Any], **options: Unpack[InferOptions]
+    ) -> AsyncResponseStream:
+        """Send a streamed request; ``async for outputs in await client.stream(...)``.
+
+        As :meth:`edge_server.client.Client.stream`: errors raise from ``__anext__``, the final
+        response ends the iteration, ``aclose()`` cancels, ``timeout`` bounds each wait.
+        """
+        if self._closed:
+            raise Cancelled("the client is closed")
+        r = self._infer_request(model, inputs, options, op="stream")
+        loop = asyncio.get_running_loop()
+        pending = _Pending(loop.create_future(), r.decode, asyncio.Queue())
+        self._pending[r.rid] = pending
+        await self._send_when_ready(r.frames, r.nbytes, pending)
+        return AsyncResponseStream(self, r.rid, pending, r.timeout)
 
     # -- control --------------------------------------------------------------------------------
 
@@ -338,8 +421,11 @@ class AsyncClient(ClientBase):
                     except asyncio.CancelledError:
                         pass
             for pending in self._pending.values():
-                if not pending.future.done():
-                    pending.future.set_exception(Cancelled("the client was closed before the reply came"))
+                closed = Cancelled("the client was closed before the reply came")
+                if pending.responses is not None:
+                    pending.responses.put_nowait((None, closed, True))
+                elif not pending.future.done():
+                    pending.future.set_exception(closed)
             self._pending.clear()
             self._forget_regions()
             self._sock.disable_monitor()

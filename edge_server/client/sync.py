@@ -9,16 +9,53 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edge_server.client import _wire
-from edge_server.client._common import ClientBase, Control, Request, Steps, T
-from edge_server.client._transport import Call, Transport
+from edge_server.client._common import ClientBase, Control, InferOptions, Request, Steps, T
+from edge_server.client._transport import Call, StreamCall, Transport
 from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import EdgeServerError
 from edge_server.ipc import protocol
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 log = logging.getLogger(__name__)
+
+
+class ResponseStream:
+    """The responses of one ``Client.stream`` call, as an iterator (see :meth:`Client.stream`)."""
+
+    def __init__(self, transport: Transport, call: StreamCall, timeout: float | None) -> None:
+        self._t = transport
+        self._call = call
+        self._timeout = timeout
+        self._done = False
+
+    def __iter__(self) -> ResponseStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        while not self._done:
+            value, error, final = self._t.next_response(self._call, self._timeout)
+            self._done = final
+            if error is not None:
+                raise error
+            if value is not None:
+                return value  # type: ignore[no-any-return]
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop reading; the daemon cancels the request (the model sees ``is_cancelled()``)."""
+        if not self._done:
+            self._done = True
+            self._t.cancel_stream(self._call)
+
+    def __enter__(self) -> ResponseStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Client(ClientBase):
@@ -76,45 +113,40 @@ class Client(ClientBase):
     # -- inference ------------------------------------------------------------------------------
 
     def submit(
-        self,
-        model: str,
-        inputs: Mapping[str, Any],
-        *,
-        version: int | None = None,
-        outputs: _wire.Outputs = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        queue_timeout_us: int | None = None,
+        self, model: str, inputs: Mapping[str, Any], **options: Unpack[InferOptions]
     ) -> Future[dict[str, Any]]:
         """Send a request and return at once; keep hundreds in flight from one thread."""
-        call = self._queue(
-            self._infer_request(model, inputs, version, outputs, priority, timeout, queue_timeout_us),
-            future=True,
-        )
+        call = self._queue(self._infer_request(model, inputs, options), future=True)
         self._t.kick()
         assert call.future is not None
         return call.future
 
-    def infer(
-        self,
-        model: str,
-        inputs: Mapping[str, Any],
-        *,
-        version: int | None = None,
-        outputs: _wire.Outputs = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        queue_timeout_us: int | None = None,
-    ) -> dict[str, Any]:
+    def infer(self, model: str, inputs: Mapping[str, Any], **options: Unpack[InferOptions]) -> dict[str, Any]:
         """Run one request and return its outputs; raises the daemon's error as an EdgeServerError.
 
-        ``timeout``: seconds to wait for the reply (default: the client's).  ``queue_timeout_us``: ask
-        the daemon to give up on the request after that long in the model's queue (honoured where the
-        model's queue policy allows an override; the daemon then answers TIMEOUT); None keeps the
-        model's own policy.
+        ``options`` (all optional): ``version``, ``outputs`` (names, or name -> ShmRef), ``priority``,
+        ``timeout`` (seconds to wait for the reply; default: the client's), ``queue_timeout_us`` (ask
+        the daemon to give up on the request after that long in the model's queue, where the model's
+        queue policy allows an override; it then answers TIMEOUT), ``parameters`` (str -> bool, int
+        or str, handed to the model), ``sequence_id``, ``sequence_start``, ``sequence_end``.
         """
-        request = self._infer_request(model, inputs, version, outputs, priority, timeout, queue_timeout_us)
+        request = self._infer_request(model, inputs, options)
         return self._t.wait(self._queue(request))  # type: ignore[no-any-return]
+
+    def stream(
+        self, model: str, inputs: Mapping[str, Any], **options: Unpack[InferOptions]
+    ) -> ResponseStream:
+        """Send a request whose responses are streamed (a decoupled model: zero, one or many).
+
+        Iterate the result: each response's outputs as a dict; an error response raises its error
+        from ``next()`` (the stream may go on); the final response ends the iteration.  ``close()``
+        (or leaving a ``with`` block) stops early and tells the daemon to cancel the request.
+        ``timeout`` bounds the wait for each response.  Outputs travel inline.
+        """
+        request = self._infer_request(model, inputs, options, op="stream")
+        call = self._t.enqueue_stream(request.rid, request.frames, request.decode, request.nbytes)
+        self._t.kick()
+        return ResponseStream(self._t, call, request.timeout)
 
     def _queue(self, request: Request, *, future: bool = False) -> Call:
         return self._t.enqueue(

@@ -25,6 +25,7 @@ from edge_server.config.model import (
     Warmup,
     WarmupInput,
 )
+from edge_server.config.triton_json import message_to_dict
 from edge_server.errors import ConfigError
 
 # Parsed protobuf messages are made at run time, so mypy cannot see their fields.
@@ -85,9 +86,11 @@ class _Converter:
             parameters={key: p.string_value for key, p in sorted(msg.parameters.items())},
             model_warmup=self.warmups(msg.model_warmup),
             default_model_filename=msg.default_model_filename,
+            decoupled=msg.model_transaction_policy.decoupled,
             gpu_accelerators=tuple(_accelerator(a) for a in accelerators.gpu_execution_accelerator),
             cpu_accelerators=tuple(_accelerator(a) for a in accelerators.cpu_execution_accelerator),
             source=self.source,
+            written=message_to_dict(msg),
         )
 
     def tensor(self, msg: Proto, path: str, *, is_input: bool) -> TensorSpec:

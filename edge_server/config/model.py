@@ -7,9 +7,12 @@ so that a Triton user recognises every one of them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from edge_server.config.triton_json import default_dict
 
 BackendName = Literal["onnxruntime", "tensorrt", "python", "ensemble"]
 
@@ -144,7 +147,11 @@ class ModelConfig:
     default_model_filename: str = ""
     gpu_accelerators: tuple[Accelerator, ...] = ()
     cpu_accelerators: tuple[Accelerator, ...] = ()
+    decoupled: bool = False  # model_transaction_policy: responses are streamed, zero or many per request
     source: str = ""
+    #: the whole config as written, in Triton's JSON form (config.triton_json): the fields edge-server
+    #: does not model (sequence_batching, model_transaction_policy, ...) reach models from here
+    written: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def model_filename(self) -> str:
@@ -160,58 +167,79 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_triton_dict(self) -> dict[str, Any]:
-        """The config as Triton renders it in JSON (``args["model_config"]``, the metadata endpoints)."""
+        """The config as Triton renders it in JSON (``args["model_config"]``, the metadata endpoints).
 
-        def tensor(t: TensorSpec) -> dict[str, Any]:
-            d: dict[str, Any] = {"name": t.name, "data_type": t.data_type, "dims": list(t.dims)}
-            if t.reshape is not None:
-                d["reshape"] = {"shape": list(t.reshape)}
-            if t.optional:
-                d["optional"] = True
-            if t.format != "FORMAT_NONE":
-                d["format"] = t.format
-            if t.label_filename:
-                d["label_filename"] = t.label_filename
-            return d
-
-        out: dict[str, Any] = {
-            "name": self.name,
-            "platform": self.platform,
-            "backend": self.backend,
-            "max_batch_size": self.max_batch_size,
-            "input": [tensor(t) for t in self.inputs],
-            "output": [tensor(t) for t in self.outputs],
-            "instance_group": [
-                {
-                    "name": g.name,
-                    "kind": g.kind,
-                    "count": g.count,
-                    "gpus": list(g.gpus),
-                    "secondary_devices": [
-                        {"kind": s.kind, "device_id": s.device_id} for s in g.secondary_devices
-                    ],
-                    "passive": g.passive,
-                }
-                for g in self.instance_groups
-            ],
-            "version_policy": _version_policy_dict(self.version_policy),
-            "parameters": {k: {"string_value": v} for k, v in self.parameters.items()},
-            "default_model_filename": self.default_model_filename,
-        }
-        if self.dynamic_batching is not None:
+        Every field of Triton's ``ModelConfig`` is there, with defaults, as in Triton: what edge-server
+        models comes from these dataclasses (completed and normalised), the rest as it was written.
+        """
+        written = self.written
+        out = copy.deepcopy(written) if written else default_dict("ModelConfig")
+        out.update(
+            name=self.name,
+            platform=self.platform,
+            backend=self.backend,
+            max_batch_size=self.max_batch_size,
+            default_model_filename=self.default_model_filename,
+            version_policy=_version_policy_dict(self.version_policy),
+            parameters={k: {"string_value": v} for k, v in self.parameters.items()},
+        )
+        for side, message, tensors in (
+            ("input", "ModelInput", self.inputs),
+            ("output", "ModelOutput", self.outputs),
+        ):
+            as_written = {t.get("name"): t for t in written.get(side, [])}
+            out[side] = [
+                _tensor_dict(t, copy.deepcopy(as_written.get(t.name) or default_dict(message)))
+                for t in tensors
+            ]
+        groups, group_message = written.get("instance_group", []), "ModelInstanceGroup"
+        out["instance_group"] = [
+            _group_dict(g, copy.deepcopy(groups[i]) if i < len(groups) else default_dict(group_message))
+            for i, g in enumerate(self.instance_groups)
+        ]
+        if self.dynamic_batching is None:
+            out.pop("dynamic_batching", None)
+        else:
             db = self.dynamic_batching
-            out["dynamic_batching"] = {
-                "preferred_batch_size": list(db.preferred_batch_size),
-                "max_queue_delay_microseconds": db.max_queue_delay_microseconds,
-                "preserve_ordering": db.preserve_ordering,
-                "priority_levels": db.priority_levels,
-                "default_priority_level": db.default_priority_level,
-                "default_queue_policy": dataclasses.asdict(db.default_queue_policy),
-                "priority_queue_policy": {
+            batching = copy.deepcopy(written.get("dynamic_batching")) or default_dict("ModelDynamicBatching")
+            batching.update(
+                preferred_batch_size=list(db.preferred_batch_size),
+                max_queue_delay_microseconds=db.max_queue_delay_microseconds,
+                preserve_ordering=db.preserve_ordering,
+                priority_levels=db.priority_levels,
+                default_priority_level=db.default_priority_level,
+                default_queue_policy=dataclasses.asdict(db.default_queue_policy),
+                priority_queue_policy={
                     str(k): dataclasses.asdict(v) for k, v in db.priority_queue_policy.items()
                 },
-            }
+            )
+            out["dynamic_batching"] = batching
         return out
+
+
+def _tensor_dict(t: TensorSpec, base: dict[str, Any]) -> dict[str, Any]:
+    base.update(name=t.name, data_type=t.data_type, dims=list(t.dims))
+    if t.reshape is not None:
+        base["reshape"] = {"shape": list(t.reshape)}
+    else:
+        base.pop("reshape", None)
+    if "optional" in base:  # inputs only
+        base.update(optional=t.optional, format=t.format)
+    if "label_filename" in base:  # outputs only
+        base["label_filename"] = t.label_filename
+    return base
+
+
+def _group_dict(g: InstanceGroup, base: dict[str, Any]) -> dict[str, Any]:
+    base.update(
+        name=g.name,
+        kind=g.kind,
+        count=g.count,
+        gpus=list(g.gpus),
+        secondary_devices=[{"kind": s.kind, "device_id": s.device_id} for s in g.secondary_devices],
+        passive=g.passive,
+    )
+    return base
 
 
 def _version_policy_dict(policy: VersionPolicy) -> dict[str, Any]:

@@ -44,6 +44,7 @@ _SUPPORTED: Mapping[str, object] = {
     "model_warmup": True,
     "default_model_filename": True,
     "optimization": {"execution_accelerators": True},
+    "model_transaction_policy": True,
 }
 
 _PARSE_ERROR_PREFIX = re.compile(r"^\d+(?::\d+)? : ")
@@ -74,7 +75,7 @@ def parse_config_text(text: str, *, source: str, default_name: str) -> tuple[Mod
         for path in unsupported_fields(message)
     ]
     config, conversion_warnings = to_model_config(message, source=source, default_name=default_name)
-    validate_config(config)
+    validate_config(config, completed=False)
     return config, warnings + conversion_warnings
 
 
@@ -131,22 +132,32 @@ def _fail(config: ModelConfig, field: str, problem: str) -> ConfigError:
     return ConfigError(f"{config.source}: field '{field}': {problem}")
 
 
-def validate_config(config: ModelConfig) -> None:
+def validate_config(config: ModelConfig, *, completed: bool = True) -> None:
     """Raise :class:`ConfigError` for the first rule ``config`` breaks; Triton's rules where it has them.
 
-    Public so that a backend can check the config again after completing it from the model file.
+    ``completed=False`` is the check of a config as written, before the backend's auto-complete: an
+    input or output may then leave its ``data_type`` (``TYPE_INVALID``) or its ``dims`` for the
+    backend to fill from the model file, as Triton allows for ONNX, TensorRT and Python models.  The
+    loader checks again with ``completed=True`` once the backend has filled them.
     """
     _validate_backend(config)
     if config.max_batch_size < 0:
         raise _fail(config, "max_batch_size", f"must be >= 0 (0: no batching), got {config.max_batch_size}")
-    _validate_tensors(config, "input", config.inputs)
-    _validate_tensors(config, "output", config.outputs)
+    _validate_tensors(config, "input", config.inputs, completed=completed)
+    _validate_tensors(config, "output", config.outputs, completed=completed)
     _validate_instance_groups(config)
     _validate_dynamic_batching(config)
     policy = config.version_policy
     if policy.kind == "latest" and policy.num_versions < 1:
         raise _fail(config, "version_policy.latest.num_versions", f"must be >= 1, got {policy.num_versions}")
     _validate_warmup(config)
+    if config.decoupled and config.backend not in ("", "python", "ensemble"):
+        raise _fail(
+            config,
+            "model_transaction_policy.decoupled",
+            f"backend {config.backend!r} answers each request once; only Python models (and ensembles of "
+            "them) send their own responses",
+        )
     for kind, accelerators in (("gpu", config.gpu_accelerators), ("cpu", config.cpu_accelerators)):
         for i, accelerator in enumerate(accelerators):
             if not accelerator.name:
@@ -185,7 +196,9 @@ def _check_dims(config: ModelConfig, field: str, dims: tuple[int, ...], *, varia
         raise _fail(config, field, f"dimensions {rule}; got {list(dims)}")
 
 
-def _validate_tensors(config: ModelConfig, side: str, tensors: tuple[TensorSpec, ...]) -> None:
+def _validate_tensors(
+    config: ModelConfig, side: str, tensors: tuple[TensorSpec, ...], *, completed: bool
+) -> None:
     seen: set[str] = set()
     for i, tensor in enumerate(tensors):
         path = f"{side}[{i}]"
@@ -195,8 +208,14 @@ def _validate_tensors(config: ModelConfig, side: str, tensors: tuple[TensorSpec,
             raise _fail(config, f"{path}.name", f"duplicate {side} name {tensor.name!r}")
         seen.add(tensor.name)
         if tensor.data_type == "TYPE_INVALID":
-            raise _fail(config, f"{path}.data_type", f"{side} {tensor.name!r} must set a data_type")
-        if tensor.data_type not in dtypes.config_names():
+            if completed:
+                raise _fail(
+                    config,
+                    f"{path}.data_type",
+                    f"{side} {tensor.name!r} must set a data_type "
+                    "(the backend's auto-complete did not fill it)",
+                )
+        elif tensor.data_type not in dtypes.config_names():
             raise _fail(
                 config,
                 f"{path}.data_type",
@@ -211,17 +230,65 @@ def _validate_tensors(config: ModelConfig, side: str, tensors: tuple[TensorSpec,
         _check_dims(config, f"{path}.reshape.shape", tensor.reshape)
         if not tensor.reshape and config.max_batch_size == 0:
             raise _fail(
-                config, f"{path}.reshape", "an empty reshape needs a batching model (max_batch_size > 0)"
+                config,
+                f"{path}.reshape",
+                "an empty reshape needs a batching model (max_batch_size > 0): "
+                "a non-batching model has no scalar tensors",
             )
-        if -1 not in tensor.dims and -1 not in tensor.reshape and tensor.dims:
-            if math.prod(tensor.dims) != math.prod(tensor.reshape):
-                raise _fail(
-                    config,
-                    f"{path}.reshape",
-                    f"reshape {list(tensor.reshape)} of {side} {tensor.name!r} has "
-                    f"{math.prod(tensor.reshape)} elements but dims {list(tensor.dims)} have "
-                    f"{math.prod(tensor.dims)}",
-                )
+        if tensor.dims or completed:
+            problem = reshape_problem(tensor.dims, tensor.reshape)
+            if problem:
+                raise _fail(config, f"{path}.reshape", f"{side} {tensor.name!r}: {problem}")
+
+
+def _element_count(dims: tuple[int, ...]) -> int:
+    """Triton's count: -1 when any dim is variable, 0 for no dims at all."""
+    if -1 in dims:
+        return -1
+    return math.prod(dims) if dims else 0
+
+
+def _chunks(dims: tuple[int, ...]) -> list[int]:
+    """Element counts of the runs of fixed dims between variable ones: [2, 4, -1, 6] -> [8, 6]."""
+    counts, current = [], 1
+    for dim in dims:
+        if dim == -1:
+            counts.append(current)
+            current = 1
+        else:
+            current *= dim
+    counts.append(current)
+    return counts
+
+
+def reshape_problem(dims: tuple[int, ...], reshape: tuple[int, ...]) -> str:
+    """Why ``reshape`` cannot be a view of ``dims`` under Triton's rules, or ``""`` when it can.
+
+    Both must hold the same element count, or both have variable dims; an empty reshape (a scalar)
+    needs exactly one element.  With variable dims, the fixed runs between them must match pairwise:
+    [2, 4, -1, 6] -> [8, -1, 1, 6] is valid (2*4 = 8 and 6 = 1*6), [-1, 6] -> [6, -1] is not.
+    """
+    dims_count, reshape_count = _element_count(dims), _element_count(reshape)
+    if dims_count != reshape_count and not (reshape_count == 0 and dims_count == 1):
+        return (
+            f"reshape {list(reshape)} has {_describe_count(reshape_count)} but dims {list(dims)} have "
+            f"{_describe_count(dims_count)}"
+        )
+    if dims_count != -1:
+        return ""
+    dims_chunks, reshape_chunks = _chunks(dims), _chunks(reshape)
+    if len(dims_chunks) != len(reshape_chunks):
+        return f"reshape {list(reshape)} and dims {list(dims)} have different numbers of variable (-1) dims"
+    if dims_chunks != reshape_chunks:
+        return (
+            f"reshape {list(reshape)} does not match dims {list(dims)}: the fixed dims between the "
+            f"variable ones hold {reshape_chunks} and {dims_chunks} elements"
+        )
+    return ""
+
+
+def _describe_count(count: int) -> str:
+    return "a variable element count (-1)" if count == -1 else f"{count} elements"
 
 
 def _validate_instance_groups(config: ModelConfig) -> None:

@@ -326,7 +326,7 @@ _TOP_LEVEL: tuple[DescriptorProto | EnumDescriptorProto, ...] = (
             "string model_namespace = 5",
         ),
         "repeated Step step = 1",
-        "uint32 max_inflight_responses = 2",
+        "uint32 max_inflight_requests = 2",
     ),
     _msg("ModelParameter", "string string_value = 1"),
     _msg(

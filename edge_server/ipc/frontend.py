@@ -25,12 +25,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from edge_server.errors import (
     EdgeServerError,
+    InvalidArgument,
     MalformedMessage,
     MessageTooLarge,
     ServerShuttingDown,
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.peers import PeerTable
+from edge_server.request import ResponseSink
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -61,6 +63,7 @@ class IpcFrontend:
         address: str | None = None,
         *,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        max_header_bytes: int = protocol.DEFAULT_MAX_HEADER_BYTES,
         shm_prefix: str = protocol.DEFAULT_SHM_PREFIX,
         probe_interval: float = 10.0,
         drain_timeout: float = 5.0,
@@ -70,10 +73,13 @@ class IpcFrontend:
         self._pack = protocol.packer()  # the frontend thread's own
         self.address = address or addresses.default_address()
         self.max_message_bytes = max_message_bytes
+        self.max_header_bytes = min(max_header_bytes, max_message_bytes)
         self.shm_prefix = shm_prefix
         self.drain_timeout = drain_timeout
         self._peers = PeerTable(shm_prefix, probe_interval=probe_interval)
-        self._replies: collections.deque[tuple[bytes, list[Any], Future | None]] = collections.deque()
+        self._replies: collections.deque[tuple[bytes, list[Any], Future | _IpcStream | None]] = (
+            collections.deque()
+        )
         self._wake_fd = -1
         self._wake_lock = threading.Lock()
         self._ctx: zmq.Context | None = None
@@ -202,10 +208,10 @@ class IpcFrontend:
                 # One message per wake-up: asking the socket whether more are queued (ZMQ_EVENTS)
                 # costs as much as the next zmq_poll, which also gives replies and the monitor a turn.
                 try:
-                    frames = zmqio.recv_frames(sock, _NOBLOCK)
+                    frames, dropped = zmqio.recv_bounded(sock, _NOBLOCK, protocol.MAX_FRAMES + 1)
                 except zmq.Again:
                     continue
-                self._handle(frames)
+                self._handle(frames, dropped)
             elif item is monitor:
                 while cast(int, monitor.get(_EVENTS)) & _POLLIN:
                     event = recv_monitor_message(monitor)
@@ -241,7 +247,7 @@ class IpcFrontend:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, frames: list[zmq.Frame], dropped: int = 0) -> None:
         identity = frames[0].bytes
         rid: int | str | None = None
         try:
@@ -252,9 +258,19 @@ class IpcFrontend:
             for frame in frames:
                 total += len(frame)
             header: dict[str, Any] | None = None
-            if len(head) <= self.max_message_bytes:
+            if len(head) <= self.max_header_bytes:
                 header = protocol.unpack(head)
                 rid = protocol.request_id(header)
+            if dropped:
+                raise MalformedMessage(
+                    f"the message has {len(frames) + dropped - 1} frames; a request may have at most "
+                    f"{protocol.MAX_FRAMES} (a header and its tensors)"
+                )
+            if header is None:
+                raise MessageTooLarge(
+                    f"the header frame has {len(head)} bytes; this server decodes at most "
+                    f"{self.max_header_bytes} (--max-header-bytes)"
+                )
             if total > self.max_message_bytes:
                 raise MessageTooLarge(
                     f"the message has {total} bytes; this server accepts at most "
@@ -271,9 +287,17 @@ class IpcFrontend:
             if op == "infer":
                 self._infer(peer, identity, rid, header, frames[2:])
                 return
+            if op == "stream":
+                self._stream(peer, identity, rid, header, frames[2:])
+                return
             if len(frames) > 2:
                 raise MalformedMessage(f"operation {op!r} takes no tensor frames, got {len(frames) - 2}")
-            if op == "bye":
+            if op == "cancel":
+                stream = peer.streams.get(header.get("target"))
+                if stream is not None:
+                    stream.cancel()
+                self._queue(identity, protocol.ok_header(rid, cancelled=stream is not None))
+            elif op == "bye":
                 released = self._peers.drop(identity, "said bye")
                 self._queue(identity, protocol.ok_header(rid, unregistered=released))
             elif op == "ipc_status":
@@ -308,6 +332,19 @@ class IpcFrontend:
         peer.in_flight.add(outcome)
         outcome.add_done_callback(partial(self._infer_done, identity, ctx))
 
+    def _stream(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+        if self._stopping:
+            raise ServerShuttingDown("the daemon is shutting down")
+        request, ctx = handlers.decode_infer(header, frames, peer.registry)
+        if ctx.shm_outputs:
+            raise InvalidArgument("the responses of a stream travel inline; leave out 'shm' in 'outputs'")
+        if rid is None or rid in peer.streams:
+            raise MalformedMessage("a stream needs an 'id' of its own, not one of a stream still open")
+        sink = _IpcStream(self, identity, ctx)
+        self._dataplane.stream(request, sink)
+        # Even if it already finished: its final reply is taken off below on this thread, after this.
+        peer.streams[rid] = sink
+
     def _infer_done(self, identity: bytes, ctx: handlers.InferContext, future: Future) -> None:
         """Runs on the scheduler thread that finished the request: encode here, send on the frontend."""
         self._replies.append((identity, self._reply_frames(ctx, future), future))
@@ -338,12 +375,15 @@ class IpcFrontend:
     def _send_replies(self, sock: zmq.Socket) -> None:
         replies = self._replies
         while replies:
-            identity, frames, future = replies.popleft()
-            if future is not None:
+            identity, frames, done = replies.popleft()
+            if done is not None:
                 peer = self._peers.find(identity)
                 if peer is None:
                     continue  # dropped while the request ran
-                peer.in_flight.discard(future)
+                if isinstance(done, _IpcStream):  # the final response of a stream
+                    peer.streams.pop(done.ctx.rid, None)
+                else:
+                    peer.in_flight.discard(done)
             if frames:
                 self._send(sock, identity, frames)
 
@@ -357,6 +397,30 @@ class IpcFrontend:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self._peers.drop(identity, "disconnected")
+
+
+class _IpcStream(ResponseSink):
+    """The responses of one ``stream`` request, encoded on the model's thread and sent by the frontend."""
+
+    def __init__(self, frontend: IpcFrontend, identity: bytes, ctx: handlers.InferContext) -> None:
+        super().__init__()
+        self.frontend = frontend
+        self.identity = identity
+        self.ctx = ctx
+
+    def deliver(self, outputs: dict[str, Any] | None, error: EdgeServerError | None, final: bool) -> None:
+        rid = self.ctx.rid
+        try:
+            if error is not None:
+                frames = [protocol.pack({**protocol.error_header(rid, error), "final": final})]
+            elif outputs is not None:
+                frames = handlers.encode_result(self.ctx, outputs, final=final)
+            else:
+                frames = [protocol.pack(protocol.ok_header(rid, final=True))]
+        except Exception as exc:  # an output that cannot be encoded: this response becomes an error
+            frames = [protocol.pack({**protocol.error_header(rid, _as_error(exc)), "final": final})]
+        self.frontend._replies.append((self.identity, frames, self if final else None))
+        self.frontend._wake()
 
 
 def _as_error(exc: BaseException) -> EdgeServerError:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_server.dataplane import InferRequest
 from edge_server.errors import (
     InvalidArgument,
     MalformedMessage,
@@ -22,6 +21,7 @@ from edge_server.errors import (
 )
 from edge_server.ipc import protocol
 from edge_server.ipc.shm import MappedRegion, ShmRegistry
+from edge_server.request import InferRequest
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -87,10 +87,36 @@ def decode_infer(
         )
     outputs = header.get("outputs")
     order, shm_outputs = (None, {}) if outputs is None else _decode_outputs(outputs, registry)
-    # Positional: keyword arguments cost a good part of building these, once per message.
-    request_id = str(rid) if rid is not None else ""
-    request = InferRequest(model, inputs, version, order, priority, timeout_us, request_id)
+    request = InferRequest(
+        model=model,
+        inputs=inputs,
+        version=version,
+        outputs=order,
+        priority=priority,
+        timeout_us=timeout_us,
+        request_id=str(rid) if rid is not None else "",
+    )
+    if not _RARE_FIELDS.isdisjoint(header):
+        _optional_fields(header, request)
     return request, InferContext(rid, order, shm_outputs)
+
+
+_RARE_FIELDS = frozenset({"parameters", "sequence_id", "sequence_start", "sequence_end"})
+
+
+def _optional_fields(header: Mapping[str, Any], request: InferRequest) -> None:
+    parameters = protocol.field(header, "parameters", dict, required=False)
+    if parameters is not None:
+        request.parameters = parameters  # checked by the data plane's validator, for every frontend
+    sequence_id = protocol.field(header, "sequence_id", (int, str), required=False)
+    if sequence_id is not None:
+        if isinstance(sequence_id, int) and not 0 <= sequence_id < 2**64:
+            raise MalformedMessage(f"'sequence_id' must be an unsigned 64-bit integer, got {sequence_id}")
+        if isinstance(sequence_id, str) and len(sequence_id) > 256:
+            raise MalformedMessage("'sequence_id' strings may have at most 256 characters")
+        request.correlation_id = sequence_id
+    request.sequence_start = bool(protocol.field(header, "sequence_start", bool, required=False))
+    request.sequence_end = bool(protocol.field(header, "sequence_end", bool, required=False))
 
 
 def _shm_input(desc: Mapping[str, Any], name: str, registry: ShmRegistry | None) -> np.ndarray:
@@ -169,10 +195,12 @@ def encode_result(
     ctx: InferContext,
     outputs: Mapping[str, np.ndarray],
     pack: protocol.Pack = protocol.pack,
+    final: bool | None = None,
 ) -> list[Any]:
     """Reply frames for a finished request: inline outputs as raw frames, shm outputs written in place.
 
-    ``pack``: the header packer (one thread's own :func:`protocol.packer` is faster).
+    ``pack``: the header packer (one thread's own :func:`protocol.packer` is faster).  ``final``: set
+    on the responses of a stream (``op: stream``), whether it is the last one.
     """
     names = ctx.order if ctx.order is not None else list(outputs)
     descs: list[dict[str, Any]] = []
@@ -196,7 +224,10 @@ def encode_result(
             region.write(offset, data, f"output {name!r}")  # checks the segment's size again
             desc["shm"] = {"region": region.name, "offset": offset, "byte_size": nbytes}
         descs.append(desc)
-    frames[0] = pack({"v": protocol.PROTOCOL_VERSION, "id": ctx.rid, "ok": True, "outputs": descs})
+    header = {"v": protocol.PROTOCOL_VERSION, "id": ctx.rid, "ok": True, "outputs": descs}
+    if final is not None:
+        header["final"] = final
+    frames[0] = pack(header)
     return frames
 
 

@@ -19,8 +19,10 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from edge_server.ipc.shm import ShmRegistry
+from edge_server.request import ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +37,11 @@ class Peer:
     registry: ShmRegistry
     last_seen: float
     in_flight: set[Future] = field(default_factory=set)
+    streams: dict[Any, ResponseSink] = field(default_factory=dict)  # open streams by request id
 
     @property
     def holds_state(self) -> bool:
-        return bool(self.in_flight) or len(self.registry) > 0
+        return bool(self.in_flight) or bool(self.streams) or len(self.registry) > 0
 
 
 class PeerTable:
@@ -68,7 +71,7 @@ class PeerTable:
 
     def busy(self) -> bool:
         """Whether any client still waits for a reply."""
-        return any(p.in_flight for p in self._peers.values())
+        return any(p.in_flight or p.streams for p in self._peers.values())
 
     def region_count(self) -> int:
         return sum(len(p.registry) for p in list(self._peers.values()))
@@ -79,6 +82,9 @@ class PeerTable:
         if peer is None:
             return []
         cancelled = sum(1 for f in list(peer.in_flight) if f.cancel())
+        for stream in peer.streams.values():
+            stream.cancel()  # the model sees is_cancelled(); its further responses are dropped
+        peer.streams.clear()
         names = peer.registry.unregister(None)
         if names or peer.in_flight:
             self.dropped += 1

@@ -11,9 +11,9 @@ from collections.abc import Hashable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from edge_server.backends.base import BatchItem
 from edge_server.config.model import QueuePolicy
 from edge_server.errors import QueueFull, RequestTimeout
+from edge_server.request import BatchItem
 
 
 @dataclass(eq=False)

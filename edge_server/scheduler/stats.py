@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_server.backends.base import Timing
+from edge_server.request import Timing
 
 
 @dataclass(slots=True)

@@ -1,0 +1,111 @@
+"""Which model is calling: the module-level parts of ``pb_utils`` that depend on it.
+
+In Triton every model instance runs in its own stub process, so ``pb_utils.get_model_dir()`` and
+``pb_utils.Logger`` know their model from the process.  Here every Python model shares one
+``triton_python_backend_utils`` module, so the Python backend marks the thread that is running a
+model's ``auto_complete_config``/``initialize``/``execute``/``finalize`` with that model, and these
+helpers read the mark.  From a thread the model started itself, ``get_model_dir()`` falls back to
+the directory of the calling file, which is the version directory when the caller is ``model.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+_log = logging.getLogger("edge_server.models")
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    instance_name: str  # "<model>_<group>_<index>", or the model name during auto-complete
+    model_dir: Path  # the version directory, where model.py is
+
+
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def running(context: ModelContext) -> Iterator[None]:
+    """Mark this thread as running ``context``'s model code for the duration of the block."""
+    previous = getattr(_current, "context", None)
+    _current.context = context
+    try:
+        yield
+    finally:
+        _current.context = previous
+
+
+def current() -> ModelContext | None:
+    return getattr(_current, "context", None)
+
+
+def get_model_dir() -> str:
+    """The version directory of the calling model (Triton: the directory holding ``model.py``)."""
+    context = current()
+    if context is not None:
+        return str(context.model_dir)
+    caller = sys._getframe(1).f_globals.get("__file__")  # the calling model file
+    if caller:
+        return str(Path(caller).resolve().parent)
+    raise RuntimeError("get_model_dir() is only available to model code")
+
+
+class LogLevel(enum.IntEnum):
+    """``pb_utils.Logger.LogLevel``; VERBOSE goes to the DEBUG level of our logging."""
+
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+    VERBOSE = 3
+
+
+_LEVELS = {
+    LogLevel.INFO: logging.INFO,
+    LogLevel.WARNING: logging.WARNING,
+    LogLevel.ERROR: logging.ERROR,
+    LogLevel.VERBOSE: logging.DEBUG,
+}
+
+
+class Logger:
+    """``pb_utils.Logger``: a model's messages go to the ``edge_server.models`` logger.
+
+    Each message is prefixed with the instance that logged it, and the record carries the model
+    file's name and line (as Triton's log lines do).
+    """
+
+    LogLevel = LogLevel
+
+    @staticmethod
+    def log(message: str, level: int = 0) -> None:  # 0: LogLevel.INFO
+        Logger._emit(str(message), _LEVELS.get(LogLevel(level), logging.INFO))
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        Logger._emit(str(message), logging.INFO)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        Logger._emit(str(message), logging.WARNING)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        Logger._emit(str(message), logging.ERROR)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        Logger._emit(str(message), logging.DEBUG)
+
+    @staticmethod
+    def _emit(message: str, level: int) -> None:
+        context = current()
+        who = context.instance_name if context is not None else "python model"
+        # stacklevel 3: the model's call to log_*, above _emit and the log_* method
+        _log.log(level, "%s: %s", who, message, stacklevel=3)

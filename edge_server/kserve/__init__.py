@@ -1,0 +1,10 @@
+"""KServe v2 (Triton's HTTP/REST and gRPC protocols) over the data plane.
+
+* :mod:`~edge_server.kserve.codec`: tensors to and from JSON, raw bytes and the binary extension.
+* :mod:`~edge_server.kserve.service`: the protocol's operations, transport-free (both frontends call it).
+* :mod:`~edge_server.kserve.shm`: Triton's system shared-memory extension (registry, access rule).
+* :mod:`~edge_server.kserve.http`: the HTTP/REST frontend (uvicorn, a bare ASGI app).
+* :mod:`~edge_server.kserve.grpc_frontend`: the gRPC frontend (grpc.aio, Triton's generated protos).
+
+Importing this package imports neither uvicorn nor grpcio; the frontends import them when built.
+"""

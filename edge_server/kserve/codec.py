@@ -1,0 +1,304 @@
+"""Tensors to and from KServe v2's encodings: JSON lists, raw bytes, the binary data extension.
+
+Pure functions, no transport: the HTTP and gRPC frontends both use them.
+
+Every size is checked before memory is spent: a raw buffer must hold exactly ``prod(shape)`` elements,
+a JSON ``data`` list exactly as many values of the right kind (no strings where numbers are expected,
+no floats for integers), and a ``BYTES`` buffer exactly ``prod(shape)`` length-prefixed items.
+
+``BF16`` has no numpy dtype: it decodes to ``float32`` (exactly: a bfloat16 is the upper half of a
+float32) and ``float32`` arrays sent as ``BF16`` are rounded to the nearest bfloat16 (ties to even).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from edge_server import dtypes
+from edge_server.errors import InvalidArgument, MalformedMessage, TensorSizeMismatch
+
+#: KServe v2 datatype -> numpy dtype of the decoded array.
+NUMPY: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BF16": np.dtype(np.float32),
+    "BYTES": np.dtype(np.object_),
+}
+_WIRE_ITEMSIZE = {name: (2 if name == "BF16" else dtype.itemsize) for name, dtype in NUMPY.items()}
+_WIRE_ITEMSIZE["BYTES"] = 0
+_LE = {name: dtype.newbyteorder("<") for name, dtype in NUMPY.items() if name not in ("BYTES", "BF16")}
+# Which numpy kinds a JSON ``data`` list may hold for a datatype (np.asarray of the list).
+_JSON_KINDS = {"BOOL": "b", "FP16": "iuf", "FP32": "iuf", "FP64": "iuf", "BF16": "iuf"}
+_LENGTH = struct.Struct("<I")
+MAX_DIMS = 16
+
+
+def check_datatype(datatype: object, name: str) -> str:
+    if not isinstance(datatype, str) or datatype not in NUMPY:
+        raise InvalidArgument(
+            f"tensor {name!r}: unknown datatype {datatype!r}; expected one of {sorted(NUMPY)}"
+        )
+    return datatype
+
+
+def check_shape(shape: object, name: str) -> tuple[int, ...]:
+    """The shape as a tuple of non-negative ints (a request's shape is concrete: no -1)."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
+        raise InvalidArgument(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} integers")
+    for dim in shape:
+        if type(dim) is not int or dim < 0:
+            raise InvalidArgument(
+                f"tensor {name!r}: shape must hold non-negative integers, got {list(shape)}"
+            )
+    return tuple(shape)
+
+
+def wire_size(datatype: str, shape: tuple[int, ...]) -> int | None:
+    """Bytes the raw encoding of a fixed-size datatype takes; None for BYTES (its items vary)."""
+    itemsize = _WIRE_ITEMSIZE[datatype]
+    return math.prod(shape) * itemsize if itemsize else None
+
+
+def wire_datatype(array: np.ndarray) -> str:
+    """The KServe datatype of an output array (strings and bytes are ``BYTES``)."""
+    return dtypes.to_wire(dtypes.from_numpy(array.dtype))
+
+
+# -- raw bytes --------------------------------------------------------------------------------------
+
+
+def from_raw(
+    buffer: bytes | bytearray | memoryview, datatype: str, shape: tuple[int, ...], name: str
+) -> np.ndarray:
+    """Decode ``buffer`` (exactly one tensor's bytes) into an array of ``shape``; no copy for numbers."""
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        return deserialize_bytes(buffer, count, name).reshape(shape)
+    expected = count * _WIRE_ITEMSIZE[datatype]
+    if len(buffer) != expected:
+        raise TensorSizeMismatch(
+            f"tensor {name!r}: {datatype} {list(shape)} needs {expected} bytes, got {len(buffer)}"
+        )
+    if datatype == "BF16":
+        halves = np.frombuffer(buffer, dtype="<u2").astype(np.uint32)
+        return (halves << 16).view(np.float32).reshape(shape)
+    return np.frombuffer(buffer, dtype=_LE[datatype]).reshape(shape)
+
+
+def to_raw(array: np.ndarray, datatype: str) -> bytes:
+    """The raw little-endian bytes of ``array`` as ``datatype`` (BYTES: length-prefixed items)."""
+    if datatype == "BYTES":
+        return serialize_bytes(array)
+    if datatype == "BF16":
+        bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # nearest bfloat16, ties to even
+        return rounded.astype("<u2").tobytes()
+    return np.ascontiguousarray(array, dtype=_LE[datatype]).tobytes()
+
+
+def deserialize_bytes(buffer: bytes | bytearray | memoryview, count: int, name: str) -> np.ndarray:
+    """``count`` items, each a 4-byte little-endian length and that many bytes, filling ``buffer``."""
+    view = memoryview(buffer).cast("B")
+    if count * 4 > len(view):
+        raise TensorSizeMismatch(
+            f"tensor {name!r}: {count} BYTES elements need at least {count * 4} bytes, got {len(view)}"
+        )
+    items = np.empty(count, dtype=np.object_)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > len(view):
+            raise TensorSizeMismatch(f"tensor {name!r}: BYTES data ends inside element {i} of {count}")
+        (length,) = _LENGTH.unpack_from(view, pos)
+        pos += 4
+        if pos + length > len(view):
+            raise TensorSizeMismatch(
+                f"tensor {name!r}: BYTES element {i} declares {length} bytes, {len(view) - pos} remain"
+            )
+        items[i] = bytes(view[pos : pos + length])
+        pos += length
+    if pos != len(view):
+        raise TensorSizeMismatch(
+            f"tensor {name!r}: {len(view) - pos} bytes left over after {count} BYTES elements"
+        )
+    return items
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """Length-prefixed items of a BYTES array (str items are UTF-8 encoded, as tritonclient does)."""
+    parts = []
+    for item in np.asarray(array).reshape(-1):
+        if isinstance(item, str):
+            data = item.encode()
+        elif isinstance(item, (bytes, bytearray, memoryview, np.bytes_)):
+            data = bytes(item)
+        else:
+            data = str(item).encode()
+        parts.append(_LENGTH.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+# -- JSON ---------------------------------------------------------------------------------------------
+
+
+def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """Decode a JSON ``data`` value (flat or nested list, row-major) into an array of ``shape``."""
+    if not isinstance(data, list):
+        data = [data]
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        flat = _flatten(data, name)
+        if len(flat) != count:
+            raise TensorSizeMismatch(
+                f"tensor {name!r}: shape {list(shape)} needs {count} values, got {len(flat)}"
+            )
+        items = np.empty(count, dtype=np.object_)
+        for i, value in enumerate(flat):
+            if isinstance(value, str):
+                items[i] = value.encode()
+            else:
+                raise InvalidArgument(
+                    f"tensor {name!r}: BYTES data must be strings, element {i} is {value!r}"
+                )
+        return items.reshape(shape)
+    try:
+        array = np.asarray(data)
+    except ValueError:  # ragged nesting
+        raise InvalidArgument(f"tensor {name!r}: data is a ragged nested list") from None
+    allowed = _JSON_KINDS.get(datatype, "iu")
+    if array.dtype.kind not in allowed or (array.size == 0 and count != 0):
+        kind = {"b": "booleans", "iu": "integers", "iuf": "numbers"}[allowed]
+        raise InvalidArgument(f"tensor {name!r}: {datatype} data must be {kind}, got {_sample(data)}")
+    if array.size != count:
+        raise TensorSizeMismatch(
+            f"tensor {name!r}: shape {list(shape)} needs {count} values, got {array.size}"
+        )
+    target = NUMPY[datatype]
+    if array.dtype.kind in "iu" and target.kind in "iu":
+        info = np.iinfo(target)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise InvalidArgument(f"tensor {name!r}: a value is out of range for {datatype}")
+    return array.astype(target, copy=False).reshape(shape)
+
+
+def to_json(array: np.ndarray, datatype: str) -> list[Any]:
+    """A flat ``data`` list (BYTES as UTF-8 strings; binary-only bytes need ``binary_data``)."""
+    flat = np.asarray(array).reshape(-1)
+    if datatype != "BYTES":
+        return flat.tolist()
+    out = []
+    for item in flat:
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        try:
+            out.append(bytes(item).decode())
+        except UnicodeDecodeError:
+            raise InvalidArgument(
+                "a BYTES output is not UTF-8 text; ask for it with the binary_data parameter"
+            ) from None
+    return out
+
+
+def _flatten(data: list[Any], name: str) -> list[Any]:
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for value in stack[-1]:
+            if isinstance(value, list):
+                if len(stack) > MAX_DIMS:
+                    raise InvalidArgument(f"tensor {name!r}: data is nested deeper than {MAX_DIMS}")
+                stack.append(iter(value))
+                break
+            flat.append(value)
+        else:
+            stack.pop()
+    return flat
+
+
+def _sample(data: list[Any]) -> str:
+    text = json.dumps(data)[:60]
+    return text + ("..." if len(text) == 60 else "")
+
+
+# -- HTTP bodies with the binary tensor data extension --------------------------------------------------
+
+
+def split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], memoryview]:
+    """The JSON header of an inference body and the binary part after it.
+
+    ``header_length`` is the ``Inference-Header-Content-Length`` header (None: the body is all JSON).
+    """
+    view = memoryview(body)
+    if header_length is None:
+        header_length = len(body)
+    elif not 0 <= header_length <= len(body):
+        raise InvalidArgument(
+            f"Inference-Header-Content-Length is {header_length}, but the body has {len(body)} bytes"
+        )
+    try:
+        header = json.loads(view[:header_length].tobytes() if header_length != len(body) else body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise MalformedMessage(f"the request body must be a JSON object, got {type(header).__name__}")
+    return header, view[header_length:]
+
+
+class BinaryReader:
+    """Hands out the binary part of a body in order, chunk by chunk, as inputs declare their sizes."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = data
+        self._pos = 0
+
+    def take(self, size: object, name: str) -> memoryview:
+        if type(size) is not int or size < 0:
+            raise InvalidArgument(f"tensor {name!r}: binary_data_size must be a non-negative integer")
+        if self._pos + size > len(self._data):
+            raise TensorSizeMismatch(
+                f"tensor {name!r}: binary_data_size {size} reaches past the end of the body "
+                f"({len(self._data) - self._pos} binary bytes remain)"
+            )
+        chunk = self._data[self._pos : self._pos + size]
+        self._pos += size
+        return chunk
+
+    def check_consumed(self) -> None:
+        if self._pos != len(self._data):
+            raise TensorSizeMismatch(
+                f"{len(self._data) - self._pos} bytes after the JSON header belong to no input's "
+                "binary_data_size"
+            )
+
+
+def parameters_of(entry: Mapping[str, Any], what: str) -> dict[str, Any]:
+    params = entry.get("parameters", {})
+    if not isinstance(params, dict):
+        raise InvalidArgument(f"{what}: parameters must be a JSON object")
+    return params
+
+
+def encode_body(header: dict[str, Any], chunks: Iterable[bytes]) -> tuple[bytes, int | None]:
+    """A response body: the JSON header then the binary chunks; and the header's length when any."""
+    text = json.dumps(header, separators=(",", ":")).encode()
+    binary = list(chunks)
+    if not binary:
+        return text, None
+    return b"".join([text, *binary]), len(text)

@@ -1,0 +1,120 @@
+"""The daemon's KServe frontends as one unit: their flags (Triton's names), options, start and stop.
+
+uvicorn and grpcio are imported only when their frontend starts, so ``--allow-grpc false`` works where
+grpcio is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from edge_server.kserve.service import KServeService
+from edge_server.kserve.shm import SystemShmRegistry
+
+if TYPE_CHECKING:
+    from edge_server.server import Server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KServeOptions:
+    allow_http: bool = True
+    http_address: str = "127.0.0.1"
+    http_port: int = 8000
+    allow_grpc: bool | None = None  # None: on when the grpc extra is installed
+    grpc_address: str = "127.0.0.1"
+    grpc_port: int = 8001
+    allow_client_shm: bool = False
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_kserve_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KServe v2 (HTTP and gRPC)")
+    group.add_argument(
+        "--allow-http", type=_flag, default=True, metavar="BOOL", help="serve HTTP (default true)"
+    )
+    group.add_argument("--http-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
+    group.add_argument("--http-port", type=int, default=8000)
+    group.add_argument(
+        "--allow-grpc", type=_flag, default=True, metavar="BOOL", help="serve gRPC (default true)"
+    )
+    group.add_argument("--grpc-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
+    group.add_argument("--grpc-port", type=int, default=8001)
+    group.add_argument(
+        "--allow-client-shm",
+        type=_flag,
+        default=False,
+        metavar="BOOL",
+        help="let HTTP/gRPC clients on this host use system shared memory (default false)",
+    )
+
+
+def kserve_options(args: Any) -> KServeOptions:
+    return KServeOptions(
+        allow_http=args.allow_http,
+        http_address=args.http_address,
+        http_port=args.http_port,
+        allow_grpc=args.allow_grpc,
+        grpc_address=args.grpc_address,
+        grpc_port=args.grpc_port,
+        allow_client_shm=args.allow_client_shm,
+    )
+
+
+class KServeFrontends:
+    """The HTTP and gRPC frontends that ``options`` enable, over one :class:`KServeService`."""
+
+    def __init__(self, server: Server, options: KServeOptions, *, max_message_bytes: int) -> None:
+        self.options = options
+        self.max_message_bytes = max_message_bytes
+        shm = SystemShmRegistry() if options.allow_client_shm else None
+        self.service = KServeService(server, shm=shm)
+        self.http: Any = None
+        self.grpc: Any = None
+
+    def start(self) -> None:
+        options = self.options
+        if options.allow_http:
+            from edge_server.kserve.http import HttpFrontend
+
+            self.http = HttpFrontend(
+                self.service,
+                host=options.http_address,
+                port=options.http_port,
+                max_body_bytes=self.max_message_bytes,
+            )
+            self.http.start()
+        if options.allow_grpc is not False:
+            try:
+                from edge_server.kserve.grpc_frontend import GrpcFrontend
+            except ImportError as exc:
+                if options.allow_grpc:
+                    raise
+                log.warning("gRPC frontend off: %s (install edge-server[grpc])", exc)
+                return
+
+            self.grpc = GrpcFrontend(
+                self.service,
+                host=options.grpc_address,
+                port=options.grpc_port,
+                max_message_bytes=self.max_message_bytes,
+            )
+            self.grpc.start()
+
+    def close(self) -> None:
+        for frontend in (self.http, self.grpc):
+            if frontend is not None:
+                frontend.close()
+        self.http = self.grpc = None

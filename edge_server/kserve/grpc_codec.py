@@ -1,0 +1,167 @@
+"""Triton's gRPC messages (the generated modules tritonclient ships) to and from the data plane.
+
+Inputs come from ``raw_input_contents`` (consumed in input order by the inputs that have neither typed
+``contents`` nor a shared-memory region), from the typed ``contents`` fields, or from a region.  Outputs
+always go back as ``raw_output_contents`` (one entry per output, empty for an output written to shared
+memory, so that indices stay aligned as tritonclient reads them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from edge_server.errors import InvalidArgument, TensorSizeMismatch, Unsupported
+from edge_server.kserve import codec
+from edge_server.kserve.service import KServeService, OutputWant, shm_reference
+from edge_server.kserve.shm import Peer
+from edge_server.request import InferRequest
+
+MAX_TENSORS = 1024
+# datatype -> the typed contents field that carries it
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def parameter_value(param: Any) -> bool | int | str | float | bytes:
+    """The Python value of an ``InferParameter`` / ``ModelRepositoryParameter`` oneof."""
+    kind = param.WhichOneof("parameter_choice")
+    if kind is None:
+        raise InvalidArgument("a parameter has no value")
+    return getattr(param, kind)  # type: ignore[no-any-return]
+
+
+def parameters(params: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: parameter_value(value) for key, value in params.items()}
+
+
+def decode(
+    service: KServeService, request: service_pb2.ModelInferRequest, peer: Peer
+) -> tuple[InferRequest, list[OutputWant] | None]:
+    if not 0 < len(request.inputs) <= MAX_TENSORS or len(request.outputs) > MAX_TENSORS:
+        raise InvalidArgument(f"a request needs 1-{MAX_TENSORS} inputs and at most {MAX_TENSORS} outputs")
+    raw = request.raw_input_contents
+    next_raw = 0
+    inputs: dict[str, np.ndarray] = {}
+    for tensor in request.inputs:
+        name = tensor.name
+        if name in inputs:
+            raise InvalidArgument(f"input {name!r} is given twice")
+        datatype = codec.check_datatype(tensor.datatype, name)
+        shape = codec.check_shape(list(tensor.shape), name)
+        ref = shm_reference(parameters(tensor.parameters))
+        if ref is not None:
+            inputs[name] = service.read_input(ref, datatype, shape, name, peer)
+        elif tensor.HasField("contents"):
+            inputs[name] = _from_contents(tensor.contents, datatype, shape, name)
+        else:
+            if next_raw >= len(raw):
+                raise InvalidArgument(f"input {name!r} has no contents and no raw_input_contents entry")
+            inputs[name] = codec.from_raw(raw[next_raw], datatype, shape, name)
+            next_raw += 1
+    if next_raw != len(raw):
+        raise InvalidArgument(
+            f"raw_input_contents has {len(raw)} entries, but only {next_raw} inputs take raw contents"
+        )
+    wants = None
+    if request.outputs:
+        wants = []
+        for out in request.outputs:
+            params = parameters(out.parameters)
+            if "classification" in params:
+                raise Unsupported(f"output {out.name!r}: the classification extension is not supported")
+            wants.append(OutputWant(out.name, True, shm_reference(params)))
+    infer = service.build_request(
+        model=request.model_name,
+        version=request.model_version,
+        request_id=request.id,
+        inputs=inputs,
+        outputs=wants,
+        parameters=parameters(request.parameters),
+    )
+    for want in wants or ():
+        service.check_output(want, peer)
+    return infer, wants
+
+
+def _from_contents(contents: Any, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+    field = _CONTENTS.get(datatype)
+    if field is None:
+        raise InvalidArgument(f"input {name!r}: {datatype} travels only in raw_input_contents")
+    values = getattr(contents, field)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(values) != count:
+        raise TensorSizeMismatch(
+            f"input {name!r}: shape {list(shape)} needs {count} values, got {len(values)}"
+        )
+    if datatype == "BYTES":
+        items = np.empty(count, dtype=np.object_)
+        items[:] = list(values)
+        return items.reshape(shape)
+    array = np.array(values, dtype=codec.NUMPY[datatype].newbyteorder("="))
+    if datatype in ("INT8", "INT16", "UINT8", "UINT16"):
+        info = np.iinfo(codec.NUMPY[datatype])
+        if count and (array.min() < info.min or array.max() > info.max):
+            raise InvalidArgument(f"input {name!r}: a value is out of range for {datatype}")
+    return array.reshape(shape)
+
+
+def encode(
+    service: KServeService,
+    request: InferRequest,
+    wants: list[OutputWant] | None,
+    outputs: dict[str, np.ndarray],
+    peer: Peer,
+) -> service_pb2.ModelInferResponse:
+    response = service_pb2.ModelInferResponse(
+        model_name=request.model,
+        model_version=str(request.version)
+        if request.version is not None
+        else service.serving_version(request.model),
+        id=request.request_id,
+    )
+    for want in wants or [OutputWant(name, True) for name in outputs]:
+        array = outputs[want.name]
+        datatype = codec.wire_datatype(array)
+        tensor = response.outputs.add(name=want.name, datatype=datatype, shape=array.shape)
+        raw = codec.to_raw(array, datatype)
+        if want.shm is not None:
+            for key, value in service.write_output(want, raw, peer).items():
+                _set_param(tensor.parameters[key], value)
+            response.raw_output_contents.append(b"")
+        else:
+            response.raw_output_contents.append(raw)
+    return response
+
+
+def _set_param(param: Any, value: object) -> None:
+    if isinstance(value, bool):
+        param.bool_param = value
+    elif isinstance(value, int):
+        param.int64_param = value
+    else:
+        param.string_param = str(value)
+
+
+def model_config(config: dict[str, Any]) -> model_config_pb2.ModelConfig:
+    return json_format.ParseDict(config, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
+
+
+def statistics(stats: dict[str, Any]) -> service_pb2.ModelStatisticsResponse:
+    return json_format.ParseDict(stats, service_pb2.ModelStatisticsResponse(), ignore_unknown_fields=True)

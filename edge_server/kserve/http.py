@@ -1,0 +1,417 @@
+"""The KServe v2 HTTP/REST frontend: a bare ASGI app under uvicorn, on its own thread and event loop.
+
+uvicorn runs with httptools, and uvloop when present.
+
+Why a bare ASGI app on uvicorn: measured against aiohttp's server (bench/bench_http_stacks.py,
+docs/architecture.md) it adds the least per request, and a framework's routing and request objects would
+add more.  Routing is a dict lookup on the path's fixed shape; every handler returns JSON or raises an
+:class:`~edge_server.errors.EdgeServerError`, mapped to Triton's status codes in one place
+(:func:`~edge_server.kserve.service.error_status`).
+
+Bodies are bounded before they are read (``Content-Length`` against ``max_body_bytes``; a chunked body
+is counted as it arrives), compressed bodies are inflated with the same bound, and a response is
+compressed when the client's ``Accept-Encoding`` asks for gzip or deflate (as tritonclient does).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import re
+import socket
+import threading
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from edge_server.errors import (
+    EdgeServerError,
+    InvalidArgument,
+    MalformedMessage,
+    MessageTooLarge,
+    ProtocolError,
+    Unsupported,
+)
+from edge_server.kserve import rest
+from edge_server.kserve.service import KServeService, error_status
+from edge_server.kserve.shm import Peer
+
+if TYPE_CHECKING:
+    import uvicorn
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+_JSON = [(b"content-type", b"application/json")]
+_MODEL_PATH = re.compile(
+    r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/stats|/infer|/trace/setting)?"
+)
+_REPO_PATH = re.compile(r"/v2/repository/models/([^/]+)/(load|unload)")
+_SHM_PATH = re.compile(r"/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class _Disconnected(Exception):
+    """The client went away before its body arrived; nothing to answer."""
+
+
+class _Reply(Exception):
+    """A handler's non-JSON answer (a bare status), raised to skip the JSON path."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+
+class KServeHttpApp:
+    """The ASGI application: routes, body bounds, compression, errors."""
+
+    def __init__(self, service: KServeService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.service = service
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = dict(scope["headers"])
+        try:
+            status, body, extra = await self._route(scope, receive, headers)
+        except _Reply as reply:
+            await _send(send, reply.status, b"", [])
+            return
+        except _Disconnected:
+            return
+        except Exception as exc:  # noqa: BLE001 - every error becomes a reply; the server never dies
+            status, _code, message = error_status(exc)
+            close = [(b"connection", b"close")] if isinstance(exc, (MessageTooLarge, ProtocolError)) else []
+            await _send(send, status, json.dumps({"error": message}).encode(), _JSON + close)
+            return
+        encoding = _response_encoding(headers.get(b"accept-encoding", b""))
+        if encoding and len(body) > 0:
+            body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
+            extra = [*extra, (b"content-encoding", encoding)]
+        await _send(send, status, body, extra)
+
+    async def _route(
+        self, scope: Scope, receive: Receive, headers: dict[bytes, bytes]
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        service = self.service
+        if path.startswith("/v2/models/") and path != "/v2/models/stats":
+            match = _MODEL_PATH.fullmatch(path)
+            if match is None:
+                raise _not_found(path)
+            name, version, action = match.group(1), match.group(2) or "", match.group(3) or ""
+            if action == "/infer":
+                _expect(method, "POST", path)
+                body = await self._body(receive, headers)
+                return await self._infer(scope, headers, name, version, body)
+            if action != "/trace/setting":
+                _expect(method, "GET", path)
+            if action == "/ready":
+                if not service.model_ready(name, version):
+                    raise _Reply(400)
+                return 200, b"", []
+            if action == "/config":
+                return _json(service.model_config(name, version))
+            if action == "/stats":
+                return _json(service.statistics(name, version))
+            if action == "/trace/setting":
+                await self._body(receive, headers)
+                return _json(_TRACE)
+            return _json(service.model_metadata(name, version))
+        if path in ("/v2/health/live", "/v2/health/ready"):
+            _expect(method, "GET", path)
+            ok = service.live() if path.endswith("live") else service.ready()
+            if not ok:
+                raise _Reply(400)
+            return 200, b"", []
+        if path in ("/v2", "/v2/"):
+            _expect(method, "GET", path)
+            return _json(service.server_metadata())
+        if path == "/v2/models/stats":
+            _expect(method, "GET", path)
+            return _json(service.statistics())
+        if path == "/v2/repository/index":
+            _expect(method, "POST", path)
+            request = await self._json_body(receive, headers)
+            ready = request.get("ready", False)
+            return _json(service.repository_index(ready is True))
+        if match := _REPO_PATH.fullmatch(path):
+            _expect(method, "POST", path)
+            request = await self._json_body(receive, headers)
+            params = request.get("parameters", {})
+            if not isinstance(params, dict):
+                raise InvalidArgument("'parameters' must be a JSON object")
+            if match.group(2) == "load":
+                await service.load(match.group(1), params)
+            else:
+                await service.unload(match.group(1), params)
+            return 200, b"", []
+        if match := _SHM_PATH.fullmatch(path):
+            return await self._shm(scope, receive, headers, match)
+        if path in ("/v2/logging", "/v2/trace/setting"):
+            if method == "POST":
+                await self._body(receive, headers)
+            return _json(_LOGGING if path == "/v2/logging" else _TRACE)
+        raise _not_found(path)
+
+    async def _infer(
+        self, scope: Scope, headers: dict[bytes, bytes], model: str, version: str, body: bytes
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        header_length = headers.get(b"inference-header-content-length")
+        length: int | None = None
+        if header_length is not None:
+            try:
+                length = int(header_length)
+            except ValueError:
+                raise InvalidArgument("Inference-Header-Content-Length must be an integer") from None
+        peer = _peer(scope)
+        decoded = rest.decode(self.service, model, version, body, length, peer)
+        outputs = await self.service.infer(decoded.request)
+        response, json_length = rest.encode(self.service, decoded, outputs, peer)
+        if json_length is None:
+            return 200, response, _JSON
+        return (
+            200,
+            response,
+            [
+                (b"content-type", b"application/octet-stream"),
+                (b"inference-header-content-length", str(json_length).encode()),
+            ],
+        )
+
+    async def _shm(
+        self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], match: re.Match[str]
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        kind, region, action = match.group(1), match.group(2) or "", match.group(3)
+        if kind == "cuda":
+            raise Unsupported("CUDA shared memory is not supported by edge-server; use system shared memory")
+        registry = self.service.registry()
+        if action == "status":
+            return _json(registry.status(region))
+        _expect(scope["method"], "POST", scope["path"])
+        request = await self._json_body(receive, headers)
+        if action == "unregister":
+            registry.unregister(region)
+            return 200, b"", []
+        if not region:
+            raise InvalidArgument("register needs a region name: /v2/systemsharedmemory/region/NAME/register")
+        registry.register(
+            region, request.get("key"), request.get("offset", 0), request.get("byte_size"), _peer(scope)
+        )
+        return 200, b"", []
+
+    async def _json_body(self, receive: Receive, headers: dict[bytes, bytes]) -> dict[str, Any]:
+        body = await self._body(receive, headers)
+        if not body.strip():
+            return {}
+        try:
+            value = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise MalformedMessage("the request body must be a JSON object")
+        return value
+
+    async def _body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes:
+        """The whole body, refused before it is read when its declared length is over the limit."""
+        limit = self.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise MalformedMessage("Content-Length must be a non-negative integer")
+            if int(declared) > limit:
+                raise MessageTooLarge(
+                    f"the request body has {int(declared)} bytes; this server takes at most {limit}"
+                )
+        chunks = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > limit:
+                raise MessageTooLarge(f"the request body is over this server's limit of {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        encoding = headers.get(b"content-encoding", b"identity").lower()
+        if encoding in (b"identity", b""):
+            return body
+        if encoding not in (b"gzip", b"deflate"):
+            raise Unsupported(f"Content-Encoding {encoding.decode(errors='replace')!r}; use gzip or deflate")
+        # gzip and zlib streams alike (wbits 47: detect), inflated no further than the limit.
+        inflater = zlib.decompressobj(47 if encoding == b"gzip" else 15)
+        try:
+            plain = inflater.decompress(body, limit + 1)
+        except zlib.error as exc:
+            raise MalformedMessage(f"the {encoding.decode()} body cannot be inflated: {exc}") from None
+        if len(plain) > limit or inflater.unconsumed_tail:
+            raise MessageTooLarge(f"the inflated request body is over this server's limit of {limit} bytes")
+        return plain
+
+
+_LOGGING = {
+    "log_file": "",
+    "log_info": True,
+    "log_warning": True,
+    "log_error": True,
+    "log_verbose_level": 0,
+    "log_format": "default",
+}
+_TRACE = {
+    "trace_level": ["OFF"],
+    "trace_rate": "1000",
+    "trace_count": "-1",
+    "log_frequency": "0",
+    "trace_file": "",
+}
+
+
+def _json(value: Any) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    return 200, json.dumps(value, separators=(",", ":")).encode(), _JSON
+
+
+def _expect(method: str, wanted: str, path: str) -> None:
+    if method != wanted:
+        raise _MethodNotAllowed(f"{path} takes {wanted}, not {method}")
+
+
+class _MethodNotAllowed(EdgeServerError):
+    code = "METHOD_NOT_ALLOWED"
+    http_status = 405
+
+
+class _RouteNotFound(EdgeServerError):
+    code = "NOT_FOUND"
+    http_status = 404
+
+
+def _not_found(path: str) -> EdgeServerError:
+    return _RouteNotFound(f"no such endpoint: {path}")
+
+
+def _peer(scope: Scope) -> Peer:
+    client = scope.get("client") or ("", 0)
+    server = scope.get("server") or ("", 0)
+    return Peer(client[0], int(client[1]), int(server[1] or 0))
+
+
+def _response_encoding(accept: bytes) -> bytes:
+    accepted = [part.split(b";")[0].strip().lower() for part in accept.split(b",")]
+    for encoding in (b"gzip", b"deflate"):
+        if encoding in accepted:
+            return encoding
+    return b""
+
+
+async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class HttpFrontend:
+    """Runs :class:`KServeHttpApp` under uvicorn on a thread of its own; ``port`` 0 picks a free one."""
+
+    def __init__(
+        self,
+        service: KServeService,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        drain_timeout: float = 5.0,
+    ) -> None:
+        self.app = KServeHttpApp(service, max_body_bytes=max_body_bytes)
+        self.host = host
+        self.port = port
+        self.drain_timeout = drain_timeout
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+
+    def start(self) -> None:
+        """Bind (errors raise here) and serve; returns once connections are accepted."""
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            http=_http_impl(),
+            loop=_loop_impl(),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=max(1, int(self.drain_timeout)),
+            server_header=False,
+            date_header=False,
+        )
+        server = uvicorn.Server(config)
+        self._server = server
+        started = threading.Event()
+
+        def run() -> None:
+            try:
+                server.run(sockets=[sock])
+            except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
+                self._failed = exc
+                log.exception("the HTTP frontend stopped")
+            finally:
+                sock.close()
+                started.set()
+
+        self._thread = threading.Thread(target=run, name="edge-http-frontend", daemon=True)
+        self._thread.start()
+        while not started.wait(0.01):
+            if server.started:
+                break
+        if self._failed is not None:
+            raise RuntimeError(f"the HTTP frontend did not start: {self._failed}")
+        log.info("HTTP frontend (KServe v2) listening on %s:%d", self.host, self.port)
+
+    def close(self) -> None:
+        """Stop accepting, let open requests finish (up to the drain timeout), stop the loop."""
+        if self._server is None or self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(self.drain_timeout + 5)
+        self._server = None
+
+
+def _http_impl() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def _loop_impl() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"

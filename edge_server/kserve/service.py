@@ -1,0 +1,245 @@
+"""The KServe v2 operations, transport-free: what the HTTP and gRPC frontends both answer.
+
+A frontend decodes its wire format into arrays (with :mod:`~edge_server.kserve.codec`), builds an
+:class:`~edge_server.request.InferRequest` here, runs it through the one data plane, and encodes the
+outputs.  Request-level parameters that Triton reserves (``priority``, ``timeout``, ``sequence_*``,
+``binary_data_output``) become request fields; the rest reach the model.  Errors map to HTTP and
+gRPC status codes in one place (:func:`error_status`), from each error's own ``http_status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import edge_server
+from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported
+from edge_server.kserve import codec
+from edge_server.kserve.shm import Peer, SystemShmRegistry
+from edge_server.lifecycle import ModelState
+from edge_server.request import NO_PARAMETERS, InferRequest
+from edge_server.validation import check_parameters
+
+if TYPE_CHECKING:
+    from edge_server.server import Server
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_repository",
+    "schedule_policy",
+    "statistics",
+    "system_shared_memory",
+    "parameters",
+]
+_RESERVED = ("priority", "timeout", "sequence_id", "sequence_start", "sequence_end", "binary_data_output")
+_SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+# HTTP status -> gRPC status code name; the one mapping for both transports.
+_GRPC_CODES = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    413: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    501: "UNIMPLEMENTED",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def error_status(exc: BaseException) -> tuple[int, str, str]:
+    """(HTTP status, gRPC status code name, message) for any exception a handler let through."""
+    if isinstance(exc, EdgeServerError):
+        return exc.http_status, _GRPC_CODES.get(exc.http_status, "INTERNAL"), f"{exc.code}: {exc.message}"
+    log.exception("unexpected error in a KServe handler", exc_info=exc)
+    return 500, "INTERNAL", f"INTERNAL: {type(exc).__name__}: {exc}"
+
+
+@dataclass(slots=True)
+class OutputWant:
+    """A requested output and how to return it: inline (HTTP: JSON or binary) or into shared memory."""
+
+    name: str
+    binary: bool = False
+    shm: tuple[object, object, object] | None = None  # region, offset, byte_size (checked on use)
+
+
+def parse_version(version: str | int | None) -> int | None:
+    """KServe versions are strings; '' means the serving (latest) version."""
+    if version is None or version == "":
+        return None
+    if isinstance(version, int) and not isinstance(version, bool):
+        return version
+    if isinstance(version, str) and version.isdigit() and len(version) < 19:
+        return int(version)
+    raise InvalidArgument(f"model version must be a positive integer, got {version!r}")
+
+
+def shm_reference(params: Mapping[str, Any]) -> tuple[object, object, object] | None:
+    if "shared_memory_region" not in params:
+        return None
+    return (
+        params["shared_memory_region"],
+        params.get("shared_memory_offset", 0),
+        params.get("shared_memory_byte_size"),
+    )
+
+
+class KServeService:
+    """One per daemon; shared by the HTTP and gRPC frontends."""
+
+    def __init__(self, server: Server, *, shm: SystemShmRegistry | None = None) -> None:
+        self.server = server
+        self.dataplane = server.dataplane
+        self.shm = shm
+
+    # -- health and metadata ------------------------------------------------------------------
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self.server.is_ready()
+
+    def model_ready(self, name: str, version: str | int | None = None) -> bool:
+        return self.server.is_ready(name, parse_version(version))
+
+    def server_metadata(self) -> dict[str, Any]:
+        extensions = [e for e in EXTENSIONS if e != "system_shared_memory" or self.shm is not None]
+        return {"name": "edge-server", "version": edge_server.__version__, "extensions": extensions}
+
+    def model_metadata(self, name: str, version: str | int | None = None) -> dict[str, Any]:
+        return self.dataplane.metadata(name, parse_version(version))
+
+    def model_config(self, name: str, version: str | int | None = None) -> dict[str, Any]:
+        return self.dataplane.config(name, parse_version(version)).to_triton_dict()
+
+    def statistics(self, name: str = "", version: str | int | None = None) -> dict[str, Any]:
+        stats = self.dataplane.statistics(name or None, parse_version(version) if name else None)
+        return {"model_stats": stats}
+
+    def serving_version(self, name: str) -> str:
+        """The version a request without one was routed to (the newest serving), for responses."""
+        versions = self.server.manager.serving().get(name, {})
+        return str(max(versions)) if versions else ""
+
+    # -- repository ------------------------------------------------------------------------------
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        rows = []
+        for status in self.server.models():
+            if ready_only and status.state is not ModelState.READY:
+                continue
+            row: dict[str, Any] = {"name": status.name, "state": status.state.value}
+            if status.version is not None:
+                row["version"] = str(status.version)
+            if status.reason:
+                row["reason"] = status.reason
+            rows.append(row)
+        return rows
+
+    async def load(self, name: str, parameters: Mapping[str, Any]) -> None:
+        """Load or reload ``name``; Triton's config override (``config``) and files are refused clearly."""
+        for key in parameters:
+            if key == "config" or key.startswith("file:"):
+                raise Unsupported(
+                    f"loading with a {key!r} override is not supported; change the repository's "
+                    "config.pbtxt (or drop a new version) and load again"
+                )
+        await asyncio.to_thread(self.server.load_model, name)
+
+    async def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
+        if not any(s.name == name for s in self.server.models()):
+            raise ModelNotFound(f"unknown model {name!r}")
+        await asyncio.to_thread(self.server.unload_model, name)
+
+    # -- inference ------------------------------------------------------------------------------
+
+    def build_request(
+        self,
+        *,
+        model: str,
+        version: str | int | None,
+        request_id: str,
+        inputs: dict[str, np.ndarray],
+        outputs: list[OutputWant] | None,
+        parameters: Mapping[str, Any],
+    ) -> InferRequest:
+        """The data plane's request; reserved parameters become its fields, the others reach the model."""
+        user = {k: v for k, v in parameters.items() if k not in _RESERVED}
+        priority = _int_param(parameters, "priority", 0)
+        timeout = _int_param(parameters, "timeout", 0)
+        sequence_id = parameters.get("sequence_id", 0)
+        if not isinstance(sequence_id, (int, str)) or isinstance(sequence_id, bool):
+            raise InvalidArgument("parameter 'sequence_id' must be an integer or a string")
+        return InferRequest(
+            model=model,
+            version=parse_version(version),
+            inputs=inputs,
+            outputs=None if outputs is None else [o.name for o in outputs],
+            priority=priority,
+            timeout_us=timeout or None,
+            request_id=request_id,
+            parameters=check_parameters(user) if user else NO_PARAMETERS,
+            correlation_id=sequence_id,
+            sequence_start=_bool_param(parameters, "sequence_start"),
+            sequence_end=_bool_param(parameters, "sequence_end"),
+        )
+
+    async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
+        """Run ``request``; a cheap model answers inline on the caller's (event loop) thread."""
+        outcome = self.dataplane.dispatch(request)
+        if isinstance(outcome, Future):
+            return await asyncio.wrap_future(outcome)
+        return outcome
+
+    # -- system shared memory -------------------------------------------------------------------
+
+    def registry(self) -> SystemShmRegistry:
+        if self.shm is None:
+            raise Unsupported(
+                "system shared memory is disabled on this server; start it with --allow-client-shm=true"
+            )
+        return self.shm
+
+    def read_input(
+        self, ref: tuple[object, object, object], datatype: str, shape: tuple[int, ...], name: str, peer: Peer
+    ) -> np.ndarray:
+        region, offset, byte_size = ref
+        data = self.registry().read(region, offset, byte_size, peer, f"input {name!r}")
+        return codec.from_raw(data, datatype, shape, name)
+
+    def check_output(self, want: OutputWant, peer: Peer) -> None:
+        if want.shm is not None:
+            self.registry().check_output(*want.shm, peer, f"output {want.name!r}")
+
+    def write_output(self, want: OutputWant, raw: bytes, peer: Peer) -> dict[str, Any]:
+        """Write an output into its region; the parameters its response entry carries."""
+        assert want.shm is not None
+        region, offset, byte_size = want.shm
+        self.registry().write(region, offset, byte_size, raw, peer, f"output {want.name!r}")
+        return {
+            "shared_memory_region": region,
+            "shared_memory_offset": offset or 0,
+            "shared_memory_byte_size": len(raw),
+        }
+
+
+def _int_param(parameters: Mapping[str, Any], key: str, default: int) -> int:
+    value = parameters.get(key, default)
+    if type(value) is not int or value < 0:
+        raise InvalidArgument(f"parameter {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _bool_param(parameters: Mapping[str, Any], key: str) -> bool:
+    value = parameters.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"parameter {key!r} must be a boolean, got {value!r}")
+    return value

@@ -1,0 +1,164 @@
+"""The request types every layer shares: what a frontend hands in, what a backend receives, what comes back.
+
+This module imports nothing of edge_server but errors and dtypes, so that the data plane, validation,
+the scheduler, backends and pipelines can all use it without an import cycle.
+
+* :class:`InferRequest`: one request as a frontend builds it (keyword arguments only, so that a new
+  field can never shift the meaning of a positional one).
+* :class:`BatchItem`: a validated request as it waits in a batch and reaches a backend.
+* :class:`Timing`, :data:`Result`: what a backend reports for a batch and returns per request.
+* :class:`ResponseSink`: where the responses of a streamed request go (decoupled models answer one
+  request with zero, one or many responses; every stream ends with exactly one ``final``).
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+import numpy as np
+
+from edge_server.errors import EdgeServerError
+
+#: A request parameter's value, as KServe v2 allows: bool, int or string.
+ParamValue = bool | int | str
+Parameters = Mapping[str, ParamValue]
+
+
+class _NoParameters(Mapping[str, ParamValue]):
+    """The shared empty parameter map: immutable and hashable, so it can be a dataclass default."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> ParamValue:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __hash__(self) -> int:
+        return 0
+
+
+NO_PARAMETERS: Parameters = _NoParameters()
+
+
+@dataclass(slots=True, kw_only=True)
+class InferRequest:
+    """One inference request as every frontend hands it to the data plane; not changed afterwards.
+
+    ``correlation_id`` (0: none), ``sequence_start`` and ``sequence_end`` are Triton's sequence
+    fields; ``parameters`` reach the model (``request.parameters()`` in a Python model).
+    (Not frozen: a frozen dataclass costs three times as much to build, and every request builds one.)
+    """
+
+    model: str
+    inputs: Mapping[str, np.ndarray]
+    version: int | None = None
+    outputs: Sequence[str] | None = None  # None: every output
+    priority: int = 0
+    timeout_us: int | None = None
+    request_id: str = ""
+    parameters: Parameters = NO_PARAMETERS
+    correlation_id: int | str = 0
+    sequence_start: bool = False
+    sequence_end: bool = False
+
+
+class RequestOptions(TypedDict, total=False):
+    """:class:`InferRequest`'s optional fields, for APIs that take them as keyword arguments."""
+
+    version: int | None
+    outputs: Sequence[str] | None
+    priority: int
+    timeout_us: int | None
+    request_id: str
+    parameters: Parameters
+    correlation_id: int | str
+    sequence_start: bool
+    sequence_end: bool
+
+
+@dataclass(slots=True)
+class BatchItem:
+    """One validated request in a batch; ``inputs`` carry the batch axis where the model has one.
+
+    ``stream`` is set for requests whose responses are streamed (decoupled models): the backend sends
+    through it instead of returning outputs.
+    """
+
+    inputs: dict[str, np.ndarray]
+    batch_size: int
+    requested_outputs: tuple[str, ...]
+    request_id: str = ""
+    parameters: Parameters = NO_PARAMETERS
+    correlation_id: int | str = 0
+    flags: int = 0  # REQUEST_FLAG_SEQUENCE_START | REQUEST_FLAG_SEQUENCE_END
+    timeout_us: int = 0
+    stream: ResponseSink | None = None
+
+
+#: Triton's request flags (``pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_*``).
+REQUEST_FLAG_SEQUENCE_START = 1
+REQUEST_FLAG_SEQUENCE_END = 2
+
+
+@dataclass(slots=True)
+class Timing:
+    """Nanoseconds a backend spent on one batch, split as Triton's compute input/infer/output."""
+
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+
+
+Result = dict[str, np.ndarray] | EdgeServerError
+
+
+class ResponseSink(abc.ABC):
+    """The receiving end of a streamed request: responses in order, then exactly one final.
+
+    Producers (a decoupled model's response sender, the data plane for an ordinary model) call
+    :meth:`put`; a response after the final one is refused with ``False``.  Consumers (the IPC
+    frontend, the in-process iterators, the gRPC stream) implement :meth:`deliver`, which may run on
+    any thread and must not block.  :meth:`cancel` is the consumer going away: later responses are
+    dropped and the model can see it (``request.is_cancelled()``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.finished = False
+        self.cancelled = False
+        self.responses = 0  # responses delivered, the final one included when it carried outputs
+        self.model_sends = False  # a decoupled model sends the responses (and the final) itself
+
+    def put(
+        self, outputs: Mapping[str, np.ndarray] | None, error: EdgeServerError | None, *, final: bool
+    ) -> bool:
+        """Deliver one response (outputs, an error, or neither: a bare final); False once finished."""
+        with self._lock:
+            if self.finished:
+                return False
+            if final:
+                self.finished = True
+            dropped = self.cancelled
+            if not dropped and (outputs is not None or error is not None):
+                self.responses += 1
+        if not dropped:
+            self.deliver(dict(outputs) if outputs is not None else None, error, final)
+        return True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @abc.abstractmethod
+    def deliver(
+        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
+    ) -> None:
+        """Hand one response to the consumer; must not block (called on the model's threads)."""
