@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BOOL",
         help="server ready only when every model that should load is ready (default true, as Triton)",
     )
+    serve.add_argument("--allow-metrics", type=boolean, default=True, metavar="BOOL", help="default true")
+    serve.add_argument("--metrics-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
+    serve.add_argument(
+        "--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002)"
+    )
     serve.add_argument(
         "--exit-on-error",
         type=boolean,
@@ -198,6 +203,9 @@ def _serve(args: argparse.Namespace) -> int:
         watch_quiet_s=args.repository_quiet_secs,
         strict_readiness=args.strict_readiness,
         exit_on_error=args.exit_on_error,
+        allow_metrics=args.allow_metrics,
+        metrics_address=args.metrics_address,
+        metrics_port=args.metrics_port,
         kserve=kserve_options(args),
     )
     return Daemon(options).run()

@@ -18,6 +18,7 @@ from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSA
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
+from edge_server.metrics.collector import LoadCounter, ServerCollector
 from edge_server.server import ControlMode, Server
 from edge_server.service.notify import Notifier
 from edge_server.service.supervisor import Supervisor, unavailable_models
@@ -39,6 +40,9 @@ class DaemonOptions:
     strict_readiness: bool = True  # Triton's default: ready only when every model that should load is
     exit_on_error: bool = True  # Triton's default: a model that fails at start-up stops the daemon
     kserve: KServeOptions = KServeOptions()
+    allow_metrics: bool = True
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = 8002
 
 
 class Daemon:
@@ -56,16 +60,18 @@ class Daemon:
             signal.signal(signum, self._record)
         supervisor = Supervisor(Notifier(), strict_readiness=options.strict_readiness)
         supervisor.starting()
+        loads = LoadCounter()  # hears every load from the first one on, for the metrics
         server = Server(
             options.model_repository,
             model_control_mode=options.model_control_mode,
             load_models=options.load_models,
             drain_timeout=options.drain_timeout,
             watch_quiet_s=options.watch_quiet_s,
-            listeners=(supervisor.on_model_state,),
+            listeners=(supervisor.on_model_state, loads),
         )
         supervisor.attach(server)
         frontend = None
+        metrics = None
         kserve = KServeFrontends(server, options.kserve, max_message_bytes=options.max_message_bytes)
         status = 0
         try:
@@ -96,6 +102,16 @@ class Daemon:
                 frontend.start()
                 supervisor.add_frontend("IPC frontend", frontend)
                 log.info("serving on %s", address)
+            if options.allow_metrics:
+                from edge_server.metrics.endpoint import serve_metrics
+
+                collector = ServerCollector(
+                    server,
+                    loads=loads,
+                    service=supervisor.state,
+                    frontends=lambda: [frontend] if frontend else [],
+                )
+                metrics = serve_metrics(collector, address=options.metrics_address, port=options.metrics_port)
             ready = [s for s in server.models() if s.state is ModelState.READY]
             log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
             supervisor.serving()
@@ -106,6 +122,8 @@ class Daemon:
             if frontend is not None:
                 frontend.close()
             kserve.close()
+            if metrics is not None:
+                metrics.close()
             server.close()
             supervisor.stopped()
             log.info("stopped")

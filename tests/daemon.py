@@ -245,6 +245,8 @@ class Daemon:
             "false",
             "--allow-grpc",
             "false",
+            "--allow-metrics",  # metrics tests turn it on, on a port of their own
+            "false",
             *self.args,
         ]
         with open(self.log_path, "ab") as log:

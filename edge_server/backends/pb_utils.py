@@ -293,3 +293,8 @@ def numpy_to_triton_string(dtype: Any) -> str:
 def serialize_config(config: dict[str, Any]) -> str:
     """``args["model_config"]``: the model config as JSON, as Triton passes it."""
     return json.dumps(config)
+
+
+# Custom metrics (Triton's pb_utils.MetricFamily / Metric): see python_metrics.py.
+from edge_server.backends.python_metrics import Metric as Metric  # noqa: E402
+from edge_server.backends.python_metrics import MetricFamily as MetricFamily  # noqa: E402
