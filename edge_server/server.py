@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -31,6 +31,15 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
+
+
+class ServiceView(Protocol):
+    """What the daemon's service layer tells the server: readiness, and its part of :meth:`Server.status`."""
+
+    def is_ready(self) -> bool: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
 
 ControlMode = Literal["none", "explicit", "poll"]
 CONTROL_MODES: tuple[str, ...] = ("none", "explicit", "poll")
@@ -77,8 +86,9 @@ class Server:
         for listener in listeners:
             self._manager.add_listener(listener)
         self._dataplane = DataPlane(self._manager)
-        # The daemon answers server readiness from its own state (starting, draining, strict readiness).
-        self.readiness: Callable[[], bool] | None = None
+        # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
+        # draining, strict readiness) and the daemon's part of status().  None in-process.
+        self.service: ServiceView | None = None
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None
@@ -190,12 +200,22 @@ class Server:
         if self._closed.is_set():
             return False
         if model is None:
-            return True if self.readiness is None else self.readiness()
+            return True if self.service is None else self.service.is_ready()
         try:
             self._manager.resolve(model, version)
         except EdgeServerError:
             return False
         return True
+
+    def status(self) -> dict[str, Any]:
+        """What ``edge-server status`` shows: the daemon's state and uptime, and every model's figures."""
+        from edge_server.model_report import model_report
+
+        if self.service is not None:
+            info = self.service.describe()
+        else:
+            info = {"state": "stopped" if self._closed.is_set() else "serving"}
+        return {**info, "repository": str(self.repository), "models": model_report(self._manager)}
 
     def load_model(self, model: str) -> list[VersionStatus]:
         """Load or reload ``model`` from the repository (explicit and poll modes)."""

@@ -243,6 +243,8 @@ def control(server: Server, registry: ShmRegistry, op: str, header: Mapping[str,
         return {"metadata": server.model_metadata(model, version)}
     if op == "config":
         return {"config": server.model_config(model, version).to_triton_dict()}
+    if op == "status":
+        return {"status": server.status()}
     if op == "stats":
         return {"stats": server.statistics(model, version)}
     if op in ("load", "reload"):

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edge_server.lifecycle import ModelState, VersionStatus
 from edge_server.service.liveness import LivenessMonitor, Progressing
@@ -81,7 +81,7 @@ class Supervisor:
     def attach(self, server: Server) -> None:
         """The server exists (its repository is loaded): readiness is answered from here on."""
         self._server = server
-        server.readiness = self.is_ready
+        server.service = self
 
     def add_frontend(self, label: str, frontend: Progressing) -> None:
         self._frontends.append((label, frontend))
@@ -125,6 +125,24 @@ class Supervisor:
         if not self.state.accepting() or self._server is None:
             return False
         return not self.strict_readiness or not unavailable_models(self._server.models())
+
+    def describe(self) -> dict[str, Any]:
+        """The daemon's part of ``edge-server status``."""
+        reload = self.state.last_reload
+        reloads, failures = self.state.reload_counts()
+        return {
+            "state": self.state.state.value,
+            "ready": self.is_ready(),
+            "uptime_s": self.state.uptime(),
+            "started_at": self.state.started_at,
+            "last_reload": None
+            if reload is None
+            else {"at": reload.at, "ok": reload.ok, "detail": reload.detail},
+            "reloads": reloads,
+            "reload_failures": failures,
+            "stuck": list(self._not_pinging),
+            "ipc": [frontend.status() for _, frontend in self._frontends if hasattr(frontend, "status")],
+        }
 
     def on_model_state(self, status: VersionStatus) -> None:
         """A :class:`ModelManager` listener: more start-up time for each model that starts loading."""
