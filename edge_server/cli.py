@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the server on a model repository")
+    serve.set_defaults(subparser=serve)  # the settings file becomes this parser's defaults
+    serve.add_argument(
+        "--settings",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML settings, one key per flag (default: $CONFIGURATION_DIRECTORY/edge-server.toml)",
+    )
     serve.add_argument("--model-repository", type=Path, default=None, help="default: the bundled models/")
     serve.add_argument("--model-control-mode", choices=CONTROL_MODES, default="none")
     serve.add_argument(
@@ -207,9 +215,18 @@ def _hoist_global_flags(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_hoist_global_flags(sys.argv[1:] if argv is None else argv))
+    argv = _hoist_global_flags(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     configure_logging(args.log_verbose, args.log_format)
     try:
+        if args.command == "serve":
+            from edge_server.service.settings import apply_settings, settings_path
+
+            path = settings_path(args.settings)
+            if path is not None:
+                apply_settings(args.subparser, path)
+                args = parser.parse_args(argv)  # again: the settings are defaults, the flags win
+                log.info("settings from %s", path)
         if args.command == "serve":
             return _serve(args)
         if args.command == "models":
@@ -230,6 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from edge_server.daemon import Daemon, DaemonOptions
+    from edge_server.server import default_repository
+
+    if args.model_repository is None and not default_repository().is_dir():
+        raise UsageError(
+            "no model repository: pass --model-repository DIR, a folder in Triton's layout "
+            "(DIR/<model>/config.pbtxt, DIR/<model>/<version>/model.onnx|model.py|model.plan), or set "
+            "model-repository in the settings file (--settings FILE; the service reads "
+            "/etc/edge-server/edge-server.toml, written by `edge-server install-service`)"
+        )
 
     options = DaemonOptions(
         model_repository=args.model_repository,
