@@ -33,7 +33,15 @@ def add_parser(subparsers: Any) -> None:
     install = subparsers.add_parser(
         "install-service", help="install the systemd service (user, unit, repository, settings); needs root"
     )
-    install.add_argument("--with-examples", action="store_true", help="copy the example models into it")
+    install.add_argument(
+        "--with-examples",
+        nargs="?",
+        type=Path,
+        const=True,
+        default=None,
+        metavar="DIR",
+        help="copy example models into the repository (default DIR: the checkout's models/)",
+    )
     install.add_argument("--exec", default=None, metavar="PATH", help="the edge-server program systemd runs")
     install.add_argument(
         "--root", type=Path, default=Path("/"), help="stage under DIR (no user, no systemctl)"
@@ -140,9 +148,9 @@ def install_service(args: argparse.Namespace) -> int:
             shutil.chown(path, SERVICE_USER, SERVICE_USER)
             path.chmod(0o750)
     done.append(f"created {repository} (the model repository)")
-    if args.with_examples:
-        examples = default_repository()
-        if (examples / "digits" / "1" / "model.onnx").is_file():
+    if args.with_examples is not None:
+        examples = default_repository() if args.with_examples is True else args.with_examples
+        if any(examples.glob("*/config.pbtxt")) and any(examples.glob("*/[0-9]*/model.*")):
             shutil.copytree(
                 examples,
                 repository,
@@ -151,7 +159,10 @@ def install_service(args: argparse.Namespace) -> int:
             )
             done.append(f"copied the example models from {examples}")
         else:
-            done.append("no example models in this installation (they come with a source checkout): skipped")
+            done.append(
+                f"no models in {examples}: skipped (make them in a checkout with "
+                "`python models/make_models.py`, then pass --with-examples CHECKOUT/models)"
+            )
 
     settings = root / CONFIG_DIR / SETTINGS_NAME
     if settings.exists():
