@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,3 +212,45 @@ def test_strict_readiness_with_a_failed_model(tmp_path: Path, notify: NotifySock
         tmp_path, daemon.repository, "--exit-on-error", "false", "--strict-readiness", "false"
     ).start()  # start() waits for server_ready
     assert lenient.stop() == 0
+
+
+def test_a_wedged_ipc_frontend_is_seen_by_the_liveness_check(tmp_path: Path) -> None:
+    """The real frontend thread, blocked inside a request it handles itself (here: the repository index,
+    whose lock the test holds), stops turning its loop; the watchdog's check names it, then clears."""
+    from edge_server.ipc.frontend import IpcFrontend
+    from edge_server.server import Server
+
+    start_pyzmq_gc()
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "models" / "identity", repo / "identity")
+    with Server(repo) as server:
+        frontend = IpcFrontend(server, f"ipc://{tmp_path}/w.sock")
+        frontend.start()
+        monitor = LivenessMonitor(lambda: [("ipc", "IPC frontend", frontend)], stall_s=0.3)
+        try:
+            with Client(frontend.address, timeout=10) as client:
+
+                def tick() -> dict[str, float]:
+                    stuck = monitor.stuck()
+                    frontend.poke()  # what the watchdog does after each check
+                    return stuck
+
+                for _ in range(3):
+                    assert tick() == {}
+                    time.sleep(0.15)
+                answer: list[list[dict]] = []
+                asker = threading.Thread(target=lambda: answer.append(client.models()))
+                with server.manager._status_lock:  # the frontend thread will block on it
+                    asker.start()
+                    deadline = time.monotonic() + 5
+                    while not (stuck := tick()) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    assert list(stuck) == ["IPC frontend"]
+                asker.join(10)
+                assert answer and answer[0][0]["name"] == "identity"
+                time.sleep(0.1)
+                assert tick() == {}
+                time.sleep(0.1)
+                assert tick() == {}  # turning again
+        finally:
+            frontend.close()
