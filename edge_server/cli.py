@@ -19,6 +19,7 @@ from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.server import CONTROL_MODES
+from edge_server.service.journal import JOURNAL_SOCKET, JournalHandler, stderr_is_journal
 
 log = logging.getLogger("edge_server")
 
@@ -43,7 +44,10 @@ def configure_logging(verbose: int, fmt: str) -> None:
     else:
         datefmt = "%Y-%m-%dT%H:%M:%S" if fmt == "ISO8601" else None
         formatter = logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt)
-    handler = logging.StreamHandler()
+    handler: logging.Handler = logging.StreamHandler()
+    if fmt == "default" and os.path.exists(JOURNAL_SOCKET) and stderr_is_journal():
+        handler = JournalHandler()  # structured fields (MODEL=, VERSION=) besides the message
+        formatter = logging.Formatter("%(name)s: %(message)s")
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
