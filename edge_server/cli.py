@@ -367,7 +367,12 @@ def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
     Float inputs are scaled to [0, 1]; integer inputs keep 0..255.  A leading -1 in the shape is the
     batch axis and becomes 1.
     """
-    import cv2
+    try:
+        import cv2
+    except ImportError:
+        raise InvalidArgument(
+            "--image needs OpenCV: pip install 'edge-server[image]' (on a Jetson, JetPack's python3-opencv)"
+        ) from None
 
     shape = list(spec["shape"])
     batched = len(shape) == 4 or (len(shape) == 3 and shape[0] == -1)
