@@ -16,7 +16,7 @@ import numpy as np
 
 from edge_server import __version__, dtypes
 from edge_server.errors import EdgeServerError, InvalidArgument
-from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.server import CONTROL_MODES
 from edge_server.service.journal import JOURNAL_SOCKET, JournalHandler, stderr_is_journal
@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ipc", default=None, metavar="ADDRESS", help="ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--no-ipc", action="store_true", help="serve no IPC frontend (in-process use only)")
     serve.add_argument(
+        "--engine-build",
+        choices=["none", "on-load"],
+        default="none",
+        help="on-load: rebuild TensorRT plans built for another TensorRT/device from the ONNX beside them",
+    )
+    serve.add_argument(
         "--repository-quiet-secs",
         type=float,
         default=0.5,
@@ -124,9 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_HEADER_BYTES,
         help="IPC: largest request header decoded (msgpack); larger ones are refused unread",
-    )
-    serve.add_argument(
-        "--shm-prefix", default=DEFAULT_SHM_PREFIX, help="only shared-memory names with this prefix register"
     )
     add_kserve_arguments(serve)
     serve.add_argument(
@@ -268,7 +271,6 @@ def _serve(args: argparse.Namespace) -> int:
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
         max_header_bytes=args.max_header_bytes,
-        shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
         strict_readiness=args.strict_readiness,
@@ -276,6 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
         allow_metrics=args.allow_metrics,
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,
+        engine_build=args.engine_build,
         kserve=kserve_options(args),
     )
     return Daemon(options).run()

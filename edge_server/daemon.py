@@ -7,14 +7,16 @@ SIGTERM and SIGINT drain and stop), so nothing heavy ever runs inside a handler.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from edge_server.errors import EdgeServerError
-from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
@@ -25,6 +27,9 @@ from edge_server.service.supervisor import Supervisor, unavailable_models
 
 log = logging.getLogger(__name__)
 
+# After the drain deadline, how long the IPC frontend may take to send the last answers.
+_FLUSH_S = 1.0
+
 
 @dataclass(frozen=True)
 class DaemonOptions:
@@ -34,11 +39,11 @@ class DaemonOptions:
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-    shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
     strict_readiness: bool = True  # Triton's default: ready only when every model that should load is
     exit_on_error: bool = True  # Triton's default: a model that fails at start-up stops the daemon
+    engine_build: str = "none"  # "on-load": rebuild stale TensorRT plans while their ONNX serves
     kserve: KServeOptions = KServeOptions()
     allow_metrics: bool = True
     metrics_address: str = "127.0.0.1"
@@ -68,6 +73,7 @@ class Daemon:
             drain_timeout=options.drain_timeout,
             watch_quiet_s=options.watch_quiet_s,
             listeners=(supervisor.on_model_state, loads),
+            engine_build=options.engine_build,
         )
         supervisor.attach(server)
         frontend = None
@@ -96,7 +102,6 @@ class Daemon:
                     address,
                     max_message_bytes=options.max_message_bytes,
                     max_header_bytes=options.max_header_bytes,
-                    shm_prefix=options.shm_prefix,
                     drain_timeout=options.drain_timeout,
                 )
                 frontend.start()
@@ -117,17 +122,34 @@ class Daemon:
             supervisor.serving()
             self._loop(server, supervisor)
         finally:
-            log.info("stopping: draining requests")
-            supervisor.stopping()
+            # One budget for the whole stop: intake closes, what is in flight and queued gets until the
+            # deadline, what is left then fails UNAVAILABLE (and is answered), models unload.
+            deadline = time.monotonic() + options.drain_timeout
+            self._escalate_on_second_signal()
+            log.info("stopping: draining requests (up to %.1f s)", options.drain_timeout)
+            supervisor.stopping()  # STOPPING=1; readiness false from here on
             if frontend is not None:
-                frontend.close()
+                frontend.refuse_new()
+            server.close(deadline)
+            if frontend is not None:
+                frontend.close(timeout=_FLUSH_S)  # every request has its answer now: send them
             kserve.close()
             if metrics is not None:
                 metrics.close()
-            server.close()
             supervisor.stopped()
             log.info("stopped")
         return status
+
+    @staticmethod
+    def _escalate_on_second_signal() -> None:
+        """While stopping, a second SIGTERM/SIGINT stops at once (as uvicorn does)."""
+
+        def now(signum: int, _frame: FrameType | None) -> None:
+            os.write(2, f"received {signal.Signals(signum).name} while stopping: exiting now\n".encode())
+            os._exit(1)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, now)
 
     def _loop(self, server: Server, supervisor: Supervisor) -> None:
         while True:

@@ -27,11 +27,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
+from edge_server.scheduler.sequence import SequenceScheduler
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class ModelManager:
         self._cpu_count = cpu_count
         self._control = threading.RLock()
         self._serving: dict[str, dict[int, LoadedVersion]] = {}  # replaced whole, never mutated
+        # Retiring sequence-model versions whose live sequences finish there (replaced whole, too).
+        self._sequence_holders: dict[str, tuple[LoadedVersion, ...]] = {}
         self._status_lock = threading.Lock()
         self._status: dict[_Key, VersionStatus] = {}
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (hash, reason)
@@ -73,6 +77,8 @@ class ModelManager:
         self._unloaded: set[str] = set()  # unloaded through the API: rescans leave them alone
         self._closed = False
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
+        # --engine-build on-load: stale TensorRT plans are rebuilt while their ONNX serves (set by Server)
+        self.engine_rebuilder: EngineRebuilder | None = None
 
     # -- request path ---------------------------------------------------------------------------
 
@@ -98,6 +104,26 @@ class ModelManager:
             raise ModelNotFound(f"model {name!r} has no version {version}; serving versions: {available}")
         reasons = "; ".join(f"v{s.version}: {s.state.value} {s.reason}".strip() for s in known.values())
         raise ModelNotReady(f"model {name!r} is not ready ({reasons})")
+
+    def sequence_holder(self, name: str, correlation_id: int | str) -> LoadedVersion | None:
+        """The retiring version of ``name`` on which sequence ``correlation_id`` is still live, if any."""
+        for loaded in self._sequence_holders.get(name, ()):
+            scheduler = loaded.scheduler
+            if isinstance(scheduler, SequenceScheduler) and scheduler.holds(correlation_id):
+                return loaded
+        return None
+
+    def _hold_sequences(self, versions: list[LoadedVersion], *, held: bool) -> None:
+        """Let (or stop letting) the live sequences of retiring ``versions`` be routed to them."""
+        table = dict(self._sequence_holders)
+        for loaded in versions:
+            if loaded.config.sequence_batching is None:
+                continue
+            others = tuple(v for v in table.get(loaded.name, ()) if v is not loaded)
+            table[loaded.name] = (*others, loaded) if held else others
+            if not table[loaded.name]:
+                del table[loaded.name]
+        self._sequence_holders = table
 
     # -- index ----------------------------------------------------------------------------------
 
@@ -207,13 +233,25 @@ class ModelManager:
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
 
-    def close(self) -> None:
-        """Unload everything (each version drained up to the deadline); later control calls fail."""
-        with self._control:
+    def close(self, deadline: float | None = None) -> None:
+        """Unload everything; later control calls fail.
+
+        Every version drains (queued and running requests finish) until ``deadline`` (monotonic;
+        default: now + the drain timeout), one deadline for all; what is still queued then fails with
+        UNAVAILABLE.  A control operation stuck in user code (a hanging ``initialize``) does not hold
+        this up past the deadline: the models are retired without its lock.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + self._drain_timeout
+        locked = self._control.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        try:
             self._closed = True
             retiring = [loaded for versions in self._serving.values() for loaded in versions.values()]
             self._serving = {}
-            self._retire(retiring)
+            self._retire(retiring, deadline=deadline)
+        finally:
+            if locked:
+                self._control.release()
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
@@ -237,7 +275,10 @@ class ModelManager:
         self._serving = table
         self._retire(list(old.values()))
 
-    def _retire(self, versions: list[LoadedVersion]) -> None:
+    def _retire(
+        self, versions: list[LoadedVersion], *, finish_sequences: bool = False, deadline: float | None = None
+    ) -> None:
+        """Drain and close ``versions``; with ``finish_sequences`` (a reload), live sequences end there."""
         if not versions:
             return
         # A copy replaced by a new copy of the same version number has no index row of its own.
@@ -246,9 +287,13 @@ class ModelManager:
             self._set(loaded.name, loaded.version, ModelState.UNLOADING)
         for loaded in versions:  # all stop taking requests first, then they share one drain deadline
             loaded.scheduler.close_intake()
-        deadline = time.monotonic() + self._drain_timeout
+        if deadline is None:
+            deadline = time.monotonic() + self._drain_timeout
+        if finish_sequences:
+            self._hold_sequences(versions, held=True)
         for loaded in versions:
-            loaded.retire(deadline)
+            loaded.retire(deadline, finish_sequences=finish_sequences)
+            self._hold_sequences([loaded], held=False)
             log.info("%s v%d unloaded", loaded.name, loaded.version)
         for loaded in shown:
             with self._status_lock:
@@ -313,6 +358,8 @@ class ModelManager:
         removed_but_serving = not ready and bool(current)
         if removed_but_serving:
             ready = dict(current)  # nothing on disk loads: what served before keeps serving
+        retiring = [v for key, v in current.items() if ready.get(key) is not v]
+        self._hold_sequences(retiring, held=True)  # before the switch: a live sequence never misses it
         table = dict(self._serving)
         if ready:
             table[name] = ready
@@ -323,19 +370,18 @@ class ModelManager:
             VersionStatus(name, v, ModelState.UNAVAILABLE, r) for v, r in failed.items() if v not in ready
         ]
         for version in ready:
-            reason = ""
+            reason = ready[version].note  # e.g. a TensorRT model serving its ONNX: which, and why
             if version in failed:
                 reason = f"serving the previous files; the new ones failed: {failed[version]}"
             elif removed_but_serving:
                 reason = "still serving; no version on disk could be loaded"
             rows.append(VersionStatus(name, version, ModelState.READY, reason))
-        retiring = [v for key, v in current.items() if ready.get(key) is not v]
         rows += [
             VersionStatus(name, v.version, ModelState.UNLOADING) for v in retiring if v.version not in ready
         ]
         self._publish(name, rows)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
-        self._retire(retiring)
+        self._retire(retiring, finish_sequences=True)
         if not ready:
             raise ModelNotReady(f"model {name!r}: no version could be loaded ({_summary(failed)})")
 
@@ -364,7 +410,12 @@ class ModelManager:
         began = time.monotonic()
         try:
             loaded = load_version(
-                source, version, config, content_hash=content_hash, cpu_count=self._cpu_count
+                source,
+                version,
+                config,
+                content_hash=content_hash,
+                cpu_count=self._cpu_count,
+                rebuilder=self.engine_rebuilder,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
             reason = exc.message if isinstance(exc, EdgeServerError) else repr(exc)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from edge_server.backends.tensorrt.rebuild import ENGINE_BUILD_MODES, EngineRebuilder
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
@@ -68,10 +69,13 @@ class Server:
         cpu_count: int | None = None,
         watch_quiet_s: float = 0.5,
         listeners: Iterable[Listener] = (),
+        engine_build: str = "none",
     ) -> None:
         """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
 
         ``listeners`` hear every model state change from the first load on (see ``add_listener``).
+        ``engine_build="on-load"`` rebuilds TensorRT plans that cannot serve here (another TensorRT
+        version or device, or missing) from the ONNX beside them, in the background, while the ONNX serves.
         """
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
@@ -89,6 +93,7 @@ class Server:
         # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
         # draining, strict readiness) and the daemon's part of status().  None in-process.
         self.service: ServiceView | None = None
+        self._rebuilder = self._engine_rebuilder(engine_build)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None
@@ -239,17 +244,39 @@ class Server:
     def manager(self) -> ModelManager:
         return self._manager
 
+    def _engine_rebuilder(self, mode: str) -> EngineRebuilder | None:
+        if mode not in ENGINE_BUILD_MODES:
+            raise InvalidArgument(f"engine_build must be one of {list(ENGINE_BUILD_MODES)}, got {mode!r}")
+        if mode == "none":
+            return None
+
+        def reload(name: str) -> None:  # on the builder's thread, once a plan is written
+            try:
+                self._manager.rescan([name])
+            except EdgeServerError as exc:
+                log.warning("model %s: reload after the engine build failed: %s", name, exc.message)
+
+        rebuilder = EngineRebuilder(reload)
+        self._manager.engine_rebuilder = rebuilder
+        return rebuilder
+
     # -- shutdown -------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Drain every model (each up to its drain deadline) and unload it.  Idempotent."""
+    def close(self, deadline: float | None = None) -> None:
+        """Drain, then unload every model; idempotent.
+
+        Requests get until ``deadline`` (monotonic; default: now + the drain timeout); what is still
+        queued then fails with UNAVAILABLE.
+        """
         with self._close_lock:  # two threads closing at once must not both stop the watcher
             if self._closed.is_set():
                 return
             self._closed.set()
+        if self._rebuilder is not None:
+            self._rebuilder.close()
         if self.watcher is not None:
             self.watcher.stop()  # first, so that no rescan starts while the models are unloaded
-        self._manager.close()
+        self._manager.close(deadline)
 
     def __enter__(self) -> Server:
         return self

@@ -19,14 +19,20 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 
 import numpy as np
 
 from edge_server.backends.base import Backend, BatchItem, Result, TensorBackend, Timing
 from edge_server.config.model import ModelConfig, QueuePolicy
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelExecutionError, ServerShuttingDown
+from edge_server.errors import (
+    EdgeServerError,
+    InstanceFailed,
+    InvalidArgument,
+    ModelExecutionError,
+    ServerShuttingDown,
+)
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue
 from edge_server.scheduler.stats import ModelStats
@@ -36,7 +42,19 @@ log = logging.getLogger(__name__)
 # A request runs in the caller's thread only for models whose executions average less than this:
 # about what two thread hand-offs cost in CPython, and short enough not to stall an IPC frontend.
 INLINE_BUDGET_NS = 100_000
+# ... and only for requests not much larger than those the average was measured on: a request far
+# larger than usual (a 4K frame to a model measured on thumbnails) could hold a frontend thread, and
+# every other client and model behind it, for its whole execution.  It goes to a worker instead.
+INLINE_SIZE_FACTOR = 2.0
+INLINE_SIZE_SLACK = 16 * 1024
 _EMA_WEIGHT = 0.2
+
+
+def _input_bytes(item: BatchItem) -> int:
+    total = 0
+    for array in item.inputs.values():
+        total += array.nbytes
+    return total
 
 
 class SchedulerClosed(ServerShuttingDown):
@@ -55,8 +73,23 @@ def batch_settings(config: ModelConfig) -> BatchSettings:
 
 
 class ModelScheduler:
-    def __init__(self, config: ModelConfig, instances: list[tuple[str, Backend]], stats: ModelStats) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        instances: list[tuple[str, Backend]],
+        stats: ModelStats,
+        *,
+        reload: Callable[[str], Backend] | None = None,
+    ) -> None:
+        """Start one worker per instance.
+
+        ``reload(name)`` loads (and warms up) a fresh instance in place of one that raised
+        :class:`InstanceFailed`; without it such an instance just leaves service.
+        """
         self._config = config
+        self._reload = reload
+        self._broken: set[Backend] = set()  # raised InstanceFailed; touched only by its own worker
+        self._retired: set[Backend] = set()  # closed after failing; stop() must not close them again
         self._stats = stats
         self._settings = batch_settings(config)
         # While draining, queued requests go at once: no batching delay, no preferred sizes.
@@ -87,10 +120,12 @@ class ModelScheduler:
         # instance spent executing (metrics).  Each instance is used by one thread at a time.
         self._progress = 0
         self._busy_ns: dict[Backend, int] = {backend: 0 for _, backend in instances}
+        # Inline execution is an explicit opt-in of each backend (TensorRT opts out: never on a frontend).
         self._inline_capable = not self._settings.batching and all(
-            isinstance(backend, TensorBackend) for _, backend in instances
+            isinstance(backend, TensorBackend) and backend.allows_inline for _, backend in instances
         )
         self._compute_ema_ns = float("inf")  # moving average of one request's execution
+        self._bytes_ema = 0.0  # moving average of the input bytes of the requests measured
         self._waiting: set[Backend] = set()  # instances whose worker is idle, waiting for work
         self._borrowed: set[Backend] = set()  # idle instances lent to a caller's thread
         self._threads = [
@@ -126,10 +161,11 @@ class ModelScheduler:
         """
         level = self._level(priority) if priority or self._levels else 1
         now = time.monotonic_ns()
+        nbytes = _input_bytes(item) if self._inline_capable else 0
         with self._lock:
             if not self._accepting:
                 raise SchedulerClosed(f"model {self._config.name!r} is unloading")
-            lent = self._lend()
+            lent = self._lend(nbytes)
             if lent is None:
                 future: Future[dict] = Future()
                 self._queue.push(self._queued(item, shape_key, level, now, future, timeout_us))
@@ -172,10 +208,12 @@ class ModelScheduler:
             timeout_action=policy.timeout_action,
         )
 
-    def _lend(self) -> Backend | None:
+    def _lend(self, nbytes: int) -> Backend | None:
         """An idle instance for the caller's thread, when inline execution pays (lock held)."""
         if not self._inline_capable or self._compute_ema_ns >= INLINE_BUDGET_NS or self._queue.size:
             return None
+        if nbytes > INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK:
+            return None  # out of line with what was measured: a worker runs it (and measures it)
         for backend in self._waiting:
             if backend not in self._borrowed:
                 self._borrowed.add(backend)
@@ -252,6 +290,8 @@ class ModelScheduler:
             if busy:
                 log.error("instance %s is still executing after the drain deadline; left running", name)
                 continue
+            if backend in self._retired:
+                continue
             try:
                 backend.close()
             except Exception:
@@ -269,8 +309,38 @@ class ModelScheduler:
                 # Drop the batch now, not at the next request: its inputs may be views of a client's
                 # shared memory that must be unmapped when the client unregisters it.
                 taken = None
+                if backend in self._broken:
+                    replacement = self._replace(backend)
+                    if replacement is None:
+                        return  # out of service; the other instances keep serving the queue
+                    backend = replacement
             except Exception:  # the loop never dies: log it and serve the next batch
                 log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
+
+    def _replace(self, broken: Backend) -> Backend | None:
+        """Close an instance that can never serve again and load a fresh one in its place (this thread)."""
+        index = next(i for i, (_, b) in enumerate(self._instances) if b is broken)
+        name = self._instances[index][0]
+        log.error("instance %s of %r failed unrecoverably; replacing it", name, self._config.name)
+        self._retired.add(broken)
+        try:
+            broken.close()
+        except Exception:
+            log.exception("closing the failed instance %s failed", name)
+        if self._reload is None or self._stopping:
+            return None
+        try:
+            fresh = self._reload(name)
+        except Exception:
+            log.exception("instance %s could not be reloaded; it stays out of service", name)
+            return None
+        with self._lock:
+            if self._stopping:  # stop() began while it loaded: it will not see this instance
+                fresh.close()
+                return None
+            self._instances[index] = (name, fresh)
+        log.info("instance %s of %r is serving again", name, self._config.name)
+        return fresh
 
     def _take_batch(self, backend: Backend) -> tuple[list[QueuedRequest], int] | None:
         with self._lock:
@@ -337,7 +407,7 @@ class ModelScheduler:
             log.exception("inline execution of %r failed unexpectedly", self._config.name)
             result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
         end = time.monotonic_ns()
-        self._observe(end - start)
+        self._observe(end - start, item)
         self._busy_ns[backend] += end - start
         ok = not isinstance(result, Exception)
         self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
@@ -354,7 +424,7 @@ class ModelScheduler:
             spent = time.monotonic_ns() - start
             self._busy_ns[backend] += spent
             if len(live) == 1:
-                self._observe(spent)
+                self._observe(spent, live[0].item)
         if seq is not None:
             with self._lock:
                 while self._delivered_seq != seq:
@@ -381,15 +451,24 @@ class ModelScheduler:
                 )
             return results
         except EdgeServerError as exc:
+            if isinstance(exc, InstanceFailed):
+                self._broken.add(backend)
             return [exc] * len(items)
         except Exception as exc:
             log.exception("instance of %r failed a batch of %d", self._config.name, len(items))
             return [ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")] * len(items)
 
-    def _observe(self, spent_ns: int) -> None:
-        """Fold one single-request execution into the estimate that decides inline execution."""
-        ema = self._compute_ema_ns  # a benign race: only this estimate is at stake
-        self._compute_ema_ns = spent_ns if ema == float("inf") else ema + _EMA_WEIGHT * (spent_ns - ema)
+    def _observe(self, spent_ns: int, item: BatchItem) -> None:
+        """Fold one single-request execution into the estimates that decide inline execution."""
+        if not self._inline_capable:
+            return
+        ema = self._compute_ema_ns  # a benign race: only these estimates are at stake
+        nbytes = _input_bytes(item)
+        if ema == float("inf"):
+            self._compute_ema_ns, self._bytes_ema = spent_ns, float(nbytes)
+        else:
+            self._compute_ema_ns = ema + _EMA_WEIGHT * (spent_ns - ema)
+            self._bytes_ema += _EMA_WEIGHT * (nbytes - self._bytes_ema)
 
     def _deliver(self, future: Future[dict], result: Result) -> None:
         if self._output_dims and not isinstance(result, Exception):
