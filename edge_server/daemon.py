@@ -63,7 +63,10 @@ class Daemon:
         limit_malloc_arenas()  # before any thread starts: see edge_server.memory
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record)
-        supervisor = Supervisor(Notifier(), strict_readiness=options.strict_readiness)
+        # NOTIFY_SOCKET stays set: the TensorRT engine rebuilder sends its own EXTEND_TIMEOUT_USEC, and
+        # the unit's NotifyAccess=main keeps any child process from speaking for the daemon.
+        notifier = Notifier(unset=False)
+        supervisor = Supervisor(notifier, strict_readiness=options.strict_readiness)
         supervisor.starting()
         loads = LoadCounter()  # hears every load from the first one on, for the metrics
         server = Server(
