@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     serve.add_argument(
+        "--operator-group",
+        default=None,
+        metavar="GROUP",
+        help="IPC: members may load/unload models (besides the daemon's own user and group)",
+    )
+    serve.add_argument(
         "--max-header-bytes",
         type=int,
         default=DEFAULT_MAX_HEADER_BYTES,
@@ -271,6 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
         max_header_bytes=args.max_header_bytes,
+        operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
         strict_readiness=args.strict_readiness,

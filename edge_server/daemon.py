@@ -6,6 +6,7 @@ SIGTERM and SIGINT drain and stop), so nothing heavy ever runs inside a handler.
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import queue
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from edge_server.errors import EdgeServerError
+from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
@@ -39,6 +40,7 @@ class DaemonOptions:
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
     strict_readiness: bool = True  # Triton's default: ready only when every model that should load is
@@ -48,6 +50,15 @@ class DaemonOptions:
     allow_metrics: bool = True
     metrics_address: str = "127.0.0.1"
     metrics_port: int = 8002
+
+
+def operator_gid(group: str | None) -> int | None:
+    if group is None:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"--operator-group {group!r}: no such group") from None
 
 
 class Daemon:
@@ -105,6 +116,7 @@ class Daemon:
                     address,
                     max_message_bytes=options.max_message_bytes,
                     max_header_bytes=options.max_header_bytes,
+                    operator_gid=operator_gid(options.operator_group),
                     drain_timeout=options.drain_timeout,
                 )
                 frontend.start()

@@ -78,6 +78,13 @@ class Unavailable(EdgeServerError):
     http_status = 503
 
 
+class PermissionDenied(EdgeServerError):
+    """The caller may not do this: control operations are for the daemon's user, group or operators."""
+
+    code = "PERMISSION_DENIED"
+    http_status = 403
+
+
 class ServerShuttingDown(Unavailable):
     """The server is draining or stopped and takes no new requests."""
 

@@ -18,6 +18,7 @@ The repository holds copies of the example ONNX models plus three test models:
 from __future__ import annotations
 
 import os
+import resource
 import select
 import shutil
 import signal
@@ -223,6 +224,7 @@ class Daemon:
         self.log_path = log_path
         self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
+        self.nofile: int | None = None  # RLIMIT_NOFILE (soft and hard) for the daemon, when set
 
     @property
     def pid(self) -> int:
@@ -249,8 +251,14 @@ class Daemon:
             "false",
             *self.args,
         ]
+        nofile = self.nofile
+        limit = (
+            None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+        )
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit
+            )
         self.wait_ready(timeout)
         return self
 
@@ -389,7 +397,9 @@ def daemon(ipc_root: Path, ipc_repository: Path) -> Iterator[Daemon]:
         assert status == 0, f"the daemon exited with {status}:\n{proc.log()}"
 
 
-def start_daemon(root: Path, repository: Path, socket_name: str, *args: str) -> Daemon:
+def start_daemon(
+    root: Path, repository: Path, socket_name: str, *args: str, nofile: int | None = None
+) -> Daemon:
     proc = Daemon(
         repository,
         f"ipc://{root}/{socket_name}",
@@ -403,6 +413,7 @@ def start_daemon(root: Path, repository: Path, socket_name: str, *args: str) -> 
         *args,
     )
     proc.gate = Gate(root)
+    proc.nofile = nofile
     try:
         proc.start()
     except BaseException:

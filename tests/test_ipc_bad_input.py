@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 from edge_server.client import Client, SharedMemoryRegion
+from edge_server.client._common import register_fields
 from edge_server.ipc import protocol
 from tests.daemon import Daemon, Gate, RawPeer, header, raw_request
 
@@ -180,6 +180,12 @@ def test_unregistered_region(daemon: Daemon, other: Client) -> None:
     still_serving(other)
 
 
+def register(daemon: Daemon, region: SharedMemoryRegion, **extra: Any) -> bytes:
+    """A raw shm_register, after handing the region's descriptor over as every client must."""
+    fields = register_fields(daemon.address, region)
+    return header(op="shm_register", **{**fields, **extra})
+
+
 @pytest.fixture
 def peer(daemon: Daemon) -> Iterator[RawPeer]:
     p = RawPeer(daemon.address)
@@ -195,9 +201,9 @@ def segment() -> Iterator[SharedMemoryRegion]:
 
 
 def test_reference_past_the_end_of_a_region(
-    peer: RawPeer, segment: SharedMemoryRegion, other: Client
+    daemon: Daemon, peer: RawPeer, segment: SharedMemoryRegion, other: Client
 ) -> None:
-    assert peer.ask([header(op="shm_register", name=segment.name)])["region"]["byte_size"] == 4096
+    assert peer.ask([register(daemon, segment)])["region"]["byte_size"] == 4096
     shm = {"region": segment.name, "offset": 4096 - 8, "byte_size": 16}
     desc = {"name": "INPUT0", "datatype": "FP32", "shape": [4], "shm": shm}
     assert error_of(peer.ask([header(op="infer", model="identity", inputs=[desc])])) == "SHM_OUT_OF_BOUNDS"
@@ -217,7 +223,7 @@ def test_reference_past_the_end_of_a_region(
         error_of(peer.ask([header(op="infer", model="identity", inputs=[desc], outputs=out)]))
         == "SHM_OUT_OF_BOUNDS"
     )
-    # A segment that does not exist.
+    # No descriptor handed over: the daemon never opens a segment by name.
     reply = peer.ask([header(op="shm_register", name=segment.name + "x", byte_size=1)])
     assert error_of(reply) == "SHM_UNAVAILABLE"
     still_serving(other)
@@ -226,10 +232,10 @@ def test_reference_past_the_end_of_a_region(
 def test_segment_shrunk_by_its_client(daemon: Daemon, peer: RawPeer, other: Client) -> None:
     """A client registers 64 KiB, then ftruncates the segment to 4 KiB: a reference past the new end
     gets SHM_OUT_OF_BOUNDS instead of a SIGBUS that would kill the daemon for everyone."""
-    region = SharedMemoryRegion(64 * 1024)
+    region = SharedMemoryRegion(64 * 1024, posix=True)  # a POSIX segment: its owner can shrink it
     try:
         region.write(X, offset=8192)
-        assert peer.ask([header(op="shm_register", name=region.name)])["ok"]
+        assert peer.ask([register(daemon, region)])["ok"]
         os.truncate(f"/dev/shm/{region.name}", 4096)
         shm = {"region": region.name, "offset": 8192, "byte_size": 16}
         desc = {"name": "INPUT0", "datatype": "FP32", "shape": [4], "shm": shm}
@@ -252,9 +258,9 @@ def test_segment_shrunk_while_the_request_runs(
     daemon: Daemon, gate: Gate, peer: RawPeer, other: Client
 ) -> None:
     """The output's write checks the segment again: a shrink during the inference is refused too."""
-    region = SharedMemoryRegion(64 * 1024)
+    region = SharedMemoryRegion(64 * 1024, posix=True)
     try:
-        assert peer.ask([header(op="shm_register", name=region.name)])["ok"]
+        assert peer.ask([register(daemon, region)])["ok"]
         out = [{"name": "OUTPUT0", "shm": {"region": region.name, "offset": 32768, "byte_size": 16}}]
         peer.sock.send_multipart([header(op="infer", model="gate", inputs=[INPUT], outputs=out), X.tobytes()])
         gate.wait_started()
@@ -269,32 +275,18 @@ def test_segment_shrunk_while_the_request_runs(
     still_serving(other)
 
 
-def test_register_errors(peer: RawPeer, segment: SharedMemoryRegion, other: Client) -> None:
-    outside = f"not-edge-{secrets.token_hex(4)}"
-    fd = os.open(f"/dev/shm/{outside}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, 4096)
-        assert error_of(peer.ask([header(op="shm_register", name=outside)])) == "SHM_NAME_REJECTED"
-    finally:
-        os.close(fd)
-        os.unlink(f"/dev/shm/{outside}")
+def test_register_errors(daemon: Daemon, peer: RawPeer, segment: SharedMemoryRegion, other: Client) -> None:
     assert (
-        error_of(peer.ask([header(op="shm_register", name="edge-server-../../etc/passwd")]))
+        error_of(peer.ask([register(daemon, segment, name="edge-server-../../etc/passwd")]))
         == "SHM_NAME_REJECTED"
     )
     assert error_of(peer.ask([header(op="shm_register", name="edge-server-gone-1")])) == "SHM_UNAVAILABLE"
-    assert peer.ask([header(op="shm_register", name=segment.name)])["ok"]
-    assert error_of(peer.ask([header(op="shm_register", name=segment.name)])) == "SHM_ALREADY_REGISTERED"
-    assert (
-        error_of(peer.ask([header(op="shm_register", name=segment.name, byte_size=8192)]))
-        == "SHM_ALREADY_REGISTERED"
-    )
+    assert peer.ask([register(daemon, segment)])["ok"]
+    assert error_of(peer.ask([register(daemon, segment)])) == "SHM_ALREADY_REGISTERED"
+    assert error_of(peer.ask([register(daemon, segment, byte_size=8192)])) == "SHM_ALREADY_REGISTERED"
     assert peer.ask([header(op="shm_unregister", name=segment.name)])["unregistered"] == [segment.name]
     assert error_of(peer.ask([header(op="shm_unregister", name=segment.name)])) == "SHM_NOT_REGISTERED"
-    assert (
-        error_of(peer.ask([header(op="shm_register", name=segment.name, byte_size=8192)]))
-        == "SHM_OUT_OF_BOUNDS"
-    )
+    assert error_of(peer.ask([register(daemon, segment, byte_size=8192)])) == "SHM_OUT_OF_BOUNDS"
     still_serving(other)
 
 

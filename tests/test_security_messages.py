@@ -111,3 +111,39 @@ def test_an_8_mib_model_name_is_not_echoed_back(daemon: Daemon) -> None:
         peer.close()
     assert reply["error"]["code"] == "INVALID_ARGUMENT"
     assert len(reply["error"]["message"]) < 400
+
+
+def test_descriptor_exhaustion_is_refused_cleanly_never_an_abort(
+    tmp_path: pytest.TempPathFactory, no_leaked_processes: None
+) -> None:
+    """libzmq aborts the process when accept() fails with EMFILE: with a low RLIMIT_NOFILE and more
+    connections than descriptors, the daemon must refuse the excess and stay up."""
+    import time
+
+    import zmq
+
+    from tests.daemon import build_repository, start_daemon, stop_daemon
+
+    proc = start_daemon(tmp_path, build_repository(tmp_path), "fd.sock", nofile=256)
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for _ in range(600):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(proc.address)
+            socks.append(sock)
+        time.sleep(2.0)
+        assert proc.proc is not None and proc.proc.poll() is None, proc.log()
+        for sock in socks:
+            sock.close(0)
+        socks.clear()
+        time.sleep(0.5)
+        still_serves(proc)
+        with Client(proc.address, timeout=10) as client:
+            assert client.ipc_status()["refused_connections"] > 0
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        assert stop_daemon(proc) == 0, proc.log()

@@ -187,3 +187,20 @@ def test_shared_memory_over_tcp_is_refused_clearly() -> None:
             register_fields("tcp://127.0.0.1:5555", region)
     finally:
         region.close()
+
+
+def try_unload(address: str) -> dict[str, str]:
+    from tests.daemon import RawPeer, header
+
+    peer = RawPeer(address)
+    try:
+        reply = peer.ask([header(op="unload", model="identity")])
+        live = peer.ask([header(op="ready", model="identity")])
+    finally:
+        peer.close()
+    return {"unload": "ok" if reply["ok"] else reply["error"]["code"], "ready": str(live.get("ready"))}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a second local user (uid 65534) in the test")
+def test_only_the_daemons_user_may_unload_models(open_daemon: Daemon) -> None:
+    assert as_other_user(try_unload, open_daemon.address) == {"unload": "PERMISSION_DENIED", "ready": "True"}

@@ -34,6 +34,11 @@ S = TypeVar("S", bound="zmq.Socket[Any]")
 Decoder = Callable[[dict[str, Any], list[Any]], Any]
 
 
+# pyzmq names a monitor endpoint after the socket's file descriptor, and descriptors are reused after
+# a socket is collected: a name of our own per socket instead.
+_MONITORS = itertools.count(1)
+
+
 def dealer(ctx: zmq.Context[S], address: str) -> tuple[S, S]:
     """The client's DEALER socket, connected, and its monitor (handshakes and disconnects)."""
     sock = ctx.socket(zmq.DEALER)
@@ -45,7 +50,10 @@ def dealer(ctx: zmq.Context[S], address: str) -> tuple[S, S]:
     sock.setsockopt(zmq.RECONNECT_IVL, 20)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
     sock.setsockopt(zmq.LINGER, 0)
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    monitor = sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+        addr=f"inproc://edge-monitor-{next(_MONITORS)}",
+    )
     sock.connect(address)
     return sock, monitor
 

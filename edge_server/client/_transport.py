@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError
 from functools import partial
@@ -131,6 +132,13 @@ class Transport:
         sock, self._monitor = dealer(self._ctx, address)
         self._sock = sock
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # A client dropped without close() must release its sockets in the right order when it is
+        # collected: left to pyzmq, the context's own finalizer may run first and block forever in
+        # zmq_ctx_term (its sockets still open) on whatever thread the collection happened to run,
+        # typically another client's caller, whose call then never returns.
+        self._release_zmq = weakref.finalize(
+            self, _release_zmq, self._ctx, sock, self._monitor, self._wake_fd
+        )
         self._poll_items: list[tuple[Any, int]] = [
             (sock, zmq.POLLIN),
             (self._monitor, zmq.POLLIN),
@@ -553,12 +561,17 @@ class Transport:
         if self._pump is not None:
             self._pump.join()
         with self._io:
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._sock.close(0)
-            self._ctx.term()
-            fd, self._wake_fd = self._wake_fd, -1
-            os.close(fd)
+            self._wake_fd = -1
+            self._release_zmq()
+
+
+def _release_zmq(ctx: zmq.Context, sock: zmq.Socket, monitor: zmq.Socket, wake_fd: int) -> None:
+    """Close in the one order that never blocks: monitor off, both sockets closed, then the context."""
+    sock.disable_monitor()
+    monitor.close(0)
+    sock.close(0)
+    ctx.term()
+    os.close(wake_fd)
 
 
 def _ignore(header: dict[str, Any], frames: list[Any]) -> None:

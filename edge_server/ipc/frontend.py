@@ -14,6 +14,9 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import resource
+import socket
+import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +31,9 @@ from edge_server.errors import (
     InvalidArgument,
     MalformedMessage,
     MessageTooLarge,
+    PermissionDenied,
     ServerShuttingDown,
+    ShmUnavailable,
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
@@ -66,6 +71,8 @@ class IpcFrontend:
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         max_header_bytes: int = protocol.DEFAULT_MAX_HEADER_BYTES,
         probe_interval: float = 10.0,
+        max_connections: int | None = None,
+        operator_gid: int | None = None,
         drain_timeout: float = 5.0,
     ) -> None:
         self.server = server
@@ -89,6 +96,11 @@ class IpcFrontend:
         self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-ipc-control")
         self._stopping = False
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
+        self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
+        self.max_regions = 0
+        self.operator_gid = operator_gid
+        self._connections = 0
+        self.refused_connections = 0
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
@@ -123,7 +135,8 @@ class IpcFrontend:
             ctx.term()
             raise
         self._ctx, self._sock = ctx, sock
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.max_connections, self.max_regions = fd_budget(self.max_connections)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # The thread takes the socket over; Thread.start() is the memory barrier ZeroMQ asks for.
         self._thread = threading.Thread(target=self._run, name="edge-ipc-frontend", daemon=True)
@@ -160,6 +173,8 @@ class IpcFrontend:
     def status(self) -> dict[str, int]:
         """Counters for status lines and tests; exact when called on the frontend thread."""
         return {
+            "connections": self._connections,
+            "refused_connections": self.refused_connections,
             "clients": len(self._peers),
             "regions": self._peers.region_count(),
             "released_clients": self._peers.dropped,
@@ -224,7 +239,13 @@ class IpcFrontend:
             elif item is monitor:
                 while cast(int, monitor.get(_EVENTS)) & _POLLIN:
                     event = recv_monitor_message(monitor)
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                    if event["event"] == zmq.EVENT_ACCEPTED:
+                        self._connections += 1
+                        if self._connections > self.max_connections:
+                            refuse_connection(event["value"])
+                            self.refused_connections += 1
+                    elif event["event"] == zmq.EVENT_DISCONNECTED:
+                        self._connections = max(0, self._connections - 1)
                         peers.disconnect_seen()
             else:
                 try:
@@ -319,7 +340,12 @@ class IpcFrontend:
                 self._queue(
                     identity, protocol.ok_header(rid, live=True, max_message_bytes=self.max_message_bytes)
                 )
+            elif op == "shm_register" and self._peers.region_count() >= self.max_regions:
+                raise ShmUnavailable(
+                    f"the daemon holds {self.max_regions} shared-memory regions, its limit (descriptors)"
+                )
             elif op in handlers.SLOW_OPS:
+                self._authorize(head, op)
                 future = self._control.submit(
                     handlers.control, self.server, peer.registry, op, header, self._handoff
                 )
@@ -332,6 +358,17 @@ class IpcFrontend:
         except Exception as exc:
             log.exception("IPC request from %s failed unexpectedly", identity.hex())
             self._queue(identity, protocol.error_header(rid, EdgeServerError(f"internal error: {exc!r}")))
+
+    def _authorize(self, frame: zmq.Frame, op: str) -> None:
+        """Operations that change what is served: the daemon's own user or group, root, or operators."""
+        uid, groups = peer_identity(frame)
+        if uid in (0, os.geteuid()) or os.getegid() in groups or self.operator_gid in groups:
+            return
+        raise PermissionDenied(
+            f"operation {op!r} is allowed to the daemon's user and group"
+            + (" and its operator group" if self.operator_gid is not None else "")
+            + f"; uid {uid} is neither (inference stays open to every client)"
+        )
 
     def _infer(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
         if self._stopping or self._refusing:
@@ -434,6 +471,63 @@ class _IpcStream(ResponseSink):
             frames = [protocol.pack({**protocol.error_header(rid, _as_error(exc)), "final": final})]
         self.frontend._replies.append((self.identity, frames, self if final else None))
         self.frontend._wake()
+
+
+#: Descriptors kept free for everything but connections and regions: models, files, hand-offs.
+FD_RESERVE = 320
+
+
+def fd_budget(max_connections: int) -> tuple[int, int]:
+    """(connections, shared-memory regions) the daemon may hold without running out of descriptors.
+
+    libzmq aborts the whole process when ``accept`` fails with EMFILE, so the daemon raises its soft
+    descriptor limit to the hard one and keeps connections and regions (one descriptor each) within
+    what is left after a reserve.  ``max_connections`` (0: as many as fit) is capped by that too.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    room = max(16, (min(soft, 1 << 20) - FD_RESERVE) // 2)
+    connections = min(room, max_connections) if max_connections > 0 else min(room, 4096)
+    return connections, room
+
+
+_CREDS = struct.Struct("3i")
+
+
+def peer_identity(frame: zmq.Frame) -> tuple[int, set[int]]:
+    """(uid, groups) of the process that sent ``frame`` (SO_PEERCRED of its connection, /proc groups)."""
+    try:
+        with socket.socket(fileno=os.dup(frame.get(zmq.SRCFD))) as conn:
+            pid, uid, gid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+    except (OSError, zmq.ZMQError):
+        return -1, set()  # not a Unix socket (tcp://): no credentials, no control
+    groups = {gid}
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+    except OSError:
+        pass
+    return uid, groups
+
+
+def refuse_connection(fd: int) -> None:
+    """Close a just-accepted connection from outside libzmq: shut its socket down; libzmq sees EOF."""
+    try:
+        duplicate = os.dup(fd)
+    except OSError:
+        return
+    try:
+        with socket.socket(fileno=duplicate) as conn:
+            conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _as_error(exc: BaseException) -> EdgeServerError:
