@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from edge_server import dtypes
-from edge_server.errors import EdgeServerError
+from edge_server import __version__, dtypes
+from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.server import CONTROL_MODES
+from edge_server.service.journal import JOURNAL_SOCKET, JournalHandler, stderr_is_journal
 
 log = logging.getLogger("edge_server")
 
@@ -42,7 +44,10 @@ def configure_logging(verbose: int, fmt: str) -> None:
     else:
         datefmt = "%Y-%m-%dT%H:%M:%S" if fmt == "ISO8601" else None
         formatter = logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt)
-    handler = logging.StreamHandler()
+    handler: logging.Handler = logging.StreamHandler()
+    if fmt == "default" and os.path.exists(JOURNAL_SOCKET) and stderr_is_journal():
+        handler = JournalHandler()  # structured fields (MODEL=, VERSION=) besides the message
+        formatter = logging.Formatter("%(name)s: %(message)s")
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -70,13 +75,32 @@ class _JsonFormatter(logging.Formatter):
         )
 
 
+def boolean(text: str) -> bool:
+    """Triton's boolean flag values: ``--exit-on-error false``."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-server", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"edge-server {__version__}")
     parser.add_argument("--log-verbose", type=int, default=0, help="0: info, 1 or more: debug")
     parser.add_argument("--log-format", choices=["default", "ISO8601", "json"], default="default")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the server on a model repository")
+    serve.set_defaults(subparser=serve)  # the settings file becomes this parser's defaults
+    serve.add_argument(
+        "--settings",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML settings, one key per flag (default: $CONFIGURATION_DIRECTORY/edge-server.toml)",
+    )
     serve.add_argument("--model-repository", type=Path, default=None, help="default: the bundled models/")
     serve.add_argument("--model-control-mode", choices=CONTROL_MODES, default="none")
     serve.add_argument(
@@ -117,16 +141,36 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
     )
+    serve.add_argument(
+        "--strict-readiness",
+        type=boolean,
+        default=True,
+        metavar="BOOL",
+        help="server ready only when every model that should load is ready (default true, as Triton)",
+    )
+    serve.add_argument("--allow-metrics", type=boolean, default=True, metavar="BOOL", help="default true")
+    serve.add_argument("--metrics-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
+    serve.add_argument(
+        "--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002)"
+    )
+    serve.add_argument(
+        "--exit-on-error",
+        type=boolean,
+        default=True,
+        metavar="BOOL",
+        help="exit non-zero when a model fails to load at start-up (default true, as Triton)",
+    )
 
     for name, help_text in (
         ("models", "list models, versions and their state"),
         ("infer", "run one request"),
     ):
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--ipc", default=None, metavar="ADDRESS", help="ask this running daemon")
+        sub = commands.add_parser(name, help=help_text, description=_TARGET_HELP)
+        sub.add_argument("--ipc", default=None, metavar="ADDRESS", help="ask the daemon at this address")
         sub.add_argument(
-            "--model-repository", type=Path, default=None, help="without --ipc: load this repository locally"
+            "--model-repository", type=Path, default=None, help="load this repository in this process"
         )
+        sub.add_argument("--local", action="store_true", help="load the bundled repository in this process")
         if name == "infer":
             sub.add_argument("model")
             sub.add_argument("--model-version", type=int, default=None)
@@ -150,10 +194,52 @@ def _add_tools(commands: Any) -> None:
         importlib.import_module(f"edge_server.tools.{name}").add_parser(commands)
 
 
+_TARGET_HELP = (
+    "Asks the running daemon (found at $EDGE_SERVER_IPC, else /run/edge-server/edge-server.sock, else "
+    "the per-user socket); --ipc names it; --model-repository DIR or --local load models in this process."
+)
+
+
+class UsageError(Exception):
+    """A command line that cannot work as given: printed with the usage line, exit status 2."""
+
+
+def _hoist_global_flags(argv: Sequence[str]) -> list[str]:
+    """``--log-verbose``/``--log-format`` are accepted after the command too (``serve --log-verbose 1``)."""
+    front: list[str] = []
+    rest: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        name = item.split("=", 1)[0]
+        if name in ("--log-verbose", "--log-format"):
+            takes_next = "=" not in item and i + 1 < len(items)
+            front += items[i : i + 2] if takes_next else [item]
+            i += 2 if takes_next else 1
+            continue
+        if item == "--":
+            rest += items[i:]
+            break
+        rest.append(item)
+        i += 1
+    return front + rest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = _hoist_global_flags(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     configure_logging(args.log_verbose, args.log_format)
     try:
+        if args.command == "serve":
+            from edge_server.service.settings import apply_settings, settings_path
+
+            path = settings_path(args.settings)
+            if path is not None:
+                apply_settings(args.subparser, path)
+                args = parser.parse_args(argv)  # again: the settings are defaults, the flags win
+                log.info("settings from %s", path)
         if args.command == "serve":
             return _serve(args)
         if args.command == "models":
@@ -161,6 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(args, "tool_run"):  # a tool from edge_server/tools
             return int(args.tool_run(args))
         return _infer(args)
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"edge-server {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except EdgeServerError as exc:
         print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
         return 1
@@ -170,6 +260,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from edge_server.daemon import Daemon, DaemonOptions
+    from edge_server.server import default_repository
+
+    if args.model_repository is None and not default_repository().is_dir():
+        raise UsageError(
+            "no model repository: pass --model-repository DIR, a folder in Triton's layout "
+            "(DIR/<model>/config.pbtxt, DIR/<model>/<version>/model.onnx|model.py|model.plan), or set "
+            "model-repository in the settings file (--settings FILE; the service reads "
+            "/etc/edge-server/edge-server.toml, written by `edge-server install-service`)"
+        )
 
     options = DaemonOptions(
         model_repository=args.model_repository,
@@ -181,33 +280,44 @@ def _serve(args: argparse.Namespace) -> int:
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
+        strict_readiness=args.strict_readiness,
+        exit_on_error=args.exit_on_error,
+        allow_metrics=args.allow_metrics,
+        metrics_address=args.metrics_address,
+        metrics_port=args.metrics_port,
         engine_build=args.engine_build,
         kserve=kserve_options(args),
     )
     return Daemon(options).run()
 
 
-def _connect(args: argparse.Namespace) -> tuple[Any, bool]:
-    """A client of the daemon at --ipc, or a local Server on --model-repository; and which one it is."""
-    if args.ipc:
+@contextlib.contextmanager
+def _target(args: argparse.Namespace) -> Iterator[tuple[Any, bool]]:
+    """A client of the running daemon, or a local Server (--model-repository, --local); and which one."""
+    if args.ipc and (args.model_repository or args.local):
+        raise UsageError("--ipc asks a daemon; --model-repository and --local load models here: pick one")
+    if not (args.model_repository or args.local):
         from edge_server.client import Client
+        from edge_server.ipc.addresses import find_daemon
 
-        return Client(args.ipc), True
+        with Client(find_daemon(args.ipc), timeout=60) as client:
+            yield client, True
+        return
     from edge_server.server import Server
 
     logging.getLogger().setLevel(logging.WARNING)  # a local load should not drown the answer in logs
-    return Server(args.model_repository), False
+    # Models print() from their own threads: while they live here their output goes to stderr, never
+    # into this command's answer, which is printed after they are closed.
+    with contextlib.redirect_stdout(sys.stderr), Server(args.model_repository) as server:
+        yield server, False
 
 
 def _models(args: argparse.Namespace) -> int:
-    target, remote = _connect(args)
-    try:
+    with _target(args) as (target, remote):
         if remote:
             rows = [(m["name"], m["version"], m["state"], m.get("reason", "")) for m in target.models()]
         else:
             rows = [(s.name, s.version, s.state.value, s.reason) for s in target.models()]
-    finally:
-        target.close()
     print(f"{'MODEL':<24} {'VERSION':<8} {'STATE':<12} REASON")
     for name, version, state, reason in rows:
         print(f"{name:<24} {'-' if version is None else version!s:<8} {state:<12} {reason}")
@@ -215,21 +325,15 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _infer(args: argparse.Namespace) -> int:
-    target, remote = _connect(args)
-    try:
+    with _target(args) as (target, remote):
         metadata = target.model_metadata(args.model)
         inputs = _read_inputs(args, metadata)
         outputs = target.infer(args.model, inputs, version=args.model_version, outputs=args.output)
-        if remote:
-            from edge_server.server import default_repository
-
-            config = target.model_config(args.model)
-            repository = args.model_repository or default_repository()
+        if remote:  # label files are read from the daemon's repository, on this same box
+            config, repository = target.model_config(args.model), Path(target.status()["repository"])
         else:
             config, repository = target.model_config(args.model).to_triton_dict(), target.repository
         labels = _labels(config, repository / args.model)
-    finally:
-        target.close()
     for name, array in outputs.items():
         print(f"{name}: {array.dtype} {list(array.shape)}")
         print(np.array2string(array, threshold=64, precision=5))
@@ -246,8 +350,11 @@ def _read_inputs(args: argparse.Namespace, metadata: dict[str, Any]) -> dict[str
     for item in args.input:
         name, sep, path = item.partition("=")
         if not sep:
-            raise EdgeServerError(f"--input expects NAME=FILE.npy, got {item!r}")
-        array = np.load(path, allow_pickle=False)
+            raise UsageError(f"--input expects NAME=FILE.npy, got {item!r}")
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as exc:  # missing, unreadable, not .npy, pickled objects
+            raise InvalidArgument(f"--input {name}: cannot read {path} as a .npy array: {exc}") from None
         spec = next((t for t in metadata["inputs"] if t["name"] == name), None)
         if spec is not None and array.ndim == len(spec["shape"]) - 1 and spec["shape"][:1] == [-1]:
             array = array[None]  # a single sample for a batching model: add the batch axis
@@ -260,7 +367,7 @@ def _read_inputs(args: argparse.Namespace, metadata: dict[str, Any]) -> dict[str
         spec = metadata["inputs"][0]
         inputs[spec["name"]] = image_tensor(args.image, spec)
     if not inputs:
-        raise EdgeServerError("give --input NAME=FILE.npy (repeatable) or --image FILE")
+        raise UsageError("give --input NAME=FILE.npy (repeatable) or --image FILE")
     return inputs
 
 
@@ -270,7 +377,12 @@ def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
     Float inputs are scaled to [0, 1]; integer inputs keep 0..255.  A leading -1 in the shape is the
     batch axis and becomes 1.
     """
-    import cv2
+    try:
+        import cv2
+    except ImportError:
+        raise InvalidArgument(
+            "--image needs OpenCV: pip install 'edge-server[image]' (on a Jetson, JetPack's python3-opencv)"
+        ) from None
 
     shape = list(spec["shape"])
     batched = len(shape) == 4 or (len(shape) == 3 and shape[0] == -1)
@@ -285,7 +397,7 @@ def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
         raise EdgeServerError(f"--image: cannot tell the channel axis of input shape {shape}")
     image = cv2.imread(str(path), cv2.IMREAD_GRAYSCALE if channels == 1 else cv2.IMREAD_COLOR)
     if image is None:
-        raise EdgeServerError(f"--image: cannot read {path} as an image")
+        raise InvalidArgument(f"--image: cannot read {path} as an image")
     if channels == 3:
         image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
     if height > 0 and width > 0:
@@ -306,7 +418,8 @@ def _labels(config: dict[str, Any], model_dir: Path) -> dict[str, list[str]]:
     for spec in config.get("output", []):
         path = model_dir / spec.get("label_filename", "")
         if spec.get("label_filename") and path.is_file():
-            labels[spec["name"]] = path.read_text().split("\n")
+            with contextlib.suppress(OSError):  # not readable by this user: print scores without names
+                labels[spec["name"]] = path.read_text().split("\n")
     return labels
 
 

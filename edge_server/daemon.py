@@ -21,7 +21,10 @@ from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSA
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
+from edge_server.metrics.collector import LoadCounter, ServerCollector
 from edge_server.server import ControlMode, Server
+from edge_server.service.notify import Notifier
+from edge_server.service.supervisor import Supervisor, unavailable_models
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,13 @@ class DaemonOptions:
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
+    strict_readiness: bool = True  # Triton's default: ready only when every model that should load is
+    exit_on_error: bool = True  # Triton's default: a model that fails at start-up stops the daemon
     engine_build: str = "none"  # "on-load": rebuild stale TensorRT plans while their ONNX serves
     kserve: KServeOptions = KServeOptions()
+    allow_metrics: bool = True
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = 8002
 
 
 def operator_gid(group: str | None) -> int | None:
@@ -66,17 +74,37 @@ class Daemon:
         limit_malloc_arenas()  # before any thread starts: see edge_server.memory
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record)
+        # NOTIFY_SOCKET stays set: the TensorRT engine rebuilder sends its own EXTEND_TIMEOUT_USEC, and
+        # the unit's NotifyAccess=main keeps any child process from speaking for the daemon.
+        notifier = Notifier(unset=False)
+        supervisor = Supervisor(notifier, strict_readiness=options.strict_readiness)
+        supervisor.starting()
+        loads = LoadCounter()  # hears every load from the first one on, for the metrics
         server = Server(
             options.model_repository,
             model_control_mode=options.model_control_mode,
             load_models=options.load_models,
             drain_timeout=options.drain_timeout,
             watch_quiet_s=options.watch_quiet_s,
+            listeners=(supervisor.on_model_state, loads),
             engine_build=options.engine_build,
         )
+        supervisor.attach(server)
         frontend = None
+        metrics = None
         kserve = None
+        status = 0
         try:
+            failed = unavailable_models(server.models())
+            if failed and options.exit_on_error:
+                for name, reason in sorted(failed.items()):
+                    log.error("model %s failed to load: %s", name, reason)
+                log.error(
+                    "exiting: %d model(s) failed to load at start-up (--exit-on-error false serves the rest)",
+                    len(failed),
+                )
+                status = 1
+                return status
             kserve = KServeFrontends(
                 server,
                 options.kserve,
@@ -98,16 +126,29 @@ class Daemon:
                     drain_timeout=options.drain_timeout,
                 )
                 frontend.start()
+                supervisor.add_frontend("IPC frontend", frontend)
                 log.info("serving on %s", address)
+            if options.allow_metrics:
+                from edge_server.metrics.endpoint import serve_metrics
+
+                collector = ServerCollector(
+                    server,
+                    loads=loads,
+                    service=supervisor.state,
+                    frontends=lambda: [frontend] if frontend else [],
+                )
+                metrics = serve_metrics(collector, address=options.metrics_address, port=options.metrics_port)
             ready = [s for s in server.models() if s.state is ModelState.READY]
             log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
-            self._loop(server)
+            supervisor.serving()
+            self._loop(server, supervisor)
         finally:
             # One budget for the whole stop: intake closes, what is in flight and queued gets until the
             # deadline, what is left then fails UNAVAILABLE (and is answered), models unload.
             deadline = time.monotonic() + options.drain_timeout
             self._escalate_on_second_signal()
             log.info("stopping: draining requests (up to %.1f s)", options.drain_timeout)
+            supervisor.stopping()  # STOPPING=1; readiness false from here on
             if frontend is not None:
                 frontend.refuse_new()
             if kserve is not None:
@@ -117,8 +158,11 @@ class Daemon:
                 frontend.close(timeout=_FLUSH_S)  # every request has its answer now: send them
             if kserve is not None:
                 kserve.close()
+            if metrics is not None:
+                metrics.close()
+            supervisor.stopped()
             log.info("stopped")
-        return 0
+        return status
 
     @staticmethod
     def _escalate_on_second_signal() -> None:
@@ -131,7 +175,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, now)
 
-    def _loop(self, server: Server) -> None:
+    def _loop(self, server: Server, supervisor: Supervisor) -> None:
         while True:
             try:
                 signum = self._signals.get(timeout=1.0)
@@ -139,10 +183,15 @@ class Daemon:
                 continue
             if signum == signal.SIGHUP:
                 log.info("SIGHUP: rescanning %s", server.repository)
+                supervisor.reloading()
                 try:
                     server.rescan()
                 except EdgeServerError as exc:
                     log.error("rescan failed: %s", exc.message)
+                    supervisor.reloaded(False, exc.message)
+                else:
+                    missing = unavailable_models(server.models())
+                    supervisor.reloaded(not missing, "; ".join(sorted(missing)))
                 continue
             log.info("received %s", signal.Signals(signum).name)
             return

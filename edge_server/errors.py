@@ -234,6 +234,13 @@ class ShmAlreadyRegistered(SharedMemoryError):
     code = "SHM_ALREADY_REGISTERED"
 
 
+class DaemonNotRunning(EdgeServerError):
+    """No daemon answers at any address a client tried."""
+
+    code = "DAEMON_NOT_RUNNING"
+    http_status = 503
+
+
 class AddressInUse(EdgeServerError):
     """Another live daemon already listens on the IPC address."""
 

@@ -423,6 +423,8 @@ class ModelManager:
             return known[1]
         self._set(name, version, ModelState.LOADING, "replacing the serving copy" if existing else "")
         self._heap_changed = True
+        log.info("%s v%d loading", name, version, extra={"model": name, "version": version})
+        began = time.monotonic()
         try:
             loaded = load_version(
                 source,
@@ -438,10 +440,11 @@ class ModelManager:
                 reason += " (the files changed while loading; loading again when they settle)"
             else:
                 self._failed[(name, version)] = (content_hash, reason)
+            fields = {"model": name, "version": version}
             if isinstance(exc, EdgeServerError):
-                log.error("%s v%d failed to load: %s", name, version, reason)
+                log.error("%s v%d failed to load: %s", name, version, reason, extra=fields)
             else:
-                log.exception("%s v%d failed to load", name, version)
+                log.exception("%s v%d failed to load", name, version, extra=fields)
             return reason
         if source.version_signature(version) != signature:
             # It never took traffic; what it loaded may be a half-written file.
@@ -450,7 +453,14 @@ class ModelManager:
             log.warning("%s v%d: %s", name, version, reason)
             return reason
         self._failed.pop((name, version), None)
-        log.info("%s v%d ready on %s", name, version, ", ".join(loaded.devices))
+        log.info(
+            "%s v%d ready on %s in %.2f s",
+            name,
+            version,
+            ", ".join(loaded.devices),
+            time.monotonic() - began,
+            extra={"model": name, "version": version},
+        )
         return loaded
 
     def _fail_model(self, name: str, current: dict[int, LoadedVersion], exc: EdgeServerError) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from edge_server.backends.tensorrt.rebuild import ENGINE_BUILD_MODES, EngineRebu
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
-from edge_server.lifecycle import ModelManager, VersionStatus
+from edge_server.lifecycle import Listener, ModelManager, VersionStatus
 from edge_server.request import InferRequest, RequestOptions
 from edge_server.streaming import AsyncResponseIterator, ResponseIterator
 from edge_server.watcher import RepositoryWatcher
@@ -32,6 +32,15 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
+
+
+class ServiceView(Protocol):
+    """What the daemon's service layer tells the server: readiness, and its part of :meth:`Server.status`."""
+
+    def is_ready(self) -> bool: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
 
 ControlMode = Literal["none", "explicit", "poll"]
 CONTROL_MODES: tuple[str, ...] = ("none", "explicit", "poll")
@@ -59,10 +68,12 @@ class Server:
         drain_timeout: float = 30.0,
         cpu_count: int | None = None,
         watch_quiet_s: float = 0.5,
+        listeners: Iterable[Listener] = (),
         engine_build: str = "none",
     ) -> None:
         """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
 
+        ``listeners`` hear every model state change from the first load on (see ``add_listener``).
         ``engine_build="on-load"`` rebuilds TensorRT plans that cannot serve here (another TensorRT
         version or device, or missing) from the ONNX beside them, in the background, while the ONNX serves.
         """
@@ -76,7 +87,12 @@ class Server:
         self.repository = repository
         self.control_mode = model_control_mode
         self._manager = ModelManager(repository, drain_timeout=drain_timeout, cpu_count=cpu_count)
+        for listener in listeners:
+            self._manager.add_listener(listener)
         self._dataplane = DataPlane(self._manager)
+        # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
+        # draining, strict readiness) and the daemon's part of status().  None in-process.
+        self.service: ServiceView | None = None
         self._rebuilder = self._engine_rebuilder(engine_build)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
@@ -189,12 +205,22 @@ class Server:
         if self._closed.is_set():
             return False
         if model is None:
-            return True
+            return True if self.service is None else self.service.is_ready()
         try:
             self._manager.resolve(model, version)
         except EdgeServerError:
             return False
         return True
+
+    def status(self) -> dict[str, Any]:
+        """What ``edge-server status`` shows: the daemon's state and uptime, and every model's figures."""
+        from edge_server.model_report import model_report
+
+        if self.service is not None:
+            info = self.service.describe()
+        else:
+            info = {"state": "stopped" if self._closed.is_set() else "serving"}
+        return {**info, "repository": str(self.repository), "models": model_report(self._manager)}
 
     def load_model(self, model: str, *, config_override: str | None = None) -> list[VersionStatus]:
         """Load or reload ``model`` from the repository (explicit and poll modes).

@@ -247,6 +247,8 @@ class Daemon:
             "false",
             "--allow-grpc",
             "false",
+            "--allow-metrics",  # metrics tests turn it on, on a port of their own
+            "false",
             *self.args,
         ]
         nofile = self.nofile

@@ -81,13 +81,11 @@ def test_models_and_infer_through_a_running_daemon(daemon: Daemon, example_repos
         str(image),
         "--ipc",
         daemon.address,
-        "--model-repository",
-        str(daemon.repository),
         "--top",
         "1",
     )
     assert result.returncode == 0, result.stderr
-    assert "#1: 5 (" in result.stdout  # labels.txt read from the repository on this box
+    assert "#1: 5 (" in result.stdout  # labels.txt read from the daemon's repository on this box
     result = cli("infer", "nope", "--image", str(image), "--ipc", daemon.address)
     assert result.returncode == 1
     assert "error [MODEL_NOT_FOUND]" in result.stderr

@@ -358,3 +358,8 @@ def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray:
     out = np.empty(len(items), dtype=object)
     out[:] = items
     return out
+
+
+# Custom metrics (Triton's pb_utils.MetricFamily / Metric): see python_metrics.py.
+from edge_server.backends.python_metrics import Metric as Metric  # noqa: E402
+from edge_server.backends.python_metrics import MetricFamily as MetricFamily  # noqa: E402

@@ -26,7 +26,7 @@ from edge_server.client import _wire
 from edge_server.client.shm import SharedMemoryRegion, ShmRing, stride
 from edge_server.errors import EdgeServerError, InvalidArgument, MessageTooLarge, ShmUnavailable
 from edge_server.ipc import protocol
-from edge_server.ipc.addresses import default_address, ipc_path
+from edge_server.ipc.addresses import client_address, ipc_path
 from edge_server.ipc.handoff import hand_over, handoff_path
 
 T = TypeVar("T")
@@ -216,7 +216,7 @@ class ClientBase:
         max_message_bytes: int | None,
         shm_prefix: str,
     ) -> None:
-        self.address = address or default_address()
+        self.address = address or client_address()
         self.timeout = timeout
         self.control_timeout = control_timeout
         self.shm_prefix = shm_prefix
@@ -329,6 +329,9 @@ class ClientBase:
 
     def _shm_status(self) -> Steps[list[dict[str, Any]]]:
         return list((yield self._control("shm_status", "regions", self.timeout)))
+
+    def _status(self) -> Steps[dict[str, Any]]:
+        return dict((yield self._control("status", "status", self.timeout)))
 
     def _ipc_status(self) -> Steps[dict[str, int]]:
         return dict((yield self._control("ipc_status", "ipc", self.timeout)))

@@ -378,6 +378,9 @@ class AsyncClient(ClientBase):
     async def shm_status(self) -> list[dict[str, Any]]:
         return await self._run(self._shm_status())
 
+    async def status(self) -> dict[str, Any]:
+        return await self._run(self._status())
+
     async def ipc_status(self) -> dict[str, int]:
         return await self._run(self._ipc_status())
 

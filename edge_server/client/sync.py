@@ -198,6 +198,10 @@ class Client(ClientBase):
         """The regions this client has registered, as the daemon sees them."""
         return self._run(self._shm_status())
 
+    def status(self) -> dict[str, Any]:
+        """The daemon's state, uptime, repository and per-model figures (``edge-server status``)."""
+        return self._run(self._status())
+
     def ipc_status(self) -> dict[str, int]:
         """clients, regions, released_clients, dropped_replies, and the daemon's max_message_bytes."""
         return self._run(self._ipc_status())

@@ -1,9 +1,14 @@
-"""Where the IPC socket lives, and making its file safe to bind.
+"""Where the IPC socket lives, how clients find it, and making its file safe to bind.
 
-The default follows the issue: the systemd runtime directory when run as a service
-(``$RUNTIME_DIRECTORY``), else ``$XDG_RUNTIME_DIR/edge-server``, else a per-user directory under the
-temp directory.  The socket file is always chmod 0660 (owner and group), but who can reach it is
-decided by its directory:
+One rule, for the daemon and every client.  ``$EDGE_SERVER_IPC`` overrides everything.  Otherwise the
+daemon binds in systemd's runtime directory when run as a service (``$RUNTIME_DIRECTORY``, which the
+unit makes ``/run/edge-server``), else in the per-user directory (``$XDG_RUNTIME_DIR/edge-server``, or
+``edge-server-<uid>`` under the temp directory).  A client tries the service's socket
+(``/run/edge-server/edge-server.sock``) when it exists and accepts a connection, then the per-user
+one: see :func:`candidate_addresses` and :func:`find_daemon`.
+
+The socket file is always chmod 0660 (owner and group), but who can reach it is decided by its
+directory:
 
 * ``$RUNTIME_DIRECTORY`` is made by systemd with the unit's ``RuntimeDirectoryMode=`` (0750 in
   ``systemd/edge-server.service``) and owned by ``User=``/``Group=``; its mode is systemd's business and
@@ -27,11 +32,13 @@ import stat
 import tempfile
 from pathlib import Path
 
-from edge_server.errors import AddressInUse, InvalidArgument
+from edge_server.errors import AddressInUse, DaemonNotRunning, InvalidArgument
 
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "edge-server.sock"
+ENV_ADDRESS = "EDGE_SERVER_IPC"
+SERVICE_DIR = Path("/run/edge-server")  # RuntimeDirectory=edge-server in systemd/edge-server.service
 SOCKET_MODE = 0o660  # owner and group; whether the group gets there is up to the directory
 DIR_MODE = 0o700  # directories this module creates: the per-user fallbacks, a missing --ipc parent
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
@@ -39,18 +46,78 @@ MAX_IPC_PATH = 107
 
 
 def default_address() -> str:
-    """The ``ipc://`` address a daemon binds and a client connects to when none is given."""
+    """The address a daemon binds when none is given (its per-user directory is created 0700)."""
+    override = os.environ.get(ENV_ADDRESS)
+    if override:
+        return override
     runtime = os.environ.get("RUNTIME_DIRECTORY")
     if runtime:
         # systemd joins several RuntimeDirectory= entries with ':'; the first is ours.
         return f"ipc://{Path(runtime.split(':')[0]) / SOCKET_NAME}"
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        directory = Path(xdg) / "edge-server"
-    else:
-        directory = Path(tempfile.gettempdir()) / f"edge-server-{os.getuid()}"
+    directory = user_dir()
     _private_dir(directory)
     return f"ipc://{directory / SOCKET_NAME}"
+
+
+def user_dir() -> Path:
+    """The per-user socket directory: ``$XDG_RUNTIME_DIR/edge-server``, else one under the temp directory."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "edge-server"
+    return Path(tempfile.gettempdir()) / f"edge-server-{os.getuid()}"
+
+
+def candidate_addresses(service_dir: Path = SERVICE_DIR) -> list[str]:
+    """Where a client looks for the daemon, in order: ``$EDGE_SERVER_IPC`` alone, else service then user."""
+    override = os.environ.get(ENV_ADDRESS)
+    if override:
+        return [override]
+    return [f"ipc://{service_dir / SOCKET_NAME}", f"ipc://{user_dir() / SOCKET_NAME}"]
+
+
+def reachable(address: str, timeout: float = 1.0) -> bool:
+    """Does something accept connections at ``address`` (within ``timeout`` for TCP)?  Sends nothing."""
+    path = ipc_path(address)
+    if path is None:
+        if not address.startswith("tcp://"):
+            return False
+        host, _, port = address[len("tcp://") :].rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except (OSError, ValueError):
+            return False
+        return True
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(str(path))
+    except OSError:  # absent, refused (a stale file), or not ours to reach (permissions)
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def client_address(service_dir: Path = SERVICE_DIR) -> str:
+    """The library's default: the first candidate that answers, else the last one (it may start later)."""
+    candidates = candidate_addresses(service_dir)
+    return next((a for a in candidates if reachable(a)), candidates[-1])
+
+
+def find_daemon(explicit: str | None = None, service_dir: Path = SERVICE_DIR) -> str:
+    """The address of a running daemon, or :class:`DaemonNotRunning` naming every address tried.
+
+    Answers within about a second, so that a command-line client never waits on an absent daemon.
+    """
+    tried = [explicit] if explicit else candidate_addresses(service_dir)
+    for address in tried:
+        if reachable(address):
+            return address
+    hint = (
+        "start it with `edge-server serve` (or `systemctl start edge-server`), pass --ipc ADDRESS or set "
+        f"{ENV_ADDRESS}, or use --model-repository DIR to load a repository in this process"
+    )
+    raise DaemonNotRunning(f"no edge-server daemon answers at {', '.join(tried)}; {hint}")
 
 
 def _private_dir(directory: Path) -> None:

@@ -104,6 +104,7 @@ class IpcFrontend:
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
+        self.turns = 0  # loop turns of the frontend thread: its progress counter for the watchdog
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -181,6 +182,14 @@ class IpcFrontend:
             "max_message_bytes": self.max_message_bytes,
         }
 
+    def liveness(self) -> tuple[int, bool]:
+        """(loop turns, True): the watchdog pokes the thread each tick, so a live one always turns."""
+        return self.turns, True
+
+    def poke(self) -> None:
+        """Wake the frontend thread for one loop turn (the watchdog's question: are you there?)."""
+        self._wake()
+
     # -- the frontend thread --------------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -213,6 +222,7 @@ class IpcFrontend:
     def _loop_once(self, items: list[tuple[Any, int]]) -> bool:
         sock, monitor, peers = self._sock, self._monitor, self._peers
         assert sock is not None and monitor is not None
+        self.turns += 1
         deadline = peers.next_deadline()
         timeout_ms = max(0, int((deadline - time.monotonic()) * 1000.0) + 1)
         if self._stopping:

@@ -251,6 +251,8 @@ def control(
         return {"metadata": server.model_metadata(model, version)}
     if op == "config":
         return {"config": server.model_config(model, version).to_triton_dict()}
+    if op == "status":
+        return {"status": server.status()}
     if op == "stats":
         return {"stats": server.statistics(model, version)}
     if op in ("load", "reload"):

@@ -43,6 +43,7 @@ OPS = frozenset(
         "metadata",
         "config",
         "stats",
+        "status",
         "load",
         "reload",
         "unload",

@@ -129,6 +129,10 @@ class ModelScheduler:
         self._next_seq = 0
         self._delivered_seq = 0
         self._instances = instances
+        # Watched, not used: finished executions (the watchdog's progress counter) and the time each
+        # instance spent executing (metrics).  Each instance is used by one thread at a time.
+        self._progress = 0
+        self._busy_ns: dict[Backend, int] = {backend: 0 for _, backend in instances}
         # Inline execution is an explicit opt-in of each backend (TensorRT opts out: never on a frontend).
         self._inline_capable = not self._settings.batching and all(
             isinstance(backend, TensorBackend) and backend.allows_inline for _, backend in instances
@@ -199,6 +203,7 @@ class ModelScheduler:
             with self._lock:
                 self._borrowed.discard(lent)
                 self._in_flight -= 1
+                self._progress += 1
                 if self._queue.size or not self._accepting:
                     self._cond.notify_all()  # the instance's worker may be waiting for it
         return result
@@ -252,6 +257,15 @@ class ModelScheduler:
     def queue_size(self) -> int:
         with self._lock:
             return len(self._queue)
+
+    def liveness(self) -> tuple[int, bool]:
+        """(executions finished so far, whether requests are queued or running): see service.liveness."""
+        with self._lock:
+            return self._progress, bool(len(self._queue) or self._in_flight)
+
+    def instance_busy_ns(self) -> dict[str, int]:
+        """Nanoseconds each instance has spent executing, by instance name (a utilisation figure)."""
+        return {name: self._busy_ns[backend] for name, backend in self._instances}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -365,6 +379,7 @@ class ModelScheduler:
             with self._lock:
                 self._in_flight -= len(batch)
                 self._delivered_seq += 1
+                self._progress += 1
                 if self._preserve_ordering or not self._accepting:
                     self._cond.notify_all()
 
@@ -396,6 +411,7 @@ class ModelScheduler:
             result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
         end = time.monotonic_ns()
         self._observe(end - start, item)
+        self._busy_ns[backend] += end - start
         ok = not isinstance(result, Exception)
         self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
         return result
@@ -408,8 +424,10 @@ class ModelScheduler:
         results: list[Result] = []
         if live:
             results = self._compute(backend, [r.item for r in live], timing)
+            spent = time.monotonic_ns() - start
+            self._busy_ns[backend] += spent
             if len(live) == 1:
-                self._observe(time.monotonic_ns() - start, live[0].item)
+                self._observe(spent, live[0].item)
         if seq is not None:
             with self._lock:
                 while self._delivered_seq != seq:

@@ -137,6 +137,10 @@ class SequenceScheduler:
         self._stopping = False
         self._counts = {"started": 0, "ended": 0, "expired": 0}
         self._instances = instances
+        # Watched, not used: finished executions (the watchdog's progress counter) and each instance's
+        # time spent executing (metrics); see ModelScheduler.
+        self._progress = 0
+        self._busy_ns: dict[Backend, int] = {backend: 0 for _, backend in instances}
         stats.sequence_stats = self.sequence_stats
         self._threads = [
             threading.Thread(target=self._worker, args=(index,), name=f"edge-{name}", daemon=True)
@@ -211,6 +215,18 @@ class SequenceScheduler:
     def queue_size(self) -> int:
         with self._lock:
             return self._queued
+
+    def liveness(self) -> tuple[int, bool]:
+        """(executions finished, whether one is running): see service.liveness.
+
+        Queued requests alone do not count: a sequence may wait for a slot that an idle sequence holds
+        until it expires, which is not a hang.
+        """
+        with self._lock:
+            return self._progress, bool(self._in_flight)
+
+    def instance_busy_ns(self) -> dict[str, int]:
+        return {name: self._busy_ns[backend] for name, backend in self._instances}
 
     def sequence_stats(self) -> dict[str, Any]:
         """Sequence counts and slot occupancy for the statistics."""
@@ -438,6 +454,9 @@ class SequenceScheduler:
                 results = [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(live)
         end_ns = time.monotonic_ns()
         with self._lock:
+            self._progress += 1
+            if live:
+                self._busy_ns[backend] += end_ns - start_ns
             for seq in [s for s, _ in live] + cancelled:
                 seq.busy = False
                 seq.last_ns = end_ns

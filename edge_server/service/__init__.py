@@ -1,0 +1,1 @@
+"""Running as a service: daemon states, systemd's notify protocol, liveness for the watchdog."""
