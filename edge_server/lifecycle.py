@@ -32,6 +32,7 @@ from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, Se
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
 from edge_server.repository import ModelSource, scan, scan_model
+from edge_server.request import ModelAccess
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ class ModelManager:
         self._unloaded: set[str] = set()  # unloaded through the API: rescans leave them alone
         self._closed = False
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
+        self._access: ModelAccess | None = None
+
+    def attach(self, access: ModelAccess) -> None:
+        """Give the models loaded from now on their way to other models (ensembles, BLS calls)."""
+        self._access = access
 
     # -- request path ---------------------------------------------------------------------------
 
@@ -359,7 +365,12 @@ class ModelManager:
         self._heap_changed = True
         try:
             loaded = load_version(
-                source, version, config, content_hash=content_hash, cpu_count=self._cpu_count
+                source,
+                version,
+                config,
+                content_hash=content_hash,
+                cpu_count=self._cpu_count,
+                access=self._access,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
             reason = exc.message if isinstance(exc, EdgeServerError) else repr(exc)

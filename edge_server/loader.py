@@ -18,6 +18,7 @@ from edge_server.config import ModelConfig, load_config_file, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import ConfigError
 from edge_server.repository import ModelSource
+from edge_server.request import ModelAccess
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
 from edge_server.validation import RequestValidator
@@ -66,9 +67,18 @@ def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
 
 
 def load_version(
-    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, cpu_count: int | None = None
+    source: ModelSource,
+    version: int,
+    config: ModelConfig,
+    *,
+    content_hash: str,
+    cpu_count: int | None = None,
+    access: ModelAccess | None = None,
 ) -> LoadedVersion:
-    """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable."""
+    """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable.
+
+    ``access`` reaches other models (a Python model's BLS calls); None where nothing can be called.
+    """
     version_dir = source.versions[version]
     model_path = version_dir / config.model_filename
     if not model_path.exists():
@@ -85,7 +95,12 @@ def load_version(
     try:
         for spec in specs:
             ctx = LoadContext(
-                config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
+                config=config,
+                version=version,
+                version_dir=version_dir,
+                model_path=model_path,
+                instance=spec,
+                models=access,
             )
             instances.append((spec.name, backend_cls(ctx)))
         for name, backend in instances:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from edge_server.access import LocalAccess
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
@@ -71,6 +72,8 @@ class Server:
         self.control_mode = model_control_mode
         self._manager = ModelManager(repository, drain_timeout=drain_timeout, cpu_count=cpu_count)
         self._dataplane = DataPlane(self._manager)
+        # Pipelines and Python models reach other models through the data plane, handed down at load.
+        self._manager.attach(LocalAccess(self._dataplane, self._manager, control_mode=model_control_mode))
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None

@@ -10,7 +10,9 @@ A model may also return a plain ``{name: ndarray}`` dict per request instead of 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import itertools
 import logging
 import sys
@@ -165,10 +167,15 @@ class PythonBackend(Backend):
     def __init__(self, ctx: LoadContext) -> None:
         self._config = ctx.config
         self._name = ctx.instance.name
-        self._context = pb_context.ModelContext(ctx.instance.name, ctx.version_dir)
+        self._context = pb_context.ModelContext(
+            ctx.instance.name, ctx.version_dir, models=ctx.models, model_name=ctx.config.name
+        )
         module = _import_model(ctx.model_path)
+        self._module_name = module.__name__
+        self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``, made on first use
         with pb_context.running(self._context):
             self._model = getattr(module, _CLASS_NAME)()
+        pb_context.register_module(self._module_name, self._context)  # BLS from the model's threads
         self._out_dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in ctx.config.outputs}
         # Exactly Triton's keys and formats (all strings); "model_repository" is the model's directory.
         args = {
@@ -186,6 +193,7 @@ class PythonBackend(Backend):
                 with pb_context.running(self._context):
                     initialize(args)
             except Exception as exc:
+                pb_context.unregister_module(self._module_name)
                 raise ConfigError(f"{ctx.model_path}: initialize() failed: {exc!r}") from exc
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
@@ -194,6 +202,8 @@ class PythonBackend(Backend):
         try:
             with pb_context.running(self._context):
                 responses = self._model.execute(requests)
+                if inspect.iscoroutine(responses):  # ``async def execute``: run it, as Triton does
+                    responses = self._event_loop().run_until_complete(responses)
         except Exception as exc:
             if isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
                 error = model_error(self._config.name, exc)
@@ -234,10 +244,11 @@ class PythonBackend(Backend):
                 return stream.put(result, None, final=final)
 
             sender = pb_utils.InferenceResponseSender(emit, lambda: stream.cancelled)
-        return pb_utils.InferenceRequest(
+        return pb_utils.InferenceRequest._incoming(
+            self._config.name,
             item.inputs,
             item.requested_outputs,
-            item.request_id,
+            request_id=item.request_id,
             parameters=item.parameters,
             correlation_id=item.correlation_id,
             flags=item.flags,
@@ -276,6 +287,12 @@ class PythonBackend(Backend):
             result[name] = array
         return result
 
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop that runs a coroutine ``execute`` (one per instance, run by its worker)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
     def close(self) -> None:
         finalize = getattr(self._model, "finalize", None)
         if finalize is not None:
@@ -285,3 +302,7 @@ class PythonBackend(Backend):
             except Exception:
                 log.exception("%s: finalize() raised", self._name)
         self._model = None
+        pb_context.unregister_module(self._module_name)
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
