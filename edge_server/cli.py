@@ -15,7 +15,7 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.errors import EdgeServerError
-from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.server import CONTROL_MODES
 
@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     serve.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        help="IPC: largest request header decoded (msgpack); larger ones are refused unread",
+    )
+    serve.add_argument(
         "--shm-prefix", default=DEFAULT_SHM_PREFIX, help="only shared-memory names with this prefix register"
     )
     add_kserve_arguments(serve)
@@ -162,6 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         load_models=tuple(args.load_model),
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
+        max_header_bytes=args.max_header_bytes,
         shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from edge_server.errors import EdgeServerError
-from edge_server.ipc.protocol import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
@@ -30,6 +30,7 @@ class DaemonOptions:
     load_models: tuple[str, ...] = ()
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
@@ -69,6 +70,7 @@ class Daemon:
                     server,
                     address,
                     max_message_bytes=options.max_message_bytes,
+                    max_header_bytes=options.max_header_bytes,
                     shm_prefix=options.shm_prefix,
                     drain_timeout=options.drain_timeout,
                 )

@@ -31,7 +31,7 @@ from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
-from edge_server.repository import ModelSource, scan, scan_model
+from edge_server.repository import ModelSource, check_model_name, scan, scan_model
 from edge_server.request import ModelAccess
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class ModelManager:
             found = versions.get(version)
             if found is not None:
                 return found
+        check_model_name(name)
         with self._status_lock:
             known = {key: s for key, s in self._status.items() if key[0] == name}
         if not known and not versions:
@@ -160,6 +161,7 @@ class ModelManager:
         Versions whose files did not change stay as they are; versions that failed before are tried
         again even if their files are the same (the failure may have been transient).
         """
+        check_model_name(name)
         with self._changing():
             self._check_open()
             self._unloaded.discard(name)
@@ -173,6 +175,7 @@ class ModelManager:
 
     def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
+        check_model_name(name)
         with self._changing():
             if name not in self._serving and not any(s.name == name for s in self.index()):
                 raise ModelNotFound(f"unknown model {name!r}")

@@ -15,13 +15,23 @@ cached, because a second write inside the same timestamp tick would leave every 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_server.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
 CONFIG_FILENAME = "config.pbtxt"
+#: A model name is one directory entry of the repository: at most NAME_MAX bytes.
+MAX_MODEL_NAME_BYTES = 255
+# Version directories: plain decimal numbers that fit a signed 64-bit integer (Triton's int64 version).
+_VERSION_DIR = re.compile(r"[0-9]{1,18}")
 _TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp", "~", ".crdownload", ".dpkg-new", ".rsync-tmp")
 
 #: Files changed this recently are hashed again on every call instead of being cached.
@@ -30,6 +40,35 @@ _CACHE_LIMIT = 4096
 
 # One stat row: (relative name, device, inode, size, mtime_ns, ctime_ns).
 StatRow = tuple[str, int, int, int, int, int]
+
+
+def shorten(text: object, limit: int = 80) -> str:
+    """``repr(text)`` cut to ``limit`` characters: what a client sent is never echoed back whole."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 5] + "...'" + f" ({len(shown)} chars)"
+
+
+def check_model_name(name: object) -> str:
+    """``name`` if it is a plain directory name of the repository, else InvalidArgument.
+
+    Every API that takes a model name (IPC, HTTP, gRPC, in-process, BLS) goes through here before a
+    name is joined to the repository path: no separators, no ``.``/``..``, no NUL, no hidden names,
+    at most 255 bytes.  So no request can make the daemon load a directory outside the repository.
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name.startswith(".")
+        or len(name.encode("utf-8", "surrogateescape")) > MAX_MODEL_NAME_BYTES
+    ):
+        raise InvalidArgument(
+            f"model name {shorten(name)} is not a plain directory name of the repository (1-255 bytes, "
+            "no '/', '\\' or NUL, not starting with '.')"
+        )
+    return name
 
 
 def is_ignored(name: str) -> bool:
@@ -150,9 +189,17 @@ _HASHES = _HashCache()
 
 
 def scan_model(repository: Path, name: str) -> ModelSource | None:
-    """The model directory ``name``, or None when it does not exist (any more)."""
+    """The model directory ``name``, or None when it does not exist (any more).
+
+    A model or version directory that is a symbolic link leading outside the repository is refused
+    (logged, and left out): the repository's owner decides what is code, not whoever can make a link.
+    """
+    try:
+        check_model_name(name)
+    except InvalidArgument:
+        return None  # names from the filesystem (hidden, odd ones) are skipped; APIs check first
     path = repository / name
-    if is_ignored(name) or not path.is_dir():
+    if is_ignored(name) or not path.is_dir() or not _inside(repository, path):
         return None
     versions: dict[int, Path] = {}
     try:
@@ -160,9 +207,21 @@ def scan_model(repository: Path, name: str) -> ModelSource | None:
     except OSError:  # removed while we looked
         return None
     for entry in entries:
-        if entry.is_dir() and entry.name.isdigit() and not is_ignored(entry.name):
+        if _VERSION_DIR.fullmatch(entry.name) and entry.is_dir() and _inside(repository, entry):
             versions[int(entry.name)] = entry
     return ModelSource(name=name, path=path, versions=versions)
+
+
+def _inside(repository: Path, path: Path) -> bool:
+    """Whether ``path`` (maybe a symlink) resolves to a place inside the repository."""
+    if not path.is_symlink():
+        return True
+    try:
+        path.resolve(strict=True).relative_to(repository.resolve(strict=True))
+    except (OSError, ValueError):
+        log.warning("%s is a symbolic link leading outside the repository %s: refused", path, repository)
+        return False
+    return True
 
 
 def scan(repository: Path) -> dict[str, ModelSource]:

@@ -63,6 +63,7 @@ class IpcFrontend:
         address: str | None = None,
         *,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        max_header_bytes: int = protocol.DEFAULT_MAX_HEADER_BYTES,
         shm_prefix: str = protocol.DEFAULT_SHM_PREFIX,
         probe_interval: float = 10.0,
         drain_timeout: float = 5.0,
@@ -72,6 +73,7 @@ class IpcFrontend:
         self._pack = protocol.packer()  # the frontend thread's own
         self.address = address or addresses.default_address()
         self.max_message_bytes = max_message_bytes
+        self.max_header_bytes = min(max_header_bytes, max_message_bytes)
         self.shm_prefix = shm_prefix
         self.drain_timeout = drain_timeout
         self._peers = PeerTable(shm_prefix, probe_interval=probe_interval)
@@ -196,10 +198,10 @@ class IpcFrontend:
                 # One message per wake-up: asking the socket whether more are queued (ZMQ_EVENTS)
                 # costs as much as the next zmq_poll, which also gives replies and the monitor a turn.
                 try:
-                    frames = zmqio.recv_frames(sock, _NOBLOCK)
+                    frames, dropped = zmqio.recv_bounded(sock, _NOBLOCK, protocol.MAX_FRAMES + 1)
                 except zmq.Again:
                     continue
-                self._handle(frames)
+                self._handle(frames, dropped)
             elif item is monitor:
                 while cast(int, monitor.get(_EVENTS)) & _POLLIN:
                     event = recv_monitor_message(monitor)
@@ -235,7 +237,7 @@ class IpcFrontend:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, frames: list[zmq.Frame], dropped: int = 0) -> None:
         identity = frames[0].bytes
         rid: int | str | None = None
         try:
@@ -246,9 +248,19 @@ class IpcFrontend:
             for frame in frames:
                 total += len(frame)
             header: dict[str, Any] | None = None
-            if len(head) <= self.max_message_bytes:
+            if len(head) <= self.max_header_bytes:
                 header = protocol.unpack(head)
                 rid = protocol.request_id(header)
+            if dropped:
+                raise MalformedMessage(
+                    f"the message has {len(frames) + dropped - 1} frames; a request may have at most "
+                    f"{protocol.MAX_FRAMES} (a header and its tensors)"
+                )
+            if header is None:
+                raise MessageTooLarge(
+                    f"the header frame has {len(head)} bytes; this server decodes at most "
+                    f"{self.max_header_bytes} (--max-header-bytes)"
+                )
             if total > self.max_message_bytes:
                 raise MessageTooLarge(
                     f"the message has {total} bytes; this server accepts at most "

@@ -57,6 +57,16 @@ OPS = frozenset(
 PING = "ping"
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: A request header larger than this is refused before it is decoded: msgpack builds one Python object
+#: per byte at worst (an array of empty maps), so the header's size bounds what decoding may cost.
+DEFAULT_MAX_HEADER_BYTES = 256 * 1024
+#: Frames of one request (the header and its tensors); the rest of a longer message is dropped unread.
+MAX_FRAMES = 1024
+#: Longest array or map msgpack may build in a header, and most dims of a tensor.
+MAX_CONTAINER_LEN = 65536
+MAX_DIMS = 32  # numpy 1.x's own limit
+MAX_DIM = 2**63 - 1
+_MAX_ELEMENTS = 2**59  # elements of any shape, zero dims counted as 1: fits numpy with 16-byte items
 DEFAULT_SHM_PREFIX = "edge-server-"
 
 # KServe v2 datatype name -> numpy dtype, built from the one table in edge_server.dtypes.
@@ -86,7 +96,14 @@ def packer() -> Pack:
 def unpack(frame: Any) -> dict[str, Any]:
     """Decode a header frame; anything but a msgpack map raises MALFORMED_MESSAGE."""
     try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        header = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=MAX_CONTAINER_LEN,
+            max_map_len=MAX_CONTAINER_LEN,
+            max_ext_len=0,
+        )
     except Exception as exc:  # msgpack raises several unrelated exception types for garbage
         raise MalformedMessage(
             f"the header frame is not valid msgpack ({type(exc).__name__}: {exc})"
@@ -109,9 +126,10 @@ def check_version(header: Mapping[str, Any]) -> None:
     version = header.get("v")
     if version is None:
         raise MalformedMessage("the header has no protocol version 'v'")
-    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        shown = repr(version) if type(version) in (int, float, str) else type(version).__name__
         raise UnsupportedProtocolVersion(
-            f"protocol version {version!r} is not supported; this server speaks {sorted(SUPPORTED_VERSIONS)}"
+            f"protocol version {shown[:40]} is not supported; this server speaks {sorted(SUPPORTED_VERSIONS)}"
         )
 
 
@@ -206,14 +224,19 @@ def check_span(offset: int, byte_size: int, size: int, what: str, where: str = "
 
 def tensor_shape(desc: Mapping[str, Any], where: str) -> tuple[int, ...]:
     shape: Any = desc.get("shape")
-    valid = isinstance(shape, list)
+    valid = isinstance(shape, list) and len(shape) <= MAX_DIMS
     if valid:
         for d in shape:  # a loop: all() costs a generator, and every tensor of every message asks
-            if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= MAX_DIM:
                 valid = False
                 break
+    if valid and math.prod(d for d in shape if d) > _MAX_ELEMENTS:
+        valid = False  # numpy refuses such a shape even with a zero dim in it
     if not valid:
-        raise MalformedMessage(f"{where}: 'shape' must be an array of non-negative integers, got {shape!r}")
+        shown = repr(shape) if len(repr(shape)) < 200 else repr(shape)[:200] + "..."
+        raise MalformedMessage(
+            f"{where}: 'shape' must be an array of at most {MAX_DIMS} integers in [0, 2^63), got {shown}"
+        )
     return tuple(shape)
 
 
@@ -240,14 +263,16 @@ def tensor_array(desc: Mapping[str, Any], buffer: Any, role: str, name: str) -> 
     datatype = desc.get("datatype")
     dtype = WIRE_DTYPES.get(datatype) if type(datatype) is str else None
     shape = desc.get("shape")
-    if dtype is None or dtype.kind == "O" or type(shape) is not list:
+    if dtype is None or dtype.kind == "O" or type(shape) is not list or len(shape) > MAX_DIMS:
         where = f"{role} {name!r}"
         return to_array(buffer, *tensor_dtype(desc, where), tensor_shape(desc, where), where)
     count = 1
     for d in shape:
-        if type(d) is not int or d < 0:
+        if type(d) is not int or not 0 <= d <= MAX_DIM:
             tensor_shape(desc, f"{role} {name!r}")  # raises the precise error
         count *= d
+    if not count:
+        tensor_shape(desc, f"{role} {name!r}")  # an empty tensor: its other dims must still be sane
     size = len(buffer) if type(buffer) is not memoryview else buffer.nbytes
     if size != count * dtype.itemsize:
         raise TensorSizeMismatch(

@@ -42,3 +42,28 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
         frame = sock.recv(0, copy=False)
         frames.append(frame)
     return frames
+
+
+def recv_bounded(sock: zmq.Socket, flags: int, max_frames: int) -> tuple[list[zmq.Frame], int]:
+    """:func:`recv_frames`, keeping at most ``max_frames`` frames; returns them and how many were dropped.
+
+    A hostile peer may send a message of a million empty frames: the rest of the message is still
+    taken off the socket (ZeroMQ delivers whole messages), but no Python object is kept for it.
+    """
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    dropped = 0
+    more = frame.more
+    while more:
+        if len(frames) < max_frames:
+            frame = sock.recv(0, copy=False)
+            frames.append(frame)
+            more = frame.more
+        else:
+            sock.recv(0, copy=True)
+            dropped += 1
+            more = bool(sock.get(_RCVMORE))
+    return frames, dropped
+
+
+_RCVMORE = int(zmq.RCVMORE)
