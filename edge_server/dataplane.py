@@ -8,7 +8,6 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -20,7 +19,7 @@ from edge_server.config.model import ModelConfig, TensorSpec
 from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument
 from edge_server.lifecycle import ModelManager
 from edge_server.request import InferRequest, ResponseSink, Result
-from edge_server.scheduler.scheduler import ModelScheduler, SchedulerClosed
+from edge_server.scheduler.scheduler import SchedulerClosed
 
 _Outcome = Result | Future[dict[str, np.ndarray]]
 
@@ -47,7 +46,7 @@ class DataPlane:
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         """Validate, route and queue ``request``; the future gets its outputs or its error."""
-        return self._route(request, ModelScheduler.submit, None)  # type: ignore[return-value]
+        return self._route(request, False, None)  # type: ignore[return-value]
 
     def dispatch(self, request: InferRequest) -> dict[str, np.ndarray] | Future[dict[str, np.ndarray]]:
         """:meth:`submit`, except that a request that ran inline in this thread returns its outputs.
@@ -55,7 +54,7 @@ class DataPlane:
         Cheap models run in the caller's thread when an instance is idle (see the scheduler); a frontend
         that can answer at once saves a future per request this way.  Errors of an inline run raise.
         """
-        outcome = self._route(request, ModelScheduler.dispatch, None)
+        outcome = self._route(request, True, None)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -69,13 +68,11 @@ class DataPlane:
         validation error raises here instead, before anything was queued.
         """
         future: Future[dict[str, np.ndarray]] = self._route(  # type: ignore[assignment]
-            request, ModelScheduler.submit, sink
+            request, False, sink
         )
         future.add_done_callback(partial(_finish_stream, sink))
 
-    def _route(
-        self, request: InferRequest, call: Callable[..., _Outcome], sink: ResponseSink | None
-    ) -> _Outcome:
+    def _route(self, request: InferRequest, inline: bool, sink: ResponseSink | None) -> _Outcome:
         # A version that is being swapped out can close between routing and queueing; a request that did
         # not ask for a specific version then goes to the version that replaced it.
         for _attempt in range(3):
@@ -89,9 +86,10 @@ class DataPlane:
                     )
                 item.stream = sink
                 sink.model_sends = True
+            scheduler = loaded.scheduler
+            call = scheduler.dispatch if inline else scheduler.submit
             try:
                 return call(
-                    loaded.scheduler,
                     item,
                     shape_key,
                     priority=request.priority,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +32,7 @@ from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
+from edge_server.pipeline.graph import parse_steps
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
 from edge_server.request import ModelAccess
 
@@ -75,6 +77,7 @@ class ModelManager:
         self._closed = False
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
         self._access: ModelAccess | None = None
+        self._loading_members: set[str] = set()  # members an explicit ensemble load is bringing up
 
     def attach(self, access: ModelAccess) -> None:
         """Give the models loaded from now on their way to other models (ensembles, BLS calls)."""
@@ -86,10 +89,10 @@ class ModelManager:
         """The version a request for ``name`` (and ``version``, or the latest) goes to."""
         versions = self._serving.get(name)
         if versions:
-            if version is None:
-                return versions[max(versions)]
-            found = versions.get(version)
+            found = versions[max(versions)] if version is None else versions.get(version)
             if found is not None:
+                if found.members:
+                    self._check_members(found)
                 return found
         check_model_name(name)
         with self._status_lock:
@@ -105,12 +108,38 @@ class ModelManager:
         reasons = "; ".join(f"v{s.version}: {s.state.value} {s.reason}".strip() for s in known.values())
         raise ModelNotReady(f"model {name!r} is not ready ({reasons})")
 
+    def _check_members(self, ensemble: LoadedVersion) -> None:
+        """An ensemble is ready only while every member is serving (one level: members check theirs)."""
+        for member, version in ensemble.members:
+            versions = self._serving.get(member)
+            if not versions or (version is not None and version not in versions):
+                which = f"{member!r}" + (f" version {version}" if version is not None else "")
+                raise ModelNotReady(
+                    f"ensemble {ensemble.name!r} is not ready: its member {which} is not serving"
+                )
+
     # -- index ----------------------------------------------------------------------------------
 
     def index(self) -> list[VersionStatus]:
-        """Every version the manager knows: serving, loading, unloading or failed (with why)."""
+        """Every version the manager knows: serving, loading, unloading or failed (with why).
+
+        A loaded ensemble whose member is not serving shows as UNAVAILABLE with the member named.
+        """
         with self._status_lock:
-            return sorted(self._status.values(), key=lambda s: (s.name, -(s.version or 0)))
+            rows = sorted(self._status.values(), key=lambda s: (s.name, -(s.version or 0)))
+        return [self._with_members(row) for row in rows]
+
+    def _with_members(self, row: VersionStatus) -> VersionStatus:
+        if row.state is not ModelState.READY or row.version is None:
+            return row
+        loaded = self._serving.get(row.name, {}).get(row.version)
+        if loaded is None or not loaded.members:
+            return row
+        try:
+            self._check_members(loaded)
+        except ModelNotReady as exc:
+            return VersionStatus(row.name, row.version, ModelState.UNAVAILABLE, exc.message)
+        return row
 
     def serving(self) -> dict[str, dict[int, LoadedVersion]]:
         return self._serving
@@ -170,8 +199,28 @@ class ModelManager:
                 if name in self._serving:
                     self._unload(name)
                 raise ModelNotFound(f"no model directory {name!r} in {self.repository}")
+            if is_ensemble(source):
+                self._load_members(source)
             self._sync(source, retry_failed=True)
             return [s for s in self.index() if s.name == name]
+
+    def _load_members(self, source: ModelSource) -> None:
+        """Load an ensemble's members that are not serving (Triton's explicit mode does the same)."""
+        try:
+            config, _ = read_config(source)
+        except EdgeServerError:
+            return  # _sync reports it
+        steps, _ = parse_steps(config)
+        for member in dict.fromkeys(step.model_name for step in steps):
+            if not member or member in self._serving or member in self._loading_members:
+                continue
+            self._loading_members.add(member)  # an ensemble cycle must not recurse forever
+            try:
+                self.load(member)
+            except EdgeServerError as exc:
+                log.error("ensemble %s: member %s failed to load: %s", source.name, member, exc.message)
+            finally:
+                self._loading_members.discard(member)
 
     def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
@@ -199,7 +248,10 @@ class ModelManager:
             else:
                 wanted = set(names)
                 on_disk = {name: scan_model(self.repository, name) for name in wanted}
-            for name in sorted(wanted - self._unloaded):
+            # Ensembles after the models they call, so that their steps validate against them.
+            ordered = sorted(wanted - self._unloaded, key=lambda n: (is_ensemble(on_disk.get(n)), n))
+            failed_ensembles: list[ModelSource] = []
+            for name in ordered:
                 source = on_disk.get(name)
                 try:
                     if source is None:
@@ -212,6 +264,22 @@ class ModelManager:
                         self._sync(source, retry_failed=retry_failed)
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
+                    if is_ensemble(source):
+                        failed_ensembles.append(source)  # type: ignore[arg-type]
+            self._retry_ensembles(failed_ensembles)
+
+    def _retry_ensembles(self, failed: list[ModelSource]) -> None:
+        """Ensembles of ensembles load in name order: retry the failed ones while that helps."""
+        while failed:
+            still: list[ModelSource] = []
+            for source in failed:
+                try:
+                    self._sync(source, retry_failed=True)
+                except EdgeServerError:
+                    still.append(source)
+            if len(still) == len(failed):
+                return
+            failed = still
 
     def close(self) -> None:
         """Unload everything (each version drained up to the deadline); later control calls fail."""
@@ -408,3 +476,16 @@ class ModelManager:
 
 def _summary(failed: dict[int, str]) -> str:
     return "; ".join(f"v{v}: {reason}" for v, reason in sorted(failed.items())) or "nothing to load"
+
+
+_ENSEMBLE = re.compile(rb'^\s*(platform|backend)\s*:\s*"ensemble"', re.MULTILINE)
+
+
+def is_ensemble(source: ModelSource | None) -> bool:
+    """Whether ``source``'s config declares an ensemble (a cheap look, before it is parsed)."""
+    if source is None:
+        return False
+    try:
+        return bool(_ENSEMBLE.search(source.config_path.read_bytes()))
+    except OSError:
+        return False

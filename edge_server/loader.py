@@ -16,9 +16,12 @@ from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
 from edge_server.config import ModelConfig, load_config_file, validate_config
 from edge_server.config.model import InstanceGroup
-from edge_server.errors import ConfigError
+from edge_server.errors import BackendUnavailable, ConfigError
+from edge_server.pipeline.ensemble import EnsembleScheduler
+from edge_server.pipeline.graph import build_graph
 from edge_server.repository import ModelSource
 from edge_server.request import ModelAccess
+from edge_server.scheduler.interface import RequestScheduler
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
 from edge_server.validation import RequestValidator
@@ -34,11 +37,13 @@ class LoadedVersion:
     name: str
     version: int
     config: ModelConfig
-    scheduler: ModelScheduler
+    scheduler: RequestScheduler
     stats: ModelStats
     content_hash: str
     devices: tuple[str, ...]
     validator: RequestValidator
+    #: an ensemble's members (name, version or None: latest); it is ready only while they are
+    members: tuple[tuple[str, int | None], ...] = ()
 
     def retire(self, deadline: float) -> None:
         """Let queued and running requests finish (until ``deadline``, monotonic), then free everything."""
@@ -79,6 +84,8 @@ def load_version(
 
     ``access`` reaches other models (a Python model's BLS calls); None where nothing can be called.
     """
+    if config.backend == "ensemble":
+        return _load_ensemble(source, version, config, content_hash=content_hash, access=access)
     version_dir = source.versions[version]
     model_path = version_dir / config.model_filename
     if not model_path.exists():
@@ -120,6 +127,34 @@ def load_version(
         content_hash=content_hash,
         devices=tuple(backend.device for _, backend in instances),
         validator=RequestValidator(config),
+    )
+
+
+def _load_ensemble(
+    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, access: ModelAccess | None
+) -> LoadedVersion:
+    """An ensemble: its graph validated against the members serving now; no instances of its own."""
+    if access is None:
+        raise BackendUnavailable(f"{source.name}: ensembles need a server to reach their members")
+    validate_config(config)
+    _check_io(config)
+    if config.instance_groups or config.dynamic_batching is not None:
+        log.warning(
+            "%s: instance_group and dynamic_batching do not apply to an ensemble (its members batch)",
+            source.name,
+        )
+    graph = build_graph(config, access.model_config)
+    stats = ModelStats(source.name, version)
+    return LoadedVersion(
+        name=source.name,
+        version=version,
+        config=config,
+        scheduler=EnsembleScheduler(config, graph, access, stats),
+        stats=stats,
+        content_hash=content_hash,
+        devices=(),
+        validator=RequestValidator(config),
+        members=graph.members,
     )
 
 

@@ -1,0 +1,42 @@
+"""What the data plane and the lifecycle need of a model version's scheduler.
+
+:class:`~edge_server.scheduler.scheduler.ModelScheduler` (queue, dynamic batcher, instances) is one;
+an ensemble's runner (``edge_server.pipeline``), which schedules its steps on the members' own
+schedulers, is another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from concurrent.futures import Future
+from typing import Protocol
+
+from edge_server.request import BatchItem, Result
+
+
+class RequestScheduler(Protocol):
+    def submit(
+        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+    ) -> Future[dict]:
+        """Queue a validated request; the future gets its outputs or its error."""
+        ...
+
+    def dispatch(
+        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+    ) -> Result | Future[dict]:
+        """:meth:`submit`, or the result itself when the request ran in the caller's thread."""
+        ...
+
+    def queue_size(self) -> int: ...
+
+    def close_intake(self) -> None:
+        """Take no new requests (``SchedulerClosed``); what is queued still runs."""
+        ...
+
+    def drain(self, deadline: float) -> bool:
+        """Close intake and wait until ``deadline`` (monotonic) for queued and running requests."""
+        ...
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Fail what is still queued and free everything."""
+        ...
