@@ -83,9 +83,17 @@ def x(first: float = 0.0) -> np.ndarray:
     return np.array([[first, 1, 2, 3]], np.float32)
 
 
-def test_a_model_calling_itself_with_its_only_instance_times_out(bls_server: Server) -> None:
+def test_a_model_calling_itself_from_its_only_instance_is_refused_at_once(bls_server: Server) -> None:
     start = time.monotonic()
-    params = {"target": "caller", "timeout_us": 300_000}
+    with pytest.raises(Unavailable, match=r"calls itself from its only instance"):
+        bls_server.infer("caller", {"INPUT0": x()}, parameters={"target": "caller"})  # no timeout
+    assert time.monotonic() - start < 1
+
+
+def test_a_self_call_that_cannot_be_refused_up_front_ends_at_its_timeout(bls_server: Server) -> None:
+    # caller -> caller2 -> caller: caller's only instance is busy waiting; caller2 gives up at its timeout
+    start = time.monotonic()
+    params = {"target": "caller2", "next": "caller", "timeout_us": 300_000}
     future = bls_server.submit("caller", {"INPUT0": x()}, parameters=params)
     with pytest.raises(Unavailable, match=r"\[TIMEOUT\] BLS call to model 'caller'"):
         future.result(timeout=10)
@@ -96,7 +104,9 @@ def test_a_model_calling_itself_with_its_only_instance_times_out(bls_server: Ser
 
 def test_two_models_calling_each_other_end_in_an_error(bls_server: Server) -> None:
     params = {"target": "caller2", "next": "caller", "timeout_us": 300_000}
-    future = bls_server.submit("caller", {"INPUT0": x()}, parameters=params)
+    future = bls_server.submit(
+        "caller2", {"INPUT0": x()}, parameters={**params, "target": "caller", "next": "caller2"}
+    )
     with pytest.raises(Unavailable, match=r"\[TIMEOUT\]"):
         future.result(timeout=10)
     np.testing.assert_allclose(bls_server.infer("caller2", {"INPUT0": x()})["OUTPUT0"], 2 * x() + 2)

@@ -39,6 +39,23 @@ def models() -> ModelAccess:
     return context.models
 
 
+def _never_runs(request: InferRequest) -> EdgeServerError | None:
+    """A call that could never run: the model calling itself from its only instance's ``execute``.
+
+    The request would queue behind the very execution that waits for it; refuse it at once instead
+    of letting it wait for its timeout (or forever, without one).
+    """
+    context = pb_context.current()
+    if context is None or not context.executing or context.model_name != request.model:
+        return None
+    if context.instances > 1 or (request.version is not None and request.version != context.model_version):
+        return None
+    return Unavailable(
+        f"model {request.model!r} calls itself from its only instance, which is busy waiting for the "
+        "call: it could never run (give the model more instances with instance_group count)"
+    )
+
+
 def _timed_out(request: InferRequest, wait_s: float) -> RequestTimeout:
     return RequestTimeout(f"BLS call to model {request.model!r} got no answer within {wait_s * 1e6:.0f} us")
 
@@ -56,6 +73,9 @@ def _outcome(future: Future[dict[str, np.ndarray]]) -> Outcome:
 
 def call(access: ModelAccess, request: InferRequest, wait_s: float | None) -> Outcome:
     """Run ``request`` and wait for its outputs (at most ``wait_s`` seconds; None: no bound)."""
+    refused = _never_runs(request)
+    if refused is not None:
+        return refused
     try:
         future = access.submit(request)
     except EdgeServerError as exc:
@@ -72,6 +92,9 @@ def call(access: ModelAccess, request: InferRequest, wait_s: float | None) -> Ou
 
 async def call_async(access: ModelAccess, request: InferRequest, wait_s: float | None) -> Outcome:
     """:func:`call` for ``async def execute``: the event loop runs other coroutines meanwhile."""
+    refused = _never_runs(request)
+    if refused is not None:
+        return refused
     try:
         future = access.submit(request)
     except EdgeServerError as exc:
@@ -109,6 +132,10 @@ def stream(
 
     ``wait_s`` bounds the wait for each response; leaving the loop early cancels the call.
     """
+    refused = _never_runs(request)
+    if refused is not None:
+        yield {}, refused
+        return
     sink = _Collect()
     try:
         access.stream(request, sink)
@@ -150,6 +177,9 @@ async def stream_async(
     access: ModelAccess, request: InferRequest, wait_s: float | None
 ) -> list[tuple[dict[str, np.ndarray], EdgeServerError | None]]:
     """Every response of a streamed call, gathered without blocking the event loop (see :func:`stream`)."""
+    refused = _never_runs(request)
+    if refused is not None:
+        return [({}, refused)]
     sink = _AsyncCollect(asyncio.get_running_loop())
     try:
         access.stream(request, sink)

@@ -35,6 +35,9 @@ class ModelContext:
     model_dir: Path  # the version directory, where model.py is
     models: ModelAccess | None = None  # other models, for BLS calls
     model_name: str = ""
+    model_version: int = 0
+    instances: int = 1  # instances of this model version (a self-call from the only one never runs)
+    executing: bool = False  # set while the instance's worker runs ``execute`` (not initialize)
 
 
 _current = threading.local()

@@ -11,6 +11,7 @@ A model may also return a plain ``{name: ndarray}`` dict per request instead of 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import inspect
 import itertools
@@ -153,6 +154,17 @@ def _auto_complete(config: ModelConfig, model_cls: Any, model_path: Path) -> Mod
     )
 
 
+def _instance_count(config: ModelConfig) -> int:
+    """How many instances the loader makes of ``config`` (a copy per GPU or DLA core of a group)."""
+    return (
+        sum(
+            group.count * max(1, len(group.secondary_devices) or len(group.gpus))
+            for group in config.instance_groups
+        )
+        or 1
+    )
+
+
 class PythonBackend(Backend):
     @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
@@ -168,8 +180,14 @@ class PythonBackend(Backend):
         self._config = ctx.config
         self._name = ctx.instance.name
         self._context = pb_context.ModelContext(
-            ctx.instance.name, ctx.version_dir, models=ctx.models, model_name=ctx.config.name
+            ctx.instance.name,
+            ctx.version_dir,
+            models=ctx.models,
+            model_name=ctx.config.name,
+            model_version=ctx.version,
+            instances=_instance_count(ctx.config),
         )
+        self._executing = dataclasses.replace(self._context, executing=True)
         module = _import_model(ctx.model_path)
         self._module_name = module.__name__
         self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``, made on first use
@@ -200,7 +218,7 @@ class PythonBackend(Backend):
         requests = [self._request(item) for item in batch]
         t0 = time.perf_counter_ns()
         try:
-            with pb_context.running(self._context):
+            with pb_context.running(self._executing):
                 responses = self._model.execute(requests)
                 if inspect.iscoroutine(responses):  # ``async def execute``: run it, as Triton does
                     responses = self._event_loop().run_until_complete(responses)
