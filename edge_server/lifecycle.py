@@ -266,7 +266,24 @@ class ModelManager:
                     log.error("model %s: %s", name, exc.message)
                     if is_ensemble(source):
                         failed_ensembles.append(source)  # type: ignore[arg-type]
+            if names is not None and any(name in self._serving for name in ordered):
+                # A member that arrived may be what an ensemble loaded earlier was missing.
+                failed_ensembles += self._unavailable_ensembles(exclude=set(ordered))
             self._retry_ensembles(failed_ensembles)
+
+    def _unavailable_ensembles(self, *, exclude: set[str]) -> list[ModelSource]:
+        with self._status_lock:
+            names = {
+                key[0]
+                for key, status in self._status.items()
+                if status.state is ModelState.UNAVAILABLE and key[0] not in self._serving
+            }
+        found = []
+        for name in sorted(names - exclude - self._unloaded):
+            source = scan_model(self.repository, name)
+            if source is not None and is_ensemble(source):
+                found.append(source)
+        return found
 
     def _retry_ensembles(self, failed: list[ModelSource]) -> None:
         """Ensembles of ensembles load in name order: retry the failed ones while that helps."""

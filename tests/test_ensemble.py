@@ -291,3 +291,20 @@ def test_requests_during_a_member_reload_end_in_a_result_or_an_error(repo: Path)
             except EdgeServerError:
                 continue
             assert float(out["OUT"][0, 0] - 2 * x()[0, 0]) in (2.0, 3.0)  # v1 and v3 add 3, v2 adds 2
+
+
+def test_an_ensemble_waiting_for_a_member_loads_when_the_member_arrives(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    with Server(repo, model_control_mode="poll", watch_quiet_s=0.1) as server:
+        (row,) = [s for s in server.models() if s.name == "pipe"]
+        assert row.state is ModelState.UNAVAILABLE and "unknown model 'shift'" in row.reason
+        staging = tmp_path / "staging"
+        add_member(staging, "shift", scale=1.0, offset=3.0)
+        (staging / "shift").rename(repo / "shift")  # the OTA way: built elsewhere, renamed into place
+        deadline = time.monotonic() + 20
+        while not server.is_ready("pipe"):
+            assert time.monotonic() < deadline, server.models()
+            time.sleep(0.05)
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 3)
