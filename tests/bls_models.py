@@ -9,6 +9,10 @@
   every request of the batch in flight at once.
 * ``stream_caller``: IN (INT32 [1]) = n -> ``square`` through ``exec(decoupled=True)``: COUNT of
   non-empty responses, SUM of their outputs, EMPTY: how many came without outputs (the bare final).
+* ``async_stream_caller``: ``stream_caller`` with ``async def execute`` and
+  ``await async_exec(decoupled=True)``.
+* ``thread_caller``: decoupled; ``execute`` starts a thread that makes the BLS call to ``affine``
+  and sends its answer (+1) after ``execute`` returned: BLS from the model's own threads.
 * ``control``: per request parameter ``op`` (``ready``, ``load``, ``unload``) on model ``name``:
   READY (BOOL [1]) is ``is_model_ready`` afterwards; a refused operation is the response's error.
 """
@@ -142,6 +146,53 @@ class TritonPythonModel:
         return responses
 """
 
+ASYNC_STREAM_CALLER_MODEL = STREAM_CALLER_MODEL.replace(
+    "    def execute(self, requests):", "    async def execute(self, requests):"
+).replace("call.exec(decoupled=True)", "await call.async_exec(decoupled=True)")
+
+THREAD_CALLER_CONFIG = """
+name: "thread_caller"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1, 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1, 4 ] } ]
+"""
+
+THREAD_CALLER_MODEL = """
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.threads = []
+
+    def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            thread = threading.Thread(target=self.answer, args=(request.get_response_sender(), x))
+            thread.start()
+            self.threads.append(thread)
+        return None
+
+    def answer(self, sender, x):
+        response = pb_utils.InferenceRequest(
+            model_name="affine", requested_output_names=["OUTPUT0"], inputs=[pb_utils.Tensor("INPUT0", x)]
+        ).exec()
+        if response.has_error():
+            sender.send(pb_utils.InferenceResponse(error=response.error()))
+        else:
+            out = response.output_tensors()[0].as_numpy() + 1
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def finalize(self):
+        for thread in self.threads:
+            thread.join()
+"""
+
 CONTROL_CONFIG = """
 name: "control"
 backend: "python"
@@ -193,5 +244,8 @@ def add_bls_models(repo: Path, log: Path) -> None:
         _write(repo, name, CALLER_CONFIG % {"name": name}, CALLER_MODEL)
     _write(repo, "async_caller", CALLER_CONFIG % {"name": "async_caller"}, ASYNC_CALLER_MODEL)
     _write(repo, "stream_caller", STREAM_CALLER_CONFIG, STREAM_CALLER_MODEL)
+    async_config = STREAM_CALLER_CONFIG.replace('"stream_caller"', '"async_stream_caller"')
+    _write(repo, "async_stream_caller", async_config, ASYNC_STREAM_CALLER_MODEL)
+    _write(repo, "thread_caller", THREAD_CALLER_CONFIG, THREAD_CALLER_MODEL)
     _write(repo, "control", CONTROL_CONFIG, CONTROL_MODEL)
     add_decoupled_models(repo, log)

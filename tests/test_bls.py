@@ -46,13 +46,22 @@ def test_async_execute_with_async_exec_gives_the_sync_answer(repo: Path) -> None
         np.testing.assert_allclose(server.infer("async_caller", {"INPUT0": x(2)})["OUTPUT0"], sync["OUTPUT0"])
 
 
+@pytest.mark.parametrize("model", ["stream_caller", "async_stream_caller"])
 @pytest.mark.parametrize(("n", "count", "empty"), [(3, 3, 0), (0, 0, 1)])
-def test_exec_decoupled_iterates_every_response(repo: Path, n: int, count: int, empty: int) -> None:
+def test_exec_decoupled_iterates_every_response(
+    repo: Path, model: str, n: int, count: int, empty: int
+) -> None:
     with Server(repo) as server:
-        out = server.infer("stream_caller", {"IN": np.array([n], np.int32)})
+        out = server.infer(model, {"IN": np.array([n], np.int32)})
         assert int(out["COUNT"][0]) == count
         assert int(out["SUM"][0]) == n * n * n
         assert int(out["EMPTY"][0]) == empty  # square sends its last response with the final flag
+
+
+def test_bls_from_a_thread_the_model_started(repo: Path) -> None:
+    with Server(repo) as server:
+        (out,) = list(server.stream("thread_caller", {"INPUT0": x(2)}, timeout=30))
+        np.testing.assert_allclose(out["OUTPUT0"], 2 * x(2) + 2)
 
 
 def test_a_failed_call_is_an_error_response_with_the_callee_error_code(repo: Path) -> None:
