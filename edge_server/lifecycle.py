@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -32,7 +31,7 @@ from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
-from edge_server.pipeline.graph import parse_steps
+from edge_server.pipeline.graph import declares_ensemble, parse_steps
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
 from edge_server.request import ModelAccess
 
@@ -495,14 +494,5 @@ def _summary(failed: dict[int, str]) -> str:
     return "; ".join(f"v{v}: {reason}" for v, reason in sorted(failed.items())) or "nothing to load"
 
 
-_ENSEMBLE = re.compile(rb'^\s*(platform|backend)\s*:\s*"ensemble"', re.MULTILINE)
-
-
 def is_ensemble(source: ModelSource | None) -> bool:
-    """Whether ``source``'s config declares an ensemble (a cheap look, before it is parsed)."""
-    if source is None:
-        return False
-    try:
-        return bool(_ENSEMBLE.search(source.config_path.read_bytes()))
-    except OSError:
-        return False
+    return source is not None and declares_ensemble(source.config_path)

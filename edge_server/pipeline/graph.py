@@ -11,8 +11,10 @@ producer and the consumer of a tensor.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from edge_server.config.model import ModelConfig, TensorSpec
@@ -48,6 +50,16 @@ class EnsembleGraph:
 
 
 MemberConfig = Callable[[str, int | None], ModelConfig]
+
+_ENSEMBLE = re.compile(rb'\b(platform|backend)\s*:\s*"ensemble"')
+
+
+def declares_ensemble(config_path: Path) -> bool:
+    """Whether a ``config.pbtxt`` declares an ensemble: a cheap look before parsing, to order loads."""
+    try:
+        return bool(_ENSEMBLE.search(config_path.read_bytes()))
+    except OSError:
+        return False
 
 
 def parse_steps(config: ModelConfig) -> tuple[list[Step], int]:
