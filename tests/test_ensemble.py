@@ -308,3 +308,57 @@ def test_an_ensemble_waiting_for_a_member_loads_when_the_member_arrives(tmp_path
             assert time.monotonic() < deadline, server.models()
             time.sleep(0.05)
         np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 3)
+
+
+CHAIN_CONFIG = """
+name: "%(name)s"
+backend: "python"
+max_batch_size: 8
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+CHAIN_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+def call(model, x):
+    return pb_utils.InferenceRequest(
+        model_name=model, requested_output_names=["OUTPUT0"], inputs=[pb_utils.Tensor("INPUT0", x)]
+    )
+
+
+def output(response):
+    if response.has_error():
+        raise pb_utils.TritonModelException(response.error().message())
+    return pb_utils.get_output_tensor_by_name(response, "OUTPUT0").as_numpy()
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            mid = output(call("scale", x).exec())
+            out = output(call("shift", mid).exec())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)]))
+        return responses
+"""
+
+ASYNC_CHAIN_MODEL = (
+    CHAIN_MODEL.replace("def execute", "async def execute")
+    .replace(".exec()", ".async_exec()")
+    .replace("output(call(", "output(await call(")
+)
+
+
+def test_a_bls_model_sync_and_async_equals_the_ensemble(repo: Path) -> None:
+    for name, model in (("chain", CHAIN_MODEL), ("async_chain", ASYNC_CHAIN_MODEL)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(CHAIN_CONFIG % {"name": name})
+        (repo / name / "1" / "model.py").write_text(model)
+    with Server(repo) as server:
+        inputs = {"IN": x(3, first=0.5)}
+        ensemble = server.infer("pipe", inputs)["OUT"]
+        np.testing.assert_array_equal(server.infer("chain", inputs)["OUT"], ensemble)
+        np.testing.assert_array_equal(server.infer("async_chain", inputs)["OUT"], ensemble)
