@@ -15,7 +15,7 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.errors import EdgeServerError
-from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.server import CONTROL_MODES
 
@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ipc", default=None, metavar="ADDRESS", help="ipc://PATH or tcp://127.0.0.1:PORT")
     serve.add_argument("--no-ipc", action="store_true", help="serve no IPC frontend (in-process use only)")
     serve.add_argument(
+        "--engine-build",
+        choices=["none", "on-load"],
+        default="none",
+        help="on-load: rebuild TensorRT plans built for another TensorRT/device from the ONNX beside them",
+    )
+    serve.add_argument(
         "--repository-quiet-secs",
         type=float,
         default=0.5,
@@ -100,9 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_HEADER_BYTES,
         help="IPC: largest request header decoded (msgpack); larger ones are refused unread",
-    )
-    serve.add_argument(
-        "--shm-prefix", default=DEFAULT_SHM_PREFIX, help="only shared-memory names with this prefix register"
     )
     add_kserve_arguments(serve)
     serve.add_argument(
@@ -169,9 +172,9 @@ def _serve(args: argparse.Namespace) -> int:
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
         max_header_bytes=args.max_header_bytes,
-        shm_prefix=args.shm_prefix,
         drain_timeout=args.exit_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
+        engine_build=args.engine_build,
         kserve=kserve_options(args),
     )
     return Daemon(options).run()

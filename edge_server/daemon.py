@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from edge_server.errors import EdgeServerError
-from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_SHM_PREFIX
+from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
@@ -31,9 +31,9 @@ class DaemonOptions:
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-    shm_prefix: str = DEFAULT_SHM_PREFIX
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
+    engine_build: str = "none"  # "on-load": rebuild stale TensorRT plans while their ONNX serves
     kserve: KServeOptions = KServeOptions()
 
 
@@ -56,6 +56,7 @@ class Daemon:
             load_models=options.load_models,
             drain_timeout=options.drain_timeout,
             watch_quiet_s=options.watch_quiet_s,
+            engine_build=options.engine_build,
         )
         frontend = None
         kserve = KServeFrontends(server, options.kserve, max_message_bytes=options.max_message_bytes)
@@ -71,7 +72,6 @@ class Daemon:
                     address,
                     max_message_bytes=options.max_message_bytes,
                     max_header_bytes=options.max_header_bytes,
-                    shm_prefix=options.shm_prefix,
                     drain_timeout=options.drain_timeout,
                 )
                 frontend.start()

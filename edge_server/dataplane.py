@@ -8,6 +8,7 @@ batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -46,7 +47,7 @@ class DataPlane:
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         """Validate, route and queue ``request``; the future gets its outputs or its error."""
-        return self._route(request, False, None)  # type: ignore[return-value]
+        return self._route(request, "submit", None)  # type: ignore[return-value]
 
     def dispatch(self, request: InferRequest) -> dict[str, np.ndarray] | Future[dict[str, np.ndarray]]:
         """:meth:`submit`, except that a request that ran inline in this thread returns its outputs.
@@ -54,7 +55,7 @@ class DataPlane:
         Cheap models run in the caller's thread when an instance is idle (see the scheduler); a frontend
         that can answer at once saves a future per request this way.  Errors of an inline run raise.
         """
-        outcome = self._route(request, True, None)
+        outcome = self._route(request, "dispatch", None)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -68,15 +69,21 @@ class DataPlane:
         validation error raises here instead, before anything was queued.
         """
         future: Future[dict[str, np.ndarray]] = self._route(  # type: ignore[assignment]
-            request, False, sink
+            request, "submit", sink
         )
         future.add_done_callback(partial(_finish_stream, sink))
 
-    def _route(self, request: InferRequest, inline: bool, sink: ResponseSink | None) -> _Outcome:
+    def _route(self, request: InferRequest, call: str, sink: ResponseSink | None) -> _Outcome:
         # A version that is being swapped out can close between routing and queueing; a request that did
         # not ask for a specific version then goes to the version that replaced it.
         for _attempt in range(3):
-            loaded = self._manager.resolve(request.model, request.version)
+            loaded = None
+            if request.correlation_id:
+                # A sequence that started before a reload finishes on the version it started on (and a
+                # second start of it is refused there, as it would be without a reload).
+                loaded = self._manager.sequence_holder(request.model, request.correlation_id)
+            if loaded is None or (request.version is not None and loaded.version != request.version):
+                loaded = self._manager.resolve(request.model, request.version)
             item, shape_key = loaded.validator(request)
             if loaded.config.decoupled:
                 if sink is None:
@@ -86,10 +93,9 @@ class DataPlane:
                     )
                 item.stream = sink
                 sink.model_sends = True
-            scheduler = loaded.scheduler
-            call = scheduler.dispatch if inline else scheduler.submit
             try:
-                return call(
+                method: Callable[..., _Outcome] = getattr(loaded.scheduler, call)
+                return method(
                     item,
                     shape_key,
                     priority=request.priority,

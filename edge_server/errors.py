@@ -116,6 +116,27 @@ class Cancelled(EdgeServerError):
     http_status = 499
 
 
+class UnsupportedBackend(ConfigError):
+    """The config names a backend (or platform) edge-server does not have at all: pytorch, openvino, ...
+
+    Different from :class:`BackendUnavailable`, which is a backend edge-server has but this machine
+    cannot run.
+    """
+
+    code = "UNSUPPORTED_BACKEND"
+
+
+class InstanceFailed(ModelExecutionError):
+    """The instance can never serve again (e.g. its CUDA context is lost).
+
+    The batch fails; the scheduler takes the instance out of service and loads a fresh one while the
+    others keep serving.
+    """
+
+    code = "EXECUTION_FAILED"
+    http_status = 500
+
+
 class BackendUnavailable(EdgeServerError):
     """The backend named by the config needs software or hardware this machine lacks."""
 

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
@@ -34,6 +35,7 @@ from edge_server.memory import settle_heap
 from edge_server.pipeline.graph import declares_ensemble, parse_steps
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
 from edge_server.request import ModelAccess
+from edge_server.scheduler.sequence import SequenceScheduler
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class ModelManager:
         self._cpu_count = cpu_count
         self._control = threading.RLock()
         self._serving: dict[str, dict[int, LoadedVersion]] = {}  # replaced whole, never mutated
+        # Retiring sequence-model versions whose live sequences finish there (replaced whole, too).
+        self._sequence_holders: dict[str, tuple[LoadedVersion, ...]] = {}
         self._status_lock = threading.Lock()
         self._status: dict[_Key, VersionStatus] = {}
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (hash, reason)
@@ -81,6 +85,8 @@ class ModelManager:
     def attach(self, access: ModelAccess) -> None:
         """Give the models loaded from now on their way to other models (ensembles, BLS calls)."""
         self._access = access
+        # --engine-build on-load: stale TensorRT plans are rebuilt while their ONNX serves (set by Server)
+        self.engine_rebuilder: EngineRebuilder | None = None
 
     # -- request path ---------------------------------------------------------------------------
 
@@ -116,6 +122,26 @@ class ModelManager:
                 raise ModelNotReady(
                     f"ensemble {ensemble.name!r} is not ready: its member {which} is not serving"
                 )
+
+    def sequence_holder(self, name: str, correlation_id: int | str) -> LoadedVersion | None:
+        """The retiring version of ``name`` on which sequence ``correlation_id`` is still live, if any."""
+        for loaded in self._sequence_holders.get(name, ()):
+            scheduler = loaded.scheduler
+            if isinstance(scheduler, SequenceScheduler) and scheduler.holds(correlation_id):
+                return loaded
+        return None
+
+    def _hold_sequences(self, versions: list[LoadedVersion], *, held: bool) -> None:
+        """Let (or stop letting) the live sequences of retiring ``versions`` be routed to them."""
+        table = dict(self._sequence_holders)
+        for loaded in versions:
+            if loaded.config.sequence_batching is None:
+                continue
+            others = tuple(v for v in table.get(loaded.name, ()) if v is not loaded)
+            table[loaded.name] = (*others, loaded) if held else others
+            if not table[loaded.name]:
+                del table[loaded.name]
+        self._sequence_holders = table
 
     # -- index ----------------------------------------------------------------------------------
 
@@ -327,7 +353,8 @@ class ModelManager:
         self._serving = table
         self._retire(list(old.values()))
 
-    def _retire(self, versions: list[LoadedVersion]) -> None:
+    def _retire(self, versions: list[LoadedVersion], *, finish_sequences: bool = False) -> None:
+        """Drain and close ``versions``; with ``finish_sequences`` (a reload), live sequences end there."""
         if not versions:
             return
         # A copy replaced by a new copy of the same version number has no index row of its own.
@@ -337,8 +364,11 @@ class ModelManager:
         for loaded in versions:  # all stop taking requests first, then they share one drain deadline
             loaded.scheduler.close_intake()
         deadline = time.monotonic() + self._drain_timeout
+        if finish_sequences:
+            self._hold_sequences(versions, held=True)
         for loaded in versions:
-            loaded.retire(deadline)
+            loaded.retire(deadline, finish_sequences=finish_sequences)
+            self._hold_sequences([loaded], held=False)
             log.info("%s v%d unloaded", loaded.name, loaded.version)
         for loaded in shown:
             with self._status_lock:
@@ -403,6 +433,8 @@ class ModelManager:
         removed_but_serving = not ready and bool(current)
         if removed_but_serving:
             ready = dict(current)  # nothing on disk loads: what served before keeps serving
+        retiring = [v for key, v in current.items() if ready.get(key) is not v]
+        self._hold_sequences(retiring, held=True)  # before the switch: a live sequence never misses it
         table = dict(self._serving)
         if ready:
             table[name] = ready
@@ -413,19 +445,18 @@ class ModelManager:
             VersionStatus(name, v, ModelState.UNAVAILABLE, r) for v, r in failed.items() if v not in ready
         ]
         for version in ready:
-            reason = ""
+            reason = ready[version].note  # e.g. a TensorRT model serving its ONNX: which, and why
             if version in failed:
                 reason = f"serving the previous files; the new ones failed: {failed[version]}"
             elif removed_but_serving:
                 reason = "still serving; no version on disk could be loaded"
             rows.append(VersionStatus(name, version, ModelState.READY, reason))
-        retiring = [v for key, v in current.items() if ready.get(key) is not v]
         rows += [
             VersionStatus(name, v.version, ModelState.UNLOADING) for v in retiring if v.version not in ready
         ]
         self._publish(name, rows)
         self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
-        self._retire(retiring)
+        self._retire(retiring, finish_sequences=True)
         if not ready:
             raise ModelNotReady(f"model {name!r}: no version could be loaded ({_summary(failed)})")
 
@@ -458,6 +489,7 @@ class ModelManager:
                 content_hash=content_hash,
                 cpu_count=self._cpu_count,
                 access=self._access,
+                rebuilder=self.engine_rebuilder,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
             reason = exc.message if isinstance(exc, EdgeServerError) else repr(exc)

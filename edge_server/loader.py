@@ -14,15 +14,19 @@ from dataclasses import dataclass
 
 from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
+from edge_server.backends.tensorrt.fallback import choose as choose_runtime
+from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig, load_config_file, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import BackendUnavailable, ConfigError
 from edge_server.pipeline.ensemble import EnsembleScheduler
 from edge_server.pipeline.graph import build_graph
+from edge_server.platform.gpus import gpu_ids
 from edge_server.repository import ModelSource
 from edge_server.request import ModelAccess
 from edge_server.scheduler.interface import RequestScheduler
 from edge_server.scheduler.scheduler import ModelScheduler
+from edge_server.scheduler.sequence import SequenceScheduler
 from edge_server.scheduler.stats import ModelStats
 from edge_server.validation import RequestValidator
 from edge_server.warmup import warm_up
@@ -44,10 +48,20 @@ class LoadedVersion:
     validator: RequestValidator
     #: an ensemble's members (name, version or None: latest); it is ready only while they are
     members: tuple[tuple[str, int | None], ...] = ()
+    note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
 
-    def retire(self, deadline: float) -> None:
-        """Let queued and running requests finish (until ``deadline``, monotonic), then free everything."""
-        if not self.scheduler.drain(deadline):
+    def retire(self, deadline: float, *, finish_sequences: bool = False) -> None:
+        """Let queued and running requests finish (until ``deadline``, monotonic), then free everything.
+
+        ``finish_sequences`` (a reload with a successor): a sequence model also waits for its live
+        sequences to end or idle out, so that they finish on the version they started on.
+        """
+        scheduler = self.scheduler
+        if isinstance(scheduler, SequenceScheduler):
+            drained = scheduler.drain(deadline, finish_sequences=finish_sequences)
+        else:
+            drained = scheduler.drain(deadline)
+        if not drained:
             log.warning(
                 "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
             )
@@ -79,6 +93,7 @@ def load_version(
     content_hash: str,
     cpu_count: int | None = None,
     access: ModelAccess | None = None,
+    rebuilder: EngineRebuilder | None = None,
 ) -> LoadedVersion:
     """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable.
 
@@ -87,6 +102,9 @@ def load_version(
     if config.backend == "ensemble":
         return _load_ensemble(source, version, config, content_hash=content_hash, access=access)
     version_dir = source.versions[version]
+    # A TensorRT model whose plan cannot run here serves the ONNX beside it (backends/tensorrt/fallback.py).
+    choice = choose_runtime(config, version_dir, rebuilder=rebuilder)
+    config = choice.config
     model_path = version_dir / config.model_filename
     if not model_path.exists():
         raise ConfigError(
@@ -97,6 +115,7 @@ def load_version(
     validate_config(config)  # what the backend filled in obeys the same rules as what was written
     _check_io(config)
     config = config.replace(instance_groups=named_instance_groups(config))
+    warn_missing_gpus(config, gpu_ids())
     specs = instance_specs(config, backend_cls, cpu_count=cpu_count or os.cpu_count() or 1)
     instances: list[tuple[str, Backend]] = []
     try:
@@ -117,7 +136,30 @@ def load_version(
             backend.close()
         raise
     stats = ModelStats(source.name, version)
-    scheduler = ModelScheduler(config, instances, stats)
+    by_name = {spec.name: spec for spec in specs}
+
+    def reload(name: str) -> Backend:
+        """A fresh, warmed-up instance for one that failed unrecoverably (called by its worker)."""
+        ctx = LoadContext(
+            config=config,
+            version=version,
+            version_dir=version_dir,
+            model_path=model_path,
+            instance=by_name[name],
+        )
+        backend = backend_cls(ctx)
+        try:
+            warm_up(config, backend, version_dir, instance_name=name)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    scheduler: ModelScheduler | SequenceScheduler
+    if config.sequence_batching is not None:
+        scheduler = SequenceScheduler(config, instances, stats, source.path)
+    else:
+        scheduler = ModelScheduler(config, instances, stats, reload=reload)
     return LoadedVersion(
         name=source.name,
         version=version,
@@ -127,6 +169,7 @@ def load_version(
         content_hash=content_hash,
         devices=tuple(backend.device for _, backend in instances),
         validator=RequestValidator(config),
+        note=choice.note,
     )
 
 
@@ -163,6 +206,25 @@ def _check_io(config: ModelConfig) -> None:
         raise ConfigError(f"{config.source}: model {config.name!r} declares no inputs")
     if not config.outputs:
         raise ConfigError(f"{config.source}: model {config.name!r} declares no outputs")
+
+
+def warn_missing_gpus(config: ModelConfig, present: tuple[int, ...]) -> None:
+    """Warn (where Triton fails) about GPU ids this machine lacks.
+
+    The repository may be meant for another device, and a KIND_AUTO group falls back to the CPU here.
+    """
+    for index, group in enumerate(config.instance_groups):
+        missing = sorted(set(group.gpus) - set(present))
+        if missing:
+            log.warning(
+                "%s: instance_group[%d] (%s) names GPU ids %s that do not exist on this machine "
+                "(GPUs here: %s)",
+                config.source or config.name,
+                index,
+                group.name,
+                missing,
+                list(present) or "none",
+            )
 
 
 def named_instance_groups(config: ModelConfig) -> tuple[InstanceGroup, ...]:

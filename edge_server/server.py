@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from edge_server.access import LocalAccess
+from edge_server.backends.tensorrt.rebuild import ENGINE_BUILD_MODES, EngineRebuilder
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
@@ -59,8 +60,13 @@ class Server:
         drain_timeout: float = 30.0,
         cpu_count: int | None = None,
         watch_quiet_s: float = 0.5,
+        engine_build: str = "none",
     ) -> None:
-        """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads."""
+        """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
+
+        ``engine_build="on-load"`` rebuilds TensorRT plans that cannot serve here (another TensorRT
+        version or device, or missing) from the ONNX beside them, in the background, while the ONNX serves.
+        """
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
                 f"model_control_mode must be one of {list(CONTROL_MODES)}, got {model_control_mode!r}"
@@ -74,6 +80,7 @@ class Server:
         self._dataplane = DataPlane(self._manager)
         # Pipelines and Python models reach other models through the data plane, handed down at load.
         self._manager.attach(LocalAccess(self._dataplane, self._manager, control_mode=model_control_mode))
+        self._rebuilder = self._engine_rebuilder(engine_build)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None
@@ -214,6 +221,22 @@ class Server:
     def manager(self) -> ModelManager:
         return self._manager
 
+    def _engine_rebuilder(self, mode: str) -> EngineRebuilder | None:
+        if mode not in ENGINE_BUILD_MODES:
+            raise InvalidArgument(f"engine_build must be one of {list(ENGINE_BUILD_MODES)}, got {mode!r}")
+        if mode == "none":
+            return None
+
+        def reload(name: str) -> None:  # on the builder's thread, once a plan is written
+            try:
+                self._manager.rescan([name])
+            except EdgeServerError as exc:
+                log.warning("model %s: reload after the engine build failed: %s", name, exc.message)
+
+        rebuilder = EngineRebuilder(reload)
+        self._manager.engine_rebuilder = rebuilder
+        return rebuilder
+
     # -- shutdown -------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -222,6 +245,8 @@ class Server:
             if self._closed.is_set():
                 return
             self._closed.set()
+        if self._rebuilder is not None:
+            self._rebuilder.close()
         if self.watcher is not None:
             self.watcher.stop()  # first, so that no rescan starts while the models are unloaded
         self._manager.close()

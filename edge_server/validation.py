@@ -98,6 +98,12 @@ class RequestValidator:
         self._batched = config.max_batch_size > 0
         self._max_batch_size = config.max_batch_size
         self._outputs = tuple(spec.name for spec in config.outputs)
+        self._server_inputs = frozenset(config.server_inputs())
+        self._state_outputs = frozenset(config.state_outputs())
+        seq = config.sequence_batching
+        self._sequence = seq is not None
+        corrid = seq.control("CONTROL_SEQUENCE_CORRID") if seq else None
+        self._corrid_type = corrid.control.data_type if corrid else ""
         self._fixed_key: Hashable | None = None
         if not any(rule.variable or rule.optional for rule in self._rules):
             self._fixed_key = tuple((rule.name, rule.dims) for rule in self._rules)
@@ -143,13 +149,44 @@ class RequestValidator:
             item.flags = (REQUEST_FLAG_SEQUENCE_START if request.sequence_start else 0) | (
                 REQUEST_FLAG_SEQUENCE_END if request.sequence_end else 0
             )
+        if self._sequence:
+            self._check_sequence(request, item)
         if request.timeout_us:
             item.timeout_us = request.timeout_us
         return item, key
 
+    def _check_sequence(self, request: InferRequest, item: BatchItem) -> None:
+        """A stateful model's request: a correlation id of the right kind, one row per request."""
+        corrid = request.correlation_id
+        if not corrid:
+            raise InvalidArgument(
+                f"model {self.model!r} is a sequence model (sequence_batching): every request needs a "
+                "correlation id (sequence_id), and the first request of a sequence sequence_start"
+            )
+        if type(corrid) is bool or not isinstance(corrid, int | str):
+            raise InvalidArgument(f"the correlation id must be an integer or a string, got {corrid!r}")
+        if isinstance(corrid, int) and not 0 < corrid < 2**64:
+            raise InvalidArgument(f"an integer correlation id must be in 1..2**64-1, got {corrid}")
+        if isinstance(corrid, str) and len(corrid) > MAX_PARAMETER_KEY:
+            raise InvalidArgument(f"a string correlation id may have at most {MAX_PARAMETER_KEY} characters")
+        if self._corrid_type == "TYPE_STRING" and not isinstance(corrid, str):
+            raise InvalidArgument(f"model {self.model!r} takes string correlation ids, got {corrid!r}")
+        if self._corrid_type and self._corrid_type != "TYPE_STRING" and not isinstance(corrid, int):
+            raise InvalidArgument(f"model {self.model!r} takes integer correlation ids, got {corrid!r}")
+        if self._batched and item.batch_size != 1:
+            raise InvalidArgument(
+                f"model {self.model!r}: a request of a sequence carries one row (batch size 1), "
+                f"got {item.batch_size}"
+            )
+
     def _check_names(self, inputs: Mapping[str, object]) -> None:
         by_name = self._by_name
         for name in inputs:
+            if name in self._server_inputs:
+                raise InvalidArgument(
+                    f"model {self.model!r}: input {name!r} is a sequence control or state input, which the "
+                    "server fills; do not send it (use sequence_id, sequence_start and sequence_end)"
+                )
             if name not in by_name:
                 raise InvalidArgument(
                     f"model {self.model!r} has no input {name!r}; its inputs are {sorted(by_name)}"
@@ -202,6 +239,11 @@ class RequestValidator:
         """The outputs asked for, once each, in the order asked (none asked: every output, as KServe v2)."""
         names = self._outputs
         for name in requested:
+            if name in self._state_outputs:
+                raise InvalidArgument(
+                    f"model {self.model!r}: output {name!r} is an implicit state the server keeps; "
+                    f"its outputs are {list(names)}"
+                )
             if name not in names:
                 raise InvalidArgument(
                     f"model {self.model!r} has no output {name!r}; its outputs are {list(names)}"

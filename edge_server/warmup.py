@@ -18,7 +18,8 @@ from edge_server import dtypes
 from edge_server.backends.base import Backend
 from edge_server.config.model import ModelConfig, TensorSpec, Warmup, WarmupInput
 from edge_server.errors import ConfigError, EdgeServerError
-from edge_server.request import BatchItem, Timing
+from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, BatchItem, Timing
+from edge_server.scheduler.sequence_tensors import SequenceTensors
 
 
 def _strings_from_file(raw: bytes, count: int, where: str) -> np.ndarray:
@@ -65,23 +66,38 @@ def _sample_array(given: WarmupInput, rows: int | None, data: Path | None, where
 
 def _sample_item(config: ModelConfig, sample: Warmup, version_dir: Path, where: str) -> BatchItem:
     batched = config.max_batch_size > 0
-    specs: dict[str, TensorSpec] = {spec.name: spec for spec in config.inputs}
+    specs: dict[str, TensorSpec | None] = {spec.name: spec for spec in config.inputs}
+    specs.update(dict.fromkeys(config.server_inputs()))  # Triton's samples may give control tensors
     inputs: dict[str, np.ndarray] = {}
     for name, given in sample.inputs.items():
-        spec = specs.get(name)
-        if spec is None:
+        if name not in specs:
             raise ConfigError(f"{where}: names input {name!r}, which the model does not have")
+        spec = specs[name]
         data = version_dir / "warmup" / given.input_data_file if given.input_data_file else None
         rows = sample.batch_size if batched else None
         array = _sample_array(given, rows, data, f"{where} input {name!r}")
-        if spec.reshape is not None:
+        if spec is not None and spec.reshape is not None:
             array = array.reshape((array.shape[0], *spec.reshape) if batched else spec.reshape)
         inputs[name] = array
-    return BatchItem(
+    item = BatchItem(
         inputs=inputs,
         batch_size=sample.batch_size if batched else 1,
         requested_outputs=tuple(t.name for t in config.outputs),
     )
+    if config.sequence_batching is not None:
+        _add_sequence_inputs(config, item, version_dir)
+    return item
+
+
+def _add_sequence_inputs(config: ModelConfig, item: BatchItem, version_dir: Path) -> None:
+    """Fill the control and state inputs a sample leaves out: a one-request sequence (START and END)."""
+    tensors = SequenceTensors(config, version_dir.parent)
+    flags = REQUEST_FLAG_SEQUENCE_START | REQUEST_FLAG_SEQUENCE_END
+    full = tensors.row(BatchItem({}, 1, (), correlation_id=1, flags=flags), ready=True, state=None)
+    for name, value in full.inputs.items():
+        if name not in item.inputs:
+            rows = item.batch_size if config.max_batch_size > 0 else 1
+            item.inputs[name] = np.repeat(value, rows, axis=0) if rows > 1 else value
 
 
 def warm_up(config: ModelConfig, backend: Backend, version_dir: Path, *, instance_name: str) -> None:

@@ -288,13 +288,14 @@ class Daemon:
             self.proc.wait()
 
     def mapped_segments(self) -> set[str]:
-        """Names of /dev/shm segments the daemon has mapped now (from /proc/PID/maps)."""
+        """Names of client segments (memfds, /dev/shm files) the daemon has mapped now (/proc/PID/maps)."""
         names = set()
         with open(f"/proc/{self.pid}/maps") as maps:
             for line in maps:
                 path = line.split(maxsplit=5)[-1].strip() if len(line.split()) >= 6 else ""
-                if path.startswith("/dev/shm/"):
-                    names.add(path[len("/dev/shm/") :].removesuffix(" (deleted)"))
+                for prefix in ("/dev/shm/", "/memfd:"):
+                    if path.startswith(prefix):
+                        names.add(path[len(prefix) :].removesuffix(" (deleted)"))
         return names
 
 

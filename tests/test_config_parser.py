@@ -406,17 +406,19 @@ def test_warmup_random_data_and_zero_batch_skipped() -> None:
 # --- warnings for fields edge-server ignores ------------------------------------------------------
 
 
-def test_sequence_batching_and_other_ignored_fields_warn() -> None:
+def test_sequence_batching_is_parsed_and_other_ignored_fields_warn() -> None:
     config, warnings = parse(SEQUENCE)
     assert config.backend == "onnxruntime"
     assert config.inputs[0].name == "INPUT"
     assert config.dynamic_batching is None
+    assert config.sequence_batching is not None
+    assert config.sequence_batching.strategy == "oldest"
+    assert config.server_inputs() == ("START", "CORRID", "INPUT_STATE")
     expected = [
         "input.allow_ragged_batch",
         "instance_group.rate_limiter",
         "optimization.graph",
         "optimization.input_pinned_memory",
-        "sequence_batching",
         "metric_tags",
         "response_cache",
     ]
@@ -511,8 +513,9 @@ def test_syntax_error_and_duplicate_scalar() -> None:
     [
         ('name: "other"', "name", "does not match"),
         ('platform: "onnxruntime_onnx" backend: "python"', "platform", "'onnxruntime'"),
-        ('backend: "pytorch"', "backend", "unknown backend"),
-        ('platform: "tensorflow_savedmodel"', "platform", "unknown platform"),
+        ('backend: "pytorch"', "backend", "backend 'pytorch' is not supported by edge-server"),
+        ('platform: "tensorflow_savedmodel"', "platform", "(Triton's tensorflow backend) is not supported"),
+        ('platform: "caffe2_netdef"', "platform", "unknown platform"),
         ("max_batch_size: -1", "max_batch_size", ">= 0"),
         (
             'input { name: "x" data_type: TYPE_FP32 dims: 1 }\n'

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,16 @@ from edge_server.dla.rules import RULES_DIR, ConfigError
 ORIN = load_rules("orin")
 XAVIER = load_rules("xavier")
 F = TensorProto.FLOAT
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """main() configures the root logger onto this test's captured stderr; put the old handlers back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def model(
@@ -286,3 +299,12 @@ def test_cli_not_an_onnx_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     bad.write_bytes(b"not a model")
     assert main(["dla-report", str(bad), "--module", "orin"]) == 1
     assert "INVALID_CONFIG" in capsys.readouterr().err
+
+
+def test_missing_onnx_package_is_a_clear_error(
+    example_repository: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnx", None)  # what an install without the 'dla' extra looks like
+    assert main(["dla-report", str(example_repository / "cnn/1/model.onnx"), "--module", "orin"]) == 1
+    err = capsys.readouterr().err
+    assert "MISSING_DEPENDENCY" in err and "pip install 'edge-server[dla]'" in err

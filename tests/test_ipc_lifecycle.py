@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from edge_server.client import AsyncClient, Client
+from edge_server.client._common import register_fields
 from edge_server.errors import ConnectionLost, ModelNotReady, ReplyTimeout, RequestTimeout
 from tests.daemon import (
     ROOT,
@@ -73,7 +74,8 @@ def test_client_that_disconnects_with_requests_in_flight(daemon: Daemon, gate: G
     region = client.create_shm_region(4096)  # created by us, registered by the raw peer as well
     try:
         region.write(X)
-        assert peer.ask([header(op="shm_register", name=region.name)])["ok"]
+        fields = register_fields(daemon.address, region)  # hands the descriptor over for this peer
+        assert peer.ask([header(op="shm_register", **fields)])["ok"]
         desc = {"name": "INPUT0", "datatype": "FP32", "shape": [4]}
         desc["shm"] = {"region": region.name, "offset": 0, "byte_size": 16}
         for rid in range(3):

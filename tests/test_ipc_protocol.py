@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgpack
@@ -26,6 +27,7 @@ from edge_server.errors import (
     UnsupportedProtocolVersion,
 )
 from edge_server.ipc import handlers, protocol
+from edge_server.ipc.handoff import inspect_fd
 from edge_server.ipc.shm import ShmRegistry
 
 
@@ -42,7 +44,7 @@ def infer_header(**overrides: Any) -> dict[str, Any]:
 
 
 def decode(header: dict[str, Any], *frames: bytes) -> tuple[Any, handlers.InferContext]:
-    return handlers.decode_infer(header, [zmq.Frame(f) for f in frames], ShmRegistry("edge-server-"))
+    return handlers.decode_infer(header, [zmq.Frame(f) for f in frames], ShmRegistry())
 
 
 def test_bytes_round_trip_and_layout() -> None:
@@ -250,11 +252,11 @@ def test_one_bounds_rule_for_daemon_and_client(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(protocol, "check_span", spy)
     region = SharedMemoryRegion(4096)
-    registry = ShmRegistry("edge-server-")
+    registry = ShmRegistry()
     try:
-        mapped = registry.register(region.name, None)
+        mapped = registry.register(region.name, inspect_fd(os.dup(region.fd), uid=0, pid=0), None)
         with pytest.raises(ShmOutOfBounds, match=r"input 'A': bytes 4000..4100 lie outside region"):
-            mapped.view(4000, 100, "input 'A'")
+            mapped.read(4000, 100, "input 'A'")
         with pytest.raises(ShmOutOfBounds, match=r"bytes 4000..4100 lie outside region"):
             region.output(4000, 100)
         slot = ShmRing(region, 2, 1000).slots[1]

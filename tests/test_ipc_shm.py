@@ -23,7 +23,8 @@ from edge_server.errors import (
     ShmUnavailable,
 )
 from edge_server.ipc import addresses, peers
-from edge_server.ipc.shm import ShmRegistry, check_name
+from edge_server.ipc.handoff import inspect_fd
+from edge_server.ipc.shm import MappedRegion, Segment, ShmRegistry, check_name
 
 
 @pytest.fixture
@@ -33,16 +34,39 @@ def region() -> SharedMemoryRegion:
     r.close()
 
 
-def test_region_is_created_under_the_prefix_with_group_access(region: SharedMemoryRegion) -> None:
-    path = f"/dev/shm/{region.name}"
+def segment_of(region: SharedMemoryRegion) -> Segment:
+    """What the daemon gets from the hand-off: a duplicate of the client's descriptor."""
+    return inspect_fd(os.dup(region.fd), uid=os.getuid(), pid=os.getpid())
+
+
+def test_default_region_is_a_sealed_memfd_nobody_else_can_open(region: SharedMemoryRegion) -> None:
     assert region.name.startswith("edge-server-")
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660 and os.path.getsize(path) == 4096
+    assert not os.path.exists(f"/dev/shm/{region.name}")
+    assert os.readlink(f"/proc/self/fd/{region.fd}").startswith("/memfd:")
+    segment = segment_of(region)
+    try:
+        assert segment.sealed and segment.writable and segment.size == 4096
+        with pytest.raises(OSError):
+            os.ftruncate(region.fd, 16)  # F_SEAL_SHRINK: nobody can shrink it, its owner neither
+    finally:
+        os.close(segment.fd)
     region.close()
-    assert not os.path.exists(path) and region.closed
+    assert region.closed
+
+
+def test_posix_region_is_private_to_its_owner() -> None:
+    region = SharedMemoryRegion(4096, posix=True)
+    path = f"/dev/shm/{region.name}"
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and os.path.getsize(path) == 4096
+        assert not segment_of(region).sealed
+    finally:
+        region.close()
+    assert not os.path.exists(path)
 
 
 def test_forgotten_region_is_unlinked_when_collected() -> None:
-    r = SharedMemoryRegion(128)
+    r = SharedMemoryRegion(128, posix=True)
     path = f"/dev/shm/{r.name}"
     del r
     gc.collect()
@@ -62,12 +86,16 @@ def test_region_write_and_references(region: SharedMemoryRegion) -> None:
         region.output(4000, 200)
 
 
-def test_registry_maps_without_copying_and_checks_bounds(region: SharedMemoryRegion) -> None:
-    registry = ShmRegistry("edge-server-")
-    mapped = registry.register(region.name, None)
-    assert mapped.byte_size == 4096
+def test_sealed_region_is_mapped_without_copying_and_bounds_are_checked(region: SharedMemoryRegion) -> None:
+    registry = ShmRegistry()
+    mapped = registry.register(region.name, segment_of(region), None)
+    assert mapped.byte_size == 4096 and mapped.zero_copy
     region.array(np.uint8, (4,))[...] = [1, 2, 3, 4]
-    assert bytes(mapped.view(0, 4, "t")) == b"\x01\x02\x03\x04"  # the client's memory, live
+    view = mapped.read(0, 4, "t")
+    assert bytes(view) == b"\x01\x02\x03\x04"
+    region.array(np.uint8, (1,))[...] = [7]
+    assert bytes(view)[0] == 7  # the client's memory, live: no copy
+    del view
     mapped.write(8, np.array([9, 9], np.uint8), "t")
     assert region.array(np.uint8, (2,), offset=8).tolist() == [9, 9]
     assert registry.resolve(region.name, 4000, 96, "t") is mapped
@@ -76,24 +104,18 @@ def test_registry_maps_without_copying_and_checks_bounds(region: SharedMemoryReg
     with pytest.raises(ShmNotRegistered):
         registry.resolve("edge-server-other", 0, 1, "t")
     with pytest.raises(ShmAlreadyRegistered):
-        registry.register(region.name, 16)
-    assert registry.status() == [{"name": region.name, "byte_size": 4096}]
+        registry.register(region.name, segment_of(region), 16)
+    assert registry.status() == [{"name": region.name, "byte_size": 4096, "zero_copy": True}]
     assert registry.unregister(None) == [region.name] and len(registry) == 0
     with pytest.raises(ShmNotRegistered):
         registry.unregister(region.name)
 
 
-def test_registry_never_unlinks_the_clients_segment(region: SharedMemoryRegion) -> None:
-    registry = ShmRegistry("edge-server-")
-    registry.register(region.name, 1024)
-    registry.close()
-    assert os.path.exists(f"/dev/shm/{region.name}")
-
-
 def test_unmap_waits_for_arrays_still_in_use(region: SharedMemoryRegion) -> None:
-    registry = ShmRegistry("edge-server-")
-    mapped = registry.register(region.name, None)
-    view = np.frombuffer(mapped.view(0, 16, "t"), np.uint8)  # a request's input
+    registry = ShmRegistry()
+    mapped = registry.register(region.name, segment_of(region), None)
+    assert isinstance(mapped, MappedRegion)
+    view = np.frombuffer(mapped.read(0, 16, "t"), np.uint8)  # a request's input
     registry.unregister(region.name)
     assert not mapped.mm.closed  # still mapped: the array reads through it
     del view
@@ -101,45 +123,57 @@ def test_unmap_waits_for_arrays_still_in_use(region: SharedMemoryRegion) -> None
     assert mapped.mm.closed
 
 
-def test_shrunk_segment_is_refused_before_it_is_touched() -> None:
-    """A client may ftruncate its segment under the daemon's mapping: touching a page past the new end
-    would be SIGBUS.  Every use checks the segment's size first (these checks touch no memory)."""
-    region = SharedMemoryRegion(64 * 1024)
-    registry = ShmRegistry("edge-server-")
+def test_a_segment_that_may_shrink_is_never_mapped_and_cannot_fault() -> None:
+    """A POSIX segment's owner may ftruncate it at any time: the daemon copies with pread/pwrite,
+    which come up short instead of raising SIGBUS, so even a shrink mid-request cannot kill it."""
+    region = SharedMemoryRegion(64 * 1024, posix=True)
+    registry = ShmRegistry()
     try:
-        mapped = registry.register(region.name, None)
+        copied = registry.register(region.name, segment_of(region), None)
+        assert not copied.zero_copy
+        region.array(np.uint8, (4,))[...] = [1, 2, 3, 4]
+        data = copied.read(0, 4, "t")
+        region.array(np.uint8, (1,))[...] = [9]
+        assert bytes(data) == b"\x01\x02\x03\x04"  # a copy: later writes do not show
+        copied.write(100, np.array([5, 6], np.uint8), "t")
+        assert region.array(np.uint8, (2,), offset=100).tolist() == [5, 6]
         os.truncate(f"/dev/shm/{region.name}", 4096)
-        assert mapped.view(0, 4096, "t").nbytes == 4096  # what is left is still usable
-        with pytest.raises(ShmOutOfBounds, match="after its owner shrank it"):
-            mapped.view(8192, 16, "input 'A'")
-        with pytest.raises(ShmOutOfBounds, match="after its owner shrank it"):
-            registry.resolve(region.name, 4090, 16, "output 'Y'")
-        with pytest.raises(ShmOutOfBounds, match="after its owner shrank it"):
-            mapped.write(32768, np.zeros(16, np.uint8), "output 'Y'")
-        with pytest.raises(ShmOutOfBounds, match="after its owner shrank it"):
-            mapped.write(32768, b"x" * 16, "output 'Y'")
+        assert len(copied.read(0, 4096, "t")) == 4096  # what is left is still usable
+        with pytest.raises(ShmOutOfBounds, match="shrank"):
+            copied.read(8192, 16, "input 'A'")
+        with pytest.raises(ShmOutOfBounds, match="shrank"):
+            copied.write(32768, np.zeros(16, np.uint8), "output 'Y'")
+        assert os.path.getsize(f"/dev/shm/{region.name}") == 4096  # never grown back by a write
     finally:
         registry.close()
         region.close()
 
 
-@pytest.mark.parametrize(
-    "name", ["other-prefix", "edge-server-a/b", "..", "edge-server-\u00e9", "edge-server-" + "x" * 200]
-)
-def test_names_outside_the_prefix_are_rejected(name: str) -> None:
+def test_read_only_descriptor_serves_inputs_only(region: SharedMemoryRegion) -> None:
+    fd = os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY)
+    registry = ShmRegistry()
+    try:
+        ro = registry.register(region.name, inspect_fd(fd, uid=os.getuid(), pid=os.getpid()), None)
+        assert len(ro.read(0, 16, "t")) == 16
+        with pytest.raises(ShmUnavailable, match="read-only"):
+            registry.resolve(region.name, 0, 16, "output 'Y'")
+    finally:
+        registry.close()
+
+
+@pytest.mark.parametrize("name", ["edge-server-a/b", "..", "edge-server-\u00e9", "edge-server-" + "x" * 200])
+def test_bad_names_are_rejected(name: str) -> None:
     with pytest.raises(ShmNameRejected):
-        check_name(name, "edge-server-")
+        check_name(name)
 
 
 def test_register_limits(region: SharedMemoryRegion) -> None:
-    registry = ShmRegistry("edge-server-", max_regions=1)
+    registry = ShmRegistry(max_regions=1)
     with pytest.raises(ShmOutOfBounds):
-        registry.register(region.name, 8192)
-    with pytest.raises(ShmUnavailable):
-        registry.register("edge-server-does-not-exist", None)
-    registry.register(region.name, None)
+        registry.register(region.name, segment_of(region), 8192)
+    registry.register(region.name, segment_of(region), None)
     with pytest.raises(InvalidArgument, match="at most 1"):
-        registry.register(region.name + "x", None)
+        registry.register("edge-server-second", segment_of(region), None)
     registry.close()
 
 
@@ -244,7 +278,7 @@ def test_prepare_bind_removes_stale_sockets_and_refuses_live_ones(tmp_path: Path
 def test_peer_table_probes_only_clients_that_hold_state(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr(peers.time, "monotonic", lambda: now[0])
-    table = peers.PeerTable("edge-server-", probe_interval=10.0)
+    table = peers.PeerTable(probe_interval=10.0)
     idle = table.get(b"idle")
     busy = table.get(b"busy")
     busy.in_flight.add(concurrent.futures.Future())

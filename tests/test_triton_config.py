@@ -224,3 +224,110 @@ def test_reshape_element_count_follows_tritons_rules(
     else:
         with pytest.raises(ConfigError, match=r"field 'input\[0\].reshape'"):
             parse(text)
+
+
+@pytest.mark.parametrize(
+    ("config", "files", "reason"),
+    [
+        (
+            'backend: "pytorch"',
+            {"1/model.pt": b"torchscript"},
+            "field 'backend': backend 'pytorch' is not supported by edge-server, which serves "
+            "onnxruntime, tensorrt, python, ensemble models; export the model to ONNX",
+        ),
+        ('backend: "vllm"', {"1/model.json": b"{}"}, "LLM serving is not part of edge-server"),
+        ('backend: "openvino"', {"1/model.xml": b"<xml/>"}, "backend 'openvino' is not supported"),
+        (
+            'platform: "tensorflow_graphdef"',
+            {"1/model.graphdef": b"graph"},
+            "platform 'tensorflow_graphdef' (Triton's tensorflow backend) is not supported by edge-server",
+        ),
+        (
+            'platform: "tensorrt_plan"',
+            {"1/model.plan": b"engine"},
+            "backend 'tensorrt' is supported by edge-server but cannot run here: it needs TensorRT",
+        ),
+    ],
+)
+def test_unknown_and_unrunnable_backends_are_different_clear_errors(
+    tmp_path: Path, config: str, files: dict[str, bytes], reason: str
+) -> None:
+    model = tmp_path / "repo" / "m"
+    model.mkdir(parents=True)
+    (model / "config.pbtxt").write_text(config + "\nmax_batch_size: 0\n")
+    for name, data in files.items():
+        (model / name).parent.mkdir(parents=True, exist_ok=True)
+        (model / name).write_bytes(data)
+    with Server(tmp_path / "repo") as server:
+        (status,) = server.models()
+        assert status.state.value == "UNAVAILABLE"
+        assert reason in status.reason, status.reason
+        if "cannot run here" in reason:
+            assert "backends this machine runs: onnxruntime, python" in status.reason
+
+
+def test_gpu_ids_missing_here_are_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    repo = tmp_path / "repo"
+    affine_model(repo / "gpus" / "1" / "model.onnx", dims=("batch", 4))
+    (repo / "gpus" / "config.pbtxt").write_text(
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n'
+        "instance_group [ { kind: KIND_AUTO gpus: [ 7 ] } ]\n"
+    )
+    with Server(repo) as server:
+        out = server.infer("gpus", {"INPUT0": np.zeros((1, 4), np.float32)})["OUTPUT0"]
+        np.testing.assert_array_equal(out, np.ones((1, 4), np.float32))
+    assert any(
+        "names GPU ids [7] that do not exist on this machine" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_gpu_ids_come_from_device_nodes(tmp_path: Path) -> None:
+    from edge_server.platform.gpus import gpu_ids
+
+    (tmp_path / "dev").mkdir()
+    assert gpu_ids(tmp_path) == ()
+    for name in ("nvidia1", "nvidia0", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / "dev" / name).touch()
+    assert gpu_ids(tmp_path) == (0, 1)
+    jetson = tmp_path / "jetson"
+    (jetson / "dev").mkdir(parents=True)
+    (jetson / "dev" / "nvhost-ctrl-gpu").touch()
+    assert gpu_ids(jetson) == (0,)
+
+
+def test_bf16_onnx_model_answers_as_onnxruntime(tmp_path: Path) -> None:
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["X"], ["SAME"]),
+            helper.make_node("Cast", ["X"], ["WIDE"], to=TensorProto.FLOAT),
+        ],
+        "bf16",
+        [helper.make_tensor_value_info("X", TensorProto.BFLOAT16, ["n", 3])],
+        [
+            helper.make_tensor_value_info("SAME", TensorProto.BFLOAT16, ["n", 3]),
+            helper.make_tensor_value_info("WIDE", TensorProto.FLOAT, ["n", 3]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "repo" / "bf16" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(model.SerializeToString())
+    x = np.array([[1.5, -2.25, 1e30], [0, 3, 7]], dtype=ml_dtypes.bfloat16)
+    with Server(tmp_path / "repo") as server:
+        config = server.model_config("bf16")
+        assert [t.data_type for t in config.inputs + config.outputs] == [
+            "TYPE_BF16",
+            "TYPE_BF16",
+            "TYPE_FP32",
+        ]
+        out = server.infer("bf16", {"X": x})
+    assert out["SAME"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(out["SAME"].view(np.uint16), x.view(np.uint16))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x.view(np.uint16), TensorProto.BFLOAT16)
+    (wide,) = session.run_with_ort_values(["WIDE"], {"X": value})
+    np.testing.assert_array_equal(out["WIDE"], wide.numpy())

@@ -102,6 +102,9 @@ class TensorBackend(Backend):
     output_names: tuple[str, ...] = ()
     #: whether tensors carry a leading batch axis (max_batch_size > 0)
     batched: bool = True
+    #: whether the scheduler may run a request on the caller's (frontend) thread when it measures the
+    #: model as cheap; GPU/DLA backends say no: a device call can block for a whole inference
+    allows_inline: bool = True
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         if len(batch) == 1:  # nothing to stack or split: the outputs are this request's own

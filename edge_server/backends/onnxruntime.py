@@ -8,6 +8,7 @@ instead of each spawning a pool as large as the machine.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -24,8 +25,14 @@ from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionEr
 
 log = logging.getLogger(__name__)
 
+_BF16 = dtypes.to_numpy("TYPE_BF16")
+_ONNX_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
+
 # Triton's --backend-config=onnxruntime,default-max-batch-size default.
 DEFAULT_MAX_BATCH_SIZE = 4
+
+
+_Graph = tuple[str, str, list[int]]
 
 
 def _graph_tensors(args: Sequence[Any]) -> list[tuple[str, str, list[int]]]:
@@ -99,6 +106,41 @@ def _fill_from_graph(spec: TensorSpec, dtype: str, dims: list[int], *, batched: 
     return dataclasses.replace(spec, **changes) if changes else spec
 
 
+def _split_sequence_tensors(
+    config: ModelConfig, inputs: list[_Graph], outputs: list[_Graph]
+) -> tuple[list[_Graph], list[_Graph]]:
+    """The graph's client inputs and outputs, after checking the ones sequence batching fills and keeps.
+
+    Control and state inputs are model inputs that the config does not list (Triton's rule), so they
+    are neither auto-completed as client inputs nor left for a client to send.
+    """
+    seq = config.sequence_batching
+    assert seq is not None
+    graph_in = {name: dtype for name, dtype, _ in inputs}
+    graph_out = {name: dtype for name, dtype, _ in outputs}
+    wanted = [(c.name, c.control.tensor_type, "control input") for c in seq.control_inputs]
+    wanted += [(s.input_name, s.data_type, "state input") for s in seq.states]
+    for name, dtype, role in wanted:
+        if name not in graph_in:
+            raise ConfigError(
+                f"{config.source}: sequence_batching {role} {name!r} is not an input of the ONNX model; "
+                f"its inputs are {sorted(graph_in)}"
+            )
+        if graph_in[name] != dtype:
+            raise ConfigError(
+                f"{config.source}: sequence_batching {role} {name!r} is {dtype} in the config but "
+                f"{graph_in[name]} in the ONNX model"
+            )
+    for state in seq.states:
+        if graph_out.get(state.output_name) != state.data_type:
+            raise ConfigError(
+                f"{config.source}: sequence_batching state output {state.output_name!r} must be a "
+                f"{state.data_type} output of the ONNX model; its outputs are {sorted(graph_out)}"
+            )
+    server_in, kept_out = set(seq.server_inputs()), set(seq.state_outputs())
+    return [t for t in inputs if t[0] not in server_in], [t for t in outputs if t[0] not in kept_out]
+
+
 class OnnxRuntimeBackend(TensorBackend):
     @classmethod
     def gpu_available(cls) -> bool:
@@ -115,6 +157,8 @@ class OnnxRuntimeBackend(TensorBackend):
         inputs = _graph_tensors(session.get_inputs())
         outputs = _graph_tensors(session.get_outputs())
         del session
+        if config.sequence_batching is not None:
+            inputs, outputs = _split_sequence_tensors(config, inputs, outputs)
         changes: dict[str, Any] = {}
         max_batch = config.max_batch_size
         if max_batch == 0 and not config.inputs and not config.outputs:
@@ -122,7 +166,7 @@ class OnnxRuntimeBackend(TensorBackend):
             if all(dims and dims[0] == -1 for _, _, dims in inputs + outputs):
                 max_batch = DEFAULT_MAX_BATCH_SIZE
                 changes["max_batch_size"] = max_batch
-                if config.dynamic_batching is None:
+                if config.dynamic_batching is None and config.sequence_batching is None:
                     changes["dynamic_batching"] = DynamicBatching()
         batched = max_batch > 0
         changes["inputs"] = _check_or_fill(
@@ -154,10 +198,18 @@ class OnnxRuntimeBackend(TensorBackend):
             raise ConfigError(f"{ctx.model_path}: onnxruntime failed to load the model: {exc}") from exc
         used = self._session.get_providers()[0]
         self.device = "cpu" if used == "CPUExecutionProvider" else f"cuda:{ctx.instance.device_id}"
-        self.output_names = tuple(t.name for t in config.outputs)
+        self.output_names = tuple(t.name for t in config.outputs) + config.state_outputs()
         self.batched = config.max_batch_size > 0
-        self._string_inputs = frozenset(t.name for t in config.inputs if t.data_type == "TYPE_STRING")
+        strings = [t.name for t in config.inputs if t.data_type == "TYPE_STRING"]
+        if config.sequence_batching is not None:  # a string CONTROL_SEQUENCE_CORRID
+            strings += [
+                c.name
+                for c in config.sequence_batching.control_inputs
+                if c.control.tensor_type == "TYPE_STRING"
+            ]
+        self._string_inputs = frozenset(strings)
         self._string_outputs = frozenset(t.name for t in config.outputs if t.data_type == "TYPE_STRING")
+        self._bf16 = any(t.data_type == "TYPE_BF16" for t in config.inputs + config.outputs)
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
 
     @staticmethod
@@ -211,13 +263,44 @@ class OnnxRuntimeBackend(TensorBackend):
             for name in self._string_inputs.intersection(inputs):
                 feed[name] = dtypes.as_str_array(inputs[name], where=f"input {name!r}")
         try:
-            values = self._session.run(list(output_names), feed)
+            if self._bf16:
+                values = self._run_bf16(feed, output_names)
+            else:
+                values = self._session.run(list(output_names), feed)
         except Exception as exc:
             raise ModelExecutionError(f"onnxruntime failed: {exc}") from exc
         outputs = dict(zip(output_names, values, strict=True))
         for name in self._string_outputs.intersection(outputs):
             outputs[name] = dtypes.as_bytes_array(outputs[name], where=f"output {name!r}")
         return outputs
+
+    def _run_bf16(self, feed: dict[str, Any], output_names: Sequence[str]) -> list[np.ndarray]:
+        """Run through OrtValues: ONNX Runtime's Python API neither takes nor returns bfloat16 arrays.
+
+        BF16 inputs go in as their uint16 bits tagged with ONNX's BFLOAT16 element type; BF16 outputs
+        are copied out of ONNX Runtime's (CPU) buffer by address and viewed as ml_dtypes.bfloat16.
+        """
+        values = {
+            name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                np.ascontiguousarray(array).view(np.uint16), _ONNX_BFLOAT16
+            )
+            if array.dtype == _BF16
+            else ort.OrtValue.ortvalue_from_numpy(array)
+            for name, array in feed.items()
+        }
+        results = self._session.run_with_ort_values(list(output_names), values)
+        arrays = []
+        for value in results:
+            if value.data_type() != "tensor(bfloat16)":
+                arrays.append(value.numpy())
+                continue
+            shape = tuple(value.shape())
+            count = int(np.prod(shape))
+            bits = np.zeros(count, dtype=np.uint16)
+            if count:
+                ctypes.memmove(bits.ctypes.data, value.data_ptr(), 2 * count)
+            arrays.append(bits.view(_BF16).reshape(shape))
+        return arrays
 
     def close(self) -> None:
         self._session = None  # type: ignore[assignment]

@@ -9,6 +9,7 @@ pb_utils``; the Python backend makes that name resolve to this module.  BLS call
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -460,3 +461,67 @@ def numpy_to_triton_string(dtype: Any) -> str:
 def serialize_config(config: dict[str, Any]) -> str:
     """``args["model_config"]``: the model config as JSON, as Triton passes it."""
     return json.dumps(config)
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    """Whether the config (``json.loads(args["model_config"])``) makes the model decoupled."""
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def _data_type_numbers() -> dict[str, int]:
+    enum = schema.model_config_descriptor().file.enum_types_by_name["DataType"]
+    return {value.name: int(value.number) for value in enum.values}
+
+
+def triton_to_numpy_type(data_type: int) -> type | None:
+    """Numpy scalar type for a ``DataType`` enum number (``11`` -> ``np.float32``); None if unknown."""
+    names = {number: name for name, number in _data_type_numbers().items()}
+    name = names.get(int(data_type))
+    if name is None or name not in dtypes.config_names():
+        return None
+    return dtypes.to_numpy(name).type
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    """``DataType`` enum number for a numpy type (``np.float32`` -> ``11``); None if it has none."""
+    try:
+        return _data_type_numbers()[dtypes.from_numpy(np.dtype(data_type))]
+    except Exception:
+        return None
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
+    """Triton's serialised form of a bytes tensor, as one flat uint8 array.
+
+    Each element in C order as a little-endian uint32 length and its bytes (``str`` UTF-8 encoded).
+    """
+    if input_tensor.size == 0:
+        return np.empty(0, dtype=np.uint8)
+    chunks = []
+    for item in dtypes.as_bytes_array(np.asarray(input_tensor)).reshape(-1):
+        chunks.append(struct.pack("<I", len(item)))
+        chunks.append(item)
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray:
+    """The inverse of :func:`serialize_byte_tensor`: a flat object array of ``bytes``."""
+    raw = (
+        bytes(np.asarray(encoded_tensor, dtype=np.uint8))
+        if not isinstance(encoded_tensor, bytes)
+        else encoded_tensor
+    )
+    items: list[bytes] = []
+    pos = 0
+    while pos < len(raw):
+        if pos + 4 > len(raw):
+            raise TritonModelException("serialized bytes tensor ends inside a length prefix")
+        (length,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if pos + length > len(raw):
+            raise TritonModelException("serialized bytes tensor ends inside an element")
+        items.append(raw[pos : pos + length])
+        pos += length
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out

@@ -140,17 +140,13 @@ def _auto_complete(config: ModelConfig, model_cls: Any, model_path: Path) -> Mod
     batching = config.dynamic_batching
     if batching is None and "dynamic_batching" in completed and max_batch_size > 0:
         batching = DynamicBatching()  # set_dynamic_batching(): Triton's defaults
-    written = dict(config.written)
-    if "model_transaction_policy" in completed:
-        written["model_transaction_policy"] = dict(completed["model_transaction_policy"])
-    # TODO(issue 9, decoupled): when ModelConfig models the transaction policy itself, set it here
-    # from completed["model_transaction_policy"] as well.
+    policy = completed.get("model_transaction_policy") or {}
     return config.replace(
         max_batch_size=max_batch_size,
         inputs=tuple(_tensor_from_dict(t) for t in completed.get("input", [])),
         outputs=tuple(_tensor_from_dict(t) for t in completed.get("output", [])),
         dynamic_batching=batching,
-        written=written,
+        decoupled=bool(policy.get("decoupled", config.decoupled)),
     )
 
 
@@ -195,6 +191,9 @@ class PythonBackend(Backend):
             self._model = getattr(module, _CLASS_NAME)()
         pb_context.register_module(self._module_name, self._context)  # BLS from the model's threads
         self._out_dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in ctx.config.outputs}
+        if ctx.config.sequence_batching is not None:  # implicit state outputs come back like outputs
+            for state in ctx.config.sequence_batching.states:
+                self._out_dtypes[state.output_name] = dtypes.to_numpy(state.data_type)
         # Exactly Triton's keys and formats (all strings); "model_repository" is the model's directory.
         args = {
             "model_config": pb_utils.serialize_config(ctx.config.to_triton_dict()),

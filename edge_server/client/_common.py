@@ -24,9 +24,10 @@ import zmq
 
 from edge_server.client import _wire
 from edge_server.client.shm import SharedMemoryRegion, ShmRing, stride
-from edge_server.errors import EdgeServerError, InvalidArgument, MessageTooLarge
+from edge_server.errors import EdgeServerError, InvalidArgument, MessageTooLarge, ShmUnavailable
 from edge_server.ipc import protocol
-from edge_server.ipc.addresses import default_address
+from edge_server.ipc.addresses import default_address, ipc_path
+from edge_server.ipc.handoff import hand_over, handoff_path
 
 T = TypeVar("T")
 S = TypeVar("S", bound="zmq.Socket[Any]")
@@ -47,6 +48,21 @@ def dealer(ctx: zmq.Context[S], address: str) -> tuple[S, S]:
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     sock.connect(address)
     return sock, monitor
+
+
+def register_fields(address: str, region: SharedMemoryRegion) -> dict[str, Any]:
+    """The ``shm_register`` fields for ``region``, after handing its descriptor to the daemon.
+
+    The daemon never opens segments by name; the descriptor (passed over the hand-off socket beside
+    the IPC socket) proves this client may use the memory, and the token ties it to this request.
+    """
+    path = ipc_path(address)
+    if path is None:
+        raise ShmUnavailable(
+            f"shared memory needs an ipc:// address (descriptor passing); {address} is not one"
+        )
+    token = hand_over(handoff_path(path), region.fd)
+    return {"name": region.name, "byte_size": region.byte_size, "token": token}
 
 
 class MessageLimit:
@@ -293,7 +309,7 @@ class ClientBase:
         yield self._control("unload", None, timeout or self.control_timeout, model=name)
 
     def _register_shm(self, region: SharedMemoryRegion) -> Steps[None]:
-        yield self._control("shm_register", None, self.timeout, name=region.name, byte_size=region.byte_size)
+        yield self._control("shm_register", None, self.timeout, **register_fields(self.address, region))
         self._regions[region.name] = region
 
     def _unregister_shm(self, region: SharedMemoryRegion | str | None) -> Steps[list[str]]:

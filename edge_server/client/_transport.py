@@ -32,7 +32,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from edge_server.client import _wire
-from edge_server.client._common import Decoder, MessageLimit, daemon_limit, dealer, reply_outcome
+from edge_server.client._common import (
+    Decoder,
+    MessageLimit,
+    daemon_limit,
+    dealer,
+    register_fields,
+    reply_outcome,
+)
 from edge_server.client.shm import SharedMemoryRegion
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, MessageTooLarge, ReplyTimeout
 from edge_server.ipc import protocol, zmqio
@@ -468,7 +475,14 @@ class Transport:
         """A new daemon knows none of our regions: register them again ahead of everything queued."""
         for region in reversed(list(self.regions.values())):
             rid = next(self._ids)
-            frames = _wire.control_message(rid, "shm_register", name=region.name, byte_size=region.byte_size)
+            try:
+                fields = register_fields(self.address, region)
+            except EdgeServerError as exc:
+                log.warning(
+                    "could not re-register region %s after reconnecting: %s", region.name, exc.message
+                )
+                continue
+            frames = _wire.control_message(rid, "shm_register", **fields)
             self._send_first(Call(rid, frames, _log_reregister, None, early=True))
 
     def _greet(self) -> None:

@@ -32,6 +32,7 @@ from edge_server.client._common import (
     T,
     daemon_limit,
     dealer,
+    register_fields,
     reply_outcome,
 )
 from edge_server.client.shm import SharedMemoryRegion, ShmRing
@@ -251,9 +252,14 @@ class AsyncClient(ClientBase):
     async def _reregister(self) -> None:
         """A new daemon knows none of our regions: register them before anything else is sent."""
         for region in self._regions.values():
-            frames = _wire.control_message(
-                next(self._ids), "shm_register", name=region.name, byte_size=region.byte_size
-            )
+            try:
+                fields = register_fields(self.address, region)
+            except EdgeServerError as exc:
+                log.warning(
+                    "could not re-register region %s after reconnecting: %s", region.name, exc.message
+                )
+                continue
+            frames = _wire.control_message(next(self._ids), "shm_register", **fields)
             if not await self._try_send(frames):
                 log.warning("could not re-register region %s after reconnecting", region.name)
 

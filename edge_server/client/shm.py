@@ -1,15 +1,18 @@
-"""Client-owned POSIX shared memory: regions to pass tensors by reference, and a ring for camera loops.
+"""Client-owned shared memory: regions to pass tensors by reference, and a ring for camera loops.
 
-The client creates, owns and unlinks its segments; the daemon only maps them while they are
-registered.  Segments are files under ``/dev/shm`` created with ``O_EXCL`` and mode 0660 (so a daemon
-running as another user of the same group can map them), named under the daemon's prefix.  A
-finalizer unlinks a segment whose region was never closed, so a crashed loop does not fill
-``/dev/shm``.
+By default a region is a ``memfd`` sealed against shrinking (``F_SEAL_SHRINK``): nothing else can
+open it, it never appears in ``/dev/shm``, it vanishes when the last descriptor and mapping go (a
+crashed client leaks nothing), and because it can never shrink the daemon maps it and reads inputs in
+place (zero-copy).  The client hands the daemon its descriptor when registering it (see
+:mod:`edge_server.ipc.handoff`).  ``SharedMemoryRegion(..., posix=True)`` makes a named ``/dev/shm``
+segment instead (mode 0600), and :meth:`SharedMemoryRegion.attach` opens one another program made;
+the daemon reads such segments by copy, since their owner could shrink them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import mmap
 import os
 import secrets
@@ -24,47 +27,83 @@ from edge_server.ipc import protocol
 from edge_server.ipc.shm import SHM_DIR, check_name
 
 _ALIGN = 64  # slot alignment: cache lines, and any dtype's alignment
+_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_SEAL", 0x0001)
+_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 
 
-def _cleanup(path: str, mm: mmap.mmap) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _cleanup(path: str | None, fd: int, mm: mmap.mmap) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
     try:
         mm.close()
     except BufferError:
         pass  # arrays still view it; the mapping goes with the last of them
+    os.close(fd)
 
 
 class SharedMemoryRegion:
-    """A segment ``/dev/shm/<name>`` this process created; register it with a client to use it."""
+    """Shared memory this process owns; register it with a client to use it in requests.
+
+    ``name`` labels the region in requests (default: a unique one).  ``posix=True``: a named
+    ``/dev/shm/<name>`` segment (mode 0600) instead of a sealed memfd.
+    """
 
     def __init__(
-        self, byte_size: int, *, name: str | None = None, prefix: str = protocol.DEFAULT_SHM_PREFIX
+        self,
+        byte_size: int,
+        *,
+        name: str | None = None,
+        prefix: str = protocol.DEFAULT_SHM_PREFIX,
+        posix: bool = False,
+        _fd: int | None = None,
     ) -> None:
         if byte_size <= 0:
             raise InvalidArgument(f"a shared-memory region needs a positive size, got {byte_size}")
         name = name or f"{prefix}{os.getpid()}-{secrets.token_hex(6)}"
-        check_name(name, prefix)
-        path = os.path.join(SHM_DIR, name)
+        check_name(name)
+        path = os.path.join(SHM_DIR, name) if posix else None
+        writable = True
+        if _fd is not None:  # attach(): a segment someone else made
+            fd, path = _fd, None
+            writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+        elif path is not None:
+            fd = _create_posix(path, byte_size)
+        else:
+            fd = _create_memfd(name, byte_size)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, byte_size, mmap.MAP_SHARED, prot)
         except OSError as exc:
-            raise ShmUnavailable(f"cannot create shared-memory segment {path}: {exc.strerror}") from None
-        try:
-            os.fchmod(fd, 0o660)  # the umask may have taken the group bits away
-            os.ftruncate(fd, byte_size)
-            mm = mmap.mmap(fd, byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
-            os.unlink(path)
-            raise ShmUnavailable(f"cannot size or map {path}: {exc.strerror}") from None
-        finally:
+            if path is not None:
+                os.unlink(path)
             os.close(fd)
+            raise ShmUnavailable(f"cannot map shared memory {name!r}: {exc.strerror}") from None
         self.name = name
         self.byte_size = byte_size
+        self.fd = fd
         self.mm = mm
-        self._finalizer = weakref.finalize(self, _cleanup, path, mm)
+        self._finalizer = weakref.finalize(self, _cleanup, path, fd, mm)
+
+    @classmethod
+    def attach(
+        cls, segment: str, byte_size: int | None = None, *, writable: bool = True
+    ) -> SharedMemoryRegion:
+        """A region over an existing ``/dev/shm/<segment>``, opened with this process's own rights.
+
+        The segment stays its creator's (closing the region does not unlink it); the daemon reads it by
+        copy, since its owner could shrink it.
+        """
+        check_name(segment)
+        path = os.path.join(SHM_DIR, segment)
+        try:
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmUnavailable(f"cannot open shared-memory segment {path}: {exc.strerror}") from None
+        size = os.fstat(fd).st_size
+        return cls(byte_size or size, name=segment, _fd=fd)
 
     def __repr__(self) -> str:
         return f"SharedMemoryRegion({self.name!r}, {self.byte_size} bytes)"
@@ -217,6 +256,31 @@ class ShmRing:
             self._releaser(self.region)
         else:
             self.region.close()
+
+
+def _create_memfd(name: str, byte_size: int) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, byte_size)
+        fcntl.fcntl(fd, _ADD_SEALS, _SEALS)  # it can never shrink: the daemon may map it safely
+    except OSError as exc:
+        os.close(fd)
+        raise ShmUnavailable(f"cannot create a sealed memfd of {byte_size} bytes: {exc.strerror}") from None
+    return fd
+
+
+def _create_posix(path: str, byte_size: int) -> int:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot create shared-memory segment {path}: {exc.strerror}") from None
+    try:
+        os.ftruncate(fd, byte_size)
+    except OSError as exc:
+        os.unlink(path)
+        os.close(fd)
+        raise ShmUnavailable(f"cannot size {path}: {exc.strerror}") from None
+    return fd
 
 
 def stride(slot_size: int) -> int:

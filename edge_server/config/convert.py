@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, cast
 
+from edge_server.config import sequence
 from edge_server.config.model import (
     BACKEND_TO_PLATFORM,
     PLATFORM_TO_BACKEND,
@@ -70,6 +71,18 @@ class _Converter:
             else:
                 dynamic_batching = self.dynamic_batching(msg.dynamic_batching)
 
+        sequence_batching = None
+        if msg.HasField("sequence_batching"):
+            if dynamic_batching is not None:
+                raise ConfigError(
+                    f"{self.source}: field 'sequence_batching': a model has one scheduler; set either "
+                    "dynamic_batching or sequence_batching, as in Triton"
+                )
+            try:
+                sequence_batching = sequence.convert(msg.sequence_batching, self.enum_name)
+            except sequence.ConversionError as exc:
+                raise ConfigError(f"{self.source}: field '{exc.field}': {exc.problem}") from None
+
         accelerators = msg.optimization.execution_accelerators
         return ModelConfig(
             name=msg.name or default_name,
@@ -82,6 +95,7 @@ class _Converter:
                 self.instance_group(g, f"instance_group[{i}]") for i, g in enumerate(msg.instance_group)
             ),
             dynamic_batching=dynamic_batching,
+            sequence_batching=sequence_batching,
             version_policy=self.version_policy(msg),
             parameters={key: p.string_value for key, p in sorted(msg.parameters.items())},
             model_warmup=self.warmups(msg.model_warmup),

@@ -10,8 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+from edge_server.config.sequence import SequenceBatching
 from edge_server.config.triton_json import default_dict
 
 BackendName = Literal["onnxruntime", "tensorrt", "python", "ensemble"]
@@ -23,6 +24,34 @@ PLATFORM_TO_BACKEND: dict[str, BackendName] = {
     "ensemble": "ensemble",
 }
 BACKEND_TO_PLATFORM: dict[str, str] = {v: k for k, v in PLATFORM_TO_BACKEND.items()}
+
+# Triton's platforms that edge-server does not serve, with the Triton backend each stands for.
+OTHER_TRITON_PLATFORMS: dict[str, str] = {
+    "tensorflow_graphdef": "tensorflow",
+    "tensorflow_savedmodel": "tensorflow",
+    "pytorch_libtorch": "pytorch",
+}
+
+# What a user of a Triton backend edge-server lacks can do instead.
+_ALTERNATIVES: dict[str, str] = {
+    "pytorch": "export the model to ONNX (torch.onnx.export) and serve it with onnxruntime",
+    "tensorflow": "convert the model to ONNX (tf2onnx) and serve it with onnxruntime",
+    "openvino": "serve the ONNX model with onnxruntime (or build a TensorRT engine for the Jetson)",
+    "vllm": "LLM serving is not part of edge-server",
+    "tensorrtllm": "LLM serving is not part of edge-server",
+    "fil": "convert the tree model to ONNX (e.g. with hummingbird or skl2onnx)",
+    "dali": "do the pre-processing in a Python model",
+}
+
+
+def unsupported_backend_message(backend: str, *, platform: str = "") -> str:
+    """Why a Triton backend edge-server does not have cannot load, and what to do instead."""
+    supported = ", ".join(get_args(BackendName))
+    what = f"platform {platform!r} (Triton's {backend} backend)" if platform else f"backend {backend!r}"
+    alternative = _ALTERNATIVES.get(backend)
+    advice = f"; {alternative}" if alternative else ""
+    return f"{what} is not supported by edge-server, which serves {supported} models{advice}"
+
 
 # Triton's default model file name per backend.
 DEFAULT_MODEL_FILENAME: dict[str, str] = {
@@ -141,6 +170,7 @@ class ModelConfig:
     outputs: tuple[TensorSpec, ...] = ()
     instance_groups: tuple[InstanceGroup, ...] = ()
     dynamic_batching: DynamicBatching | None = None
+    sequence_batching: SequenceBatching | None = None
     version_policy: VersionPolicy = field(default_factory=VersionPolicy)
     parameters: dict[str, str] = field(default_factory=dict)
     model_warmup: tuple[Warmup, ...] = ()
@@ -156,6 +186,14 @@ class ModelConfig:
     @property
     def model_filename(self) -> str:
         return self.default_model_filename or DEFAULT_MODEL_FILENAME.get(self.backend, "")
+
+    def server_inputs(self) -> tuple[str, ...]:
+        """Model inputs the server fills (sequence control and state inputs); never sent by a client."""
+        return self.sequence_batching.server_inputs() if self.sequence_batching else ()
+
+    def state_outputs(self) -> tuple[str, ...]:
+        """Model outputs the server keeps as implicit state; never returned to a client."""
+        return self.sequence_batching.state_outputs() if self.sequence_batching else ()
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -182,6 +220,7 @@ class ModelConfig:
             default_model_filename=self.default_model_filename,
             version_policy=_version_policy_dict(self.version_policy),
             parameters={k: {"string_value": v} for k, v in self.parameters.items()},
+            model_transaction_policy={"decoupled": self.decoupled},
         )
         for side, message, tensors in (
             ("input", "ModelInput", self.inputs),

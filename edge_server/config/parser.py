@@ -22,10 +22,17 @@ from typing import get_args
 from google.protobuf import text_format
 
 from edge_server import dtypes
-from edge_server.config import schema
+from edge_server.config import schema, sequence
 from edge_server.config.convert import Proto, to_model_config
-from edge_server.config.model import PLATFORM_TO_BACKEND, BackendName, ModelConfig, TensorSpec
-from edge_server.errors import ConfigError
+from edge_server.config.model import (
+    OTHER_TRITON_PLATFORMS,
+    PLATFORM_TO_BACKEND,
+    BackendName,
+    ModelConfig,
+    TensorSpec,
+    unsupported_backend_message,
+)
+from edge_server.errors import ConfigError, UnsupportedBackend
 
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 
@@ -39,6 +46,13 @@ _SUPPORTED: Mapping[str, object] = {
     "output": dict.fromkeys(("name", "data_type", "dims", "reshape", "label_filename"), True),
     "instance_group": dict.fromkeys(("name", "kind", "count", "gpus", "secondary_devices", "passive"), True),
     "dynamic_batching": True,
+    "sequence_batching": {
+        "max_sequence_idle_microseconds": True,
+        "control_input": True,
+        "direct": True,
+        "oldest": True,
+        "state": dict.fromkeys(("input_name", "output_name", "data_type", "dims", "initial_state"), True),
+    },
     "version_policy": True,
     "parameters": True,
     "model_warmup": True,
@@ -148,6 +162,17 @@ def validate_config(config: ModelConfig, *, completed: bool = True) -> None:
     _validate_tensors(config, "output", config.outputs, completed=completed)
     _validate_instance_groups(config)
     _validate_dynamic_batching(config)
+    if config.sequence_batching is not None:
+        problem = sequence.problems(
+            config.sequence_batching,
+            max_batch_size=config.max_batch_size,
+            inputs=tuple(t.name for t in config.inputs),
+            outputs=tuple(t.name for t in config.outputs),
+        )
+        if problem:
+            raise _fail(config, *problem)
+        if config.decoupled:
+            raise _fail(config, "sequence_batching", "a decoupled model cannot use sequence batching here")
     policy = config.version_policy
     if policy.kind == "latest" and policy.num_versions < 1:
         raise _fail(config, "version_policy.latest.num_versions", f"must be >= 1, got {policy.num_versions}")
@@ -168,13 +193,16 @@ def validate_config(config: ModelConfig, *, completed: bool = True) -> None:
 
 def _validate_backend(config: ModelConfig) -> None:
     if config.backend and config.backend not in BACKENDS:
-        raise _fail(
-            config, "backend", f"unknown backend {config.backend!r}; edge-server has {', '.join(BACKENDS)}"
-        )
+        message = unsupported_backend_message(config.backend)
+        raise UnsupportedBackend(f"{config.source}: field 'backend': {message}")
     if not config.platform:
         return
     expected = PLATFORM_TO_BACKEND.get(config.platform)
     if expected is None:
+        triton_backend = OTHER_TRITON_PLATFORMS.get(config.platform)
+        if triton_backend is not None:
+            message = unsupported_backend_message(triton_backend, platform=config.platform)
+            raise UnsupportedBackend(f"{config.source}: field 'platform': {message}")
         raise _fail(
             config,
             "platform",

@@ -31,6 +31,7 @@ from edge_server.errors import (
     ServerShuttingDown,
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
+from edge_server.ipc.handoff import FdHandoff, handoff_path
 from edge_server.ipc.peers import PeerTable
 from edge_server.request import ResponseSink
 
@@ -64,7 +65,6 @@ class IpcFrontend:
         *,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         max_header_bytes: int = protocol.DEFAULT_MAX_HEADER_BYTES,
-        shm_prefix: str = protocol.DEFAULT_SHM_PREFIX,
         probe_interval: float = 10.0,
         drain_timeout: float = 5.0,
     ) -> None:
@@ -74,9 +74,9 @@ class IpcFrontend:
         self.address = address or addresses.default_address()
         self.max_message_bytes = max_message_bytes
         self.max_header_bytes = min(max_header_bytes, max_message_bytes)
-        self.shm_prefix = shm_prefix
         self.drain_timeout = drain_timeout
-        self._peers = PeerTable(shm_prefix, probe_interval=probe_interval)
+        self._peers = PeerTable(probe_interval=probe_interval)
+        self._handoff: FdHandoff | None = None
         self._replies: collections.deque[tuple[bytes, list[Any], Future | _IpcStream | None]] = (
             collections.deque()
         )
@@ -112,6 +112,10 @@ class IpcFrontend:
                 self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             addresses.secure_socket(self.address)
             self._socket_file = addresses.socket_identity(self.address)
+            path = addresses.ipc_path(self.address)
+            if path is not None:  # shared memory needs descriptor passing: ipc:// only
+                self._handoff = FdHandoff(handoff_path(path))
+                self._handoff.start(addresses.SOCKET_MODE)
         except Exception:
             sock.close(0)
             ctx.term()
@@ -233,6 +237,8 @@ class IpcFrontend:
             os.close(self._wake_fd)
             self._wake_fd = -1
         addresses.remove_socket(self.address, self._socket_file)
+        if self._handoff is not None:
+            self._handoff.close()
         log.info("IPC frontend on %s closed", self.address)
 
     # -- requests -------------------------------------------------------------------------------
@@ -299,10 +305,12 @@ class IpcFrontend:
                     identity, protocol.ok_header(rid, live=True, max_message_bytes=self.max_message_bytes)
                 )
             elif op in handlers.SLOW_OPS:
-                future = self._control.submit(handlers.control, self.server, peer.registry, op, header)
+                future = self._control.submit(
+                    handlers.control, self.server, peer.registry, op, header, self._handoff
+                )
                 future.add_done_callback(partial(self._control_done, identity, rid))
             else:
-                reply = handlers.control(self.server, peer.registry, op, header)
+                reply = handlers.control(self.server, peer.registry, op, header, self._handoff)
                 self._queue(identity, protocol.ok_header(rid, **reply))
         except EdgeServerError as exc:
             self._queue(identity, protocol.error_header(rid, exc))

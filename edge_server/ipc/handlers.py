@@ -16,11 +16,13 @@ from edge_server.errors import (
     InvalidArgument,
     MalformedMessage,
     ShmOutOfBounds,
+    ShmUnavailable,
     TensorSizeMismatch,
     UnknownOperation,
 )
 from edge_server.ipc import protocol
-from edge_server.ipc.shm import MappedRegion, ShmRegistry
+from edge_server.ipc.handoff import FdHandoff
+from edge_server.ipc.shm import Region, ShmRegistry, check_name
 from edge_server.request import InferRequest
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ class InferContext:
 
     rid: int | str | None
     order: list[str] | None  # requested output names in request order; None: as the model returns them
-    shm_outputs: dict[str, tuple[MappedRegion, int, int]] = field(default_factory=dict)
+    shm_outputs: dict[str, tuple[Region, int, int]] = field(default_factory=dict)
 
 
 def decode_infer(
@@ -125,7 +127,7 @@ def _shm_input(desc: Mapping[str, Any], name: str, registry: ShmRegistry | None)
     shape = protocol.tensor_shape(desc, where)
     region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
     region = _registry(registry).get(region_name, where)
-    view = region.view(offset, byte_size, where)  # checks the bounds and the segment's size now
+    view = region.read(offset, byte_size, where)  # in place (sealed) or copied; bounds checked
     if datatype != "BYTES":
         want = protocol.expected_nbytes(dtype, shape)
         if byte_size != want:
@@ -166,16 +168,16 @@ def _version(value: Any) -> int | None:
 
 def _registry(registry: ShmRegistry | None) -> ShmRegistry:
     # None (a client without state yet): an empty registry, whose lookup raises the precise error.
-    return registry if registry is not None else ShmRegistry("")
+    return registry if registry is not None else ShmRegistry()
 
 
 def _decode_outputs(
     descs: Any, registry: ShmRegistry | None
-) -> tuple[list[str], dict[str, tuple[MappedRegion, int, int]]]:
+) -> tuple[list[str], dict[str, tuple[Region, int, int]]]:
     if not isinstance(descs, list):
         raise MalformedMessage("field 'outputs' must be an array of maps")
     order: list[str] = []
-    shm: dict[str, tuple[MappedRegion, int, int]] = {}
+    shm: dict[str, tuple[Region, int, int]] = {}
     for index, desc in enumerate(descs):
         if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
             raise MalformedMessage(f"outputs[{index}] must be a map with a string 'name'")
@@ -231,7 +233,13 @@ def encode_result(
     return frames
 
 
-def control(server: Server, registry: ShmRegistry, op: str, header: Mapping[str, Any]) -> dict[str, Any]:
+def control(
+    server: Server,
+    registry: ShmRegistry,
+    op: str,
+    header: Mapping[str, Any],
+    handoff: FdHandoff | None = None,
+) -> dict[str, Any]:
     """Answer a control operation; returns the reply header's payload fields."""
     model = protocol.field(header, "model", str, required=op in ("metadata", "config", *SLOW_OPS))
     version = _version(header.get("version"))
@@ -251,10 +259,18 @@ def control(server: Server, registry: ShmRegistry, op: str, header: Mapping[str,
         server.unload_model(model)
         return {}
     if op == "shm_register":
-        name = protocol.field(header, "name", str)
+        name = check_name(protocol.field(header, "name", str))
         byte_size = protocol.field(header, "byte_size", int, required=False)
-        region = registry.register(name, byte_size)
-        return {"region": {"name": region.name, "byte_size": region.byte_size}}
+        token = protocol.field(header, "token", str, required=False)
+        if token is None or handoff is None:
+            raise ShmUnavailable(
+                "register shared memory by handing its file descriptor to the daemon first (the socket "
+                "beside the IPC socket, '<path>.shm'; see docs/protocol.md) and sending the token it "
+                "returns; segments are never opened by name"
+                + ("" if handoff is not None else " (this daemon listens on TCP: no descriptor passing)")
+            )
+        region = registry.register(name, handoff.claim(token), byte_size)
+        return {"region": {"name": region.name, "byte_size": region.byte_size, "zero_copy": region.zero_copy}}
     if op == "shm_unregister":
         return {"unregistered": registry.unregister(protocol.field(header, "name", str, required=False))}
     if op == "shm_status":

@@ -45,8 +45,7 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, shm_prefix: str, *, probe_interval: float) -> None:
-        self._prefix = shm_prefix
+    def __init__(self, *, probe_interval: float) -> None:
         self._probe_interval = probe_interval
         self._peers: dict[bytes, Peer] = {}
         self._next_sweep = time.monotonic() + probe_interval
@@ -60,7 +59,7 @@ class PeerTable:
         peer = self._peers.get(identity)
         now = time.monotonic()
         if peer is None:
-            peer = Peer(identity=identity, registry=ShmRegistry(self._prefix), last_seen=now)
+            peer = Peer(identity=identity, registry=ShmRegistry(), last_seen=now)
             self._peers[identity] = peer
         else:
             peer.last_seen = now

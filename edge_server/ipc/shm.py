@@ -1,27 +1,34 @@
-"""The daemon's view of client shared memory: one registry of mapped regions per client connection.
+"""The daemon's view of client shared memory: one registry of regions per client connection.
 
-Segments are opened as ``/dev/shm/<name>`` with ``os.open`` + ``mmap`` on purpose.  Python's
-``multiprocessing.shared_memory`` registers every segment it opens with the resource tracker, which
-unlinks them when the process exits: the daemon would delete segments its clients own.  The daemon
-never creates and never unlinks a segment; it only maps and unmaps.
+**Access is proven, never assumed.**  The daemon never opens a segment by name: a name would be
+opened with the daemon's rights, and any client could then read or overwrite memory it cannot open
+itself (a confused deputy).  A client hands the daemon the segment's file descriptor over a Unix
+socket (:mod:`edge_server.ipc.handoff`, ``SCM_RIGHTS``): holding the descriptor is the proof.  The
+hand-off yields a one-time token that the client's own ``shm_register`` presents.
 
-A region may still be in use by a request when its client unregisters it or disconnects: the input
-arrays of that request are views into the mapping.  Unregistering therefore drops the registry's
-reference and unmaps only when no array uses it any more (``mmap.close`` refuses while views exist;
-the last view's release unmaps it).
+**No client can make the daemon fault.**  A mapped page past the end of a file that its owner shrank
+raises SIGBUS, which would kill the daemon.  So:
 
-The client may also shrink its segment under a mapping; see :class:`MappedRegion` for why that does
-not crash the daemon.
+* a segment sealed against shrinking (a ``memfd`` with ``F_SEAL_SHRINK``, what our client creates)
+  is mapped, and inputs are read in place (zero-copy); it can never shrink under the mapping;
+* any other segment (a POSIX ``/dev/shm`` file, an unsealed memfd) is never mapped: inputs are copied
+  in with ``pread`` and outputs written with ``pwrite``, which return short counts on a shrunk file
+  instead of faulting.  One copy per input: the price of memory whose owner may shrink it.
+
+A descriptor opened read-only serves inputs only.  Unregistering while a request still reads a mapped
+region unmaps it when the last array over it goes (``mmap.close`` refuses while views exist).
 """
 
 from __future__ import annotations
 
+import abc
 import logging
 import mmap
 import os
 import re
-import stat
 import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -42,58 +49,81 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 MAX_REGIONS_PER_CLIENT = 256
 
 
-def check_name(name: str, prefix: str) -> None:
-    """Reject names outside the prefix, or that could escape ``/dev/shm`` (``/``, ``..``)."""
+def check_name(name: object) -> str:
+    """A region name (a label within one client's registrations): 1-200 of ``[A-Za-z0-9._-]``."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
+        shown = repr(name)[:60]
         raise ShmNameRejected(
-            f"shared-memory name {name!r} is not allowed: use 1-200 characters from [A-Za-z0-9._-]"
+            f"shared-memory name {shown} is not allowed: use 1-200 characters from [A-Za-z0-9._-]"
         )
-    if not name.startswith(prefix):
-        raise ShmNameRejected(
-            f"shared-memory name {name!r} is outside the configured prefix {prefix!r}; "
-            f"create segments named {prefix}<something>"
-        )
+    return name
 
 
-class MappedRegion:
-    """One client segment mapped into the daemon.
+@dataclass(frozen=True)
+class Segment:
+    """A segment's descriptor as a client handed it over, with what the daemon learned about it."""
 
-    The segment belongs to the client, which may ``ftruncate`` it smaller at any time; touching a
-    mapped page past the segment's new end raises SIGBUS, which kills the daemon.  So the region keeps
-    the segment's fd open and every use (an input view, an output reference, the output's write)
-    first asks ``fstat`` how large the segment is *now*.  What remains is the window between that check
-    and the model reading an input (docs/protocol.md, "Shared memory").
-    """
+    fd: int
+    size: int
+    sealed: bool  # F_SEAL_SHRINK: it can never become smaller, so it may be mapped
+    writable: bool  # opened O_RDWR: outputs may be written into it
+    uid: int  # the handing peer's credentials (SO_PEERCRED), for logs
+    pid: int
 
-    def __init__(self, name: str, byte_size: int, mm: mmap.mmap, fd: int) -> None:
+
+class Region(abc.ABC):
+    """One registered span (``byte_size`` bytes from the start) of a client's segment."""
+
+    def __init__(self, name: str, byte_size: int, segment: Segment) -> None:
         self.name = name
         self.byte_size = byte_size
-        self.mm = mm
-        self._fd = fd
+        self.segment = segment
         # The fd lives as long as this object: in-flight requests hold the region (for their outputs)
-        # after it is unregistered, so closing the fd in release() could let fstat see a reused number.
-        self._close_fd = weakref.finalize(self, os.close, fd)
+        # after it is unregistered, so closing it earlier could let a reused number be read.
+        self._close_fd = weakref.finalize(self, os.close, segment.fd)
 
-    def check(self, offset: int, byte_size: int, where: str) -> None:
-        """Refuse bytes outside the registration, or past the segment's end as it is now."""
+    @property
+    def zero_copy(self) -> bool:
+        return False
+
+    def check(self, offset: int, byte_size: int, where: str, *, output: bool = False) -> None:
+        """Refuse bytes outside the registration (and outputs into a read-only segment)."""
         protocol.check_span(offset, byte_size, self.byte_size, f"region {self.name!r}", where)
-        try:
-            size = os.fstat(self._fd).st_size
-        except OSError as exc:  # cannot happen while the fd is ours; refuse rather than risk SIGBUS
-            raise ShmUnavailable(f"{where}: cannot check segment {self.name!r}: {exc.strerror}") from None
-        if size < self.byte_size:
-            what = f"what is left of segment {self.name!r} after its owner shrank it"
-            protocol.check_span(offset, byte_size, size, what, where)
+        if output and not self.segment.writable:
+            raise ShmUnavailable(
+                f"{where}: region {self.name!r} was handed over read-only; outputs need O_RDWR"
+            )
 
-    def view(self, offset: int, byte_size: int, where: str) -> memoryview:
-        """A no-copy view of ``byte_size`` bytes at ``offset``, after :meth:`check`."""
+    @abc.abstractmethod
+    def read(self, offset: int, byte_size: int, where: str) -> memoryview | bytearray:
+        """The input bytes, in place (sealed segments) or copied (all others)."""
+
+    @abc.abstractmethod
+    def write(self, offset: int, data: np.ndarray | bytes, where: str) -> None:
+        """Copy an output into the region: the one copy an output into shared memory costs."""
+
+    def release(self) -> None:  # noqa: B027 (nothing to do for most regions)
+        """Drop the registry's hold; the fd closes with the last request that still uses the region."""
+
+
+class MappedRegion(Region):
+    """A sealed segment, mapped once: inputs are views into it, outputs are copied into it."""
+
+    def __init__(self, name: str, byte_size: int, segment: Segment) -> None:
+        self.mm = mmap.mmap(segment.fd, byte_size, mmap.MAP_SHARED, _prot(segment))
+        super().__init__(name, byte_size, segment)
+
+    @property
+    def zero_copy(self) -> bool:
+        return True
+
+    def read(self, offset: int, byte_size: int, where: str) -> memoryview:
         self.check(offset, byte_size, where)
         return memoryview(self.mm)[offset : offset + byte_size]
 
     def write(self, offset: int, data: np.ndarray | bytes, where: str) -> None:
-        """Copy ``data`` into the region: the one copy an output into shared memory costs."""
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
-        self.check(offset, nbytes, where)
+        self.check(offset, nbytes, where, output=True)
         try:
             if isinstance(data, bytes):
                 self.mm[offset : offset + nbytes] = data
@@ -113,58 +143,78 @@ class MappedRegion:
             log.debug("region %s still in use by a request; unmapped when it finishes", self.name)
 
 
-def open_region(name: str, prefix: str, byte_size: int | None) -> MappedRegion:
-    """Map the client's segment ``/dev/shm/<name>``; ``byte_size`` (default: all) is what may be used."""
-    check_name(name, prefix)
-    path = os.path.join(SHM_DIR, name)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ShmUnavailable(f"no shared-memory segment {name!r} ({path} does not exist)") from None
-    except OSError as exc:
-        raise ShmUnavailable(f"cannot open shared-memory segment {name!r}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ShmUnavailable(f"{path} is not a shared-memory segment")
-        size = info.st_size
-        if size == 0:
-            raise ShmUnavailable(f"shared-memory segment {name!r} is empty (size it with ftruncate first)")
-        if byte_size is None:
-            byte_size = size
-        elif byte_size <= 0 or byte_size > size:
+class CopyRegion(Region):
+    """A segment that may shrink: never mapped; ``pread``/``pwrite`` cannot fault, they come up short."""
+
+    def read(self, offset: int, byte_size: int, where: str) -> bytearray:
+        self.check(offset, byte_size, where)
+        buffer = bytearray(byte_size)
+        got = os.preadv(self.segment.fd, [buffer], offset) if byte_size else 0
+        if got != byte_size:
             raise ShmOutOfBounds(
-                f"cannot register {byte_size} bytes of segment {name!r}: it has {size} bytes"
+                f"{where}: region {self.name!r} holds only {offset + got} bytes now (its owner shrank it); "
+                f"bytes {offset}..{offset + byte_size} are gone"
             )
-        mm = mmap.mmap(fd, byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as exc:
-        os.close(fd)
-        raise ShmUnavailable(f"cannot map shared-memory segment {name!r}: {exc.strerror}") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return MappedRegion(name, byte_size, mm, fd)
+        return buffer
+
+    def write(self, offset: int, data: np.ndarray | bytes, where: str) -> None:
+        raw: Any = data if isinstance(data, bytes) else np.ascontiguousarray(data)
+        view = memoryview(raw).cast("B")
+        self.check(offset, view.nbytes, where, output=True)
+        size = os.fstat(self.segment.fd).st_size
+        if offset + view.nbytes > size:  # pwrite would grow the client's file: refuse instead
+            raise ShmOutOfBounds(
+                f"{where}: region {self.name!r} holds only {size} bytes now (its owner shrank it)"
+            )
+        written = 0
+        while written < view.nbytes:
+            written += os.pwrite(self.segment.fd, view[written:], offset + written)
+
+
+def _prot(segment: Segment) -> int:
+    return mmap.PROT_READ | (mmap.PROT_WRITE if segment.writable else 0)
+
+
+def open_region(name: str, segment: Segment, byte_size: int | None) -> Region:
+    """A region over the first ``byte_size`` bytes (default: all) of a handed-over segment."""
+    check_name(name)
+    if byte_size is None:
+        byte_size = segment.size
+    if byte_size <= 0 or byte_size > segment.size:
+        raise ShmOutOfBounds(
+            f"cannot register {byte_size} bytes of segment {name!r}: it has {segment.size} bytes"
+        )
+    if not segment.sealed:
+        return CopyRegion(name, byte_size, segment)
+    try:
+        return MappedRegion(name, byte_size, segment)
+    except (OSError, ValueError) as exc:
+        raise ShmUnavailable(f"cannot map shared-memory segment {name!r}: {exc}") from None
 
 
 class ShmRegistry:
     """The regions one client connection registered.  Used only by the frontend thread."""
 
-    def __init__(self, prefix: str, *, max_regions: int = MAX_REGIONS_PER_CLIENT) -> None:
-        self._prefix = prefix
+    def __init__(self, *, max_regions: int = MAX_REGIONS_PER_CLIENT) -> None:
         self._max = max_regions
-        self._regions: dict[str, MappedRegion] = {}
+        self._regions: dict[str, Region] = {}
 
     def __len__(self) -> int:
         return len(self._regions)
 
-    def register(self, name: str, byte_size: int | None) -> MappedRegion:
-        if name in self._regions:
-            raise ShmAlreadyRegistered(
-                f"region {name!r} is already registered by this client; unregister it first"
-            )
-        if len(self._regions) >= self._max:
-            raise InvalidArgument(f"a client may register at most {self._max} regions")
-        region = open_region(name, self._prefix, byte_size)
+    def register(self, name: str, segment: Segment, byte_size: int | None) -> Region:
+        """Register ``segment`` (its fd now belongs to the region) under ``name``."""
+        try:
+            if name in self._regions:
+                raise ShmAlreadyRegistered(
+                    f"region {name!r} is already registered by this client; unregister it first"
+                )
+            if len(self._regions) >= self._max:
+                raise InvalidArgument(f"a client may register at most {self._max} regions")
+            region = open_region(name, segment, byte_size)
+        except BaseException:
+            os.close(segment.fd)
+            raise
         self._regions[name] = region
         return region
 
@@ -184,25 +234,25 @@ class ShmRegistry:
         if name is not None and name not in self._regions:
             raise ShmNotRegistered(f"region {name!r} is not registered by this client")
         return [
-            {"name": r.name, "byte_size": r.byte_size}
+            {"name": r.name, "byte_size": r.byte_size, "zero_copy": r.zero_copy}
             for r in self._regions.values()
             if name is None or r.name == name
         ]
 
-    def get(self, region: str, where: str) -> MappedRegion:
+    def get(self, region: str, where: str) -> Region:
         """The registered region a reference names (its bounds are checked where it is used)."""
         found = self._regions.get(region)
         if found is None:
-            known = sorted(self._regions)
+            known = sorted(self._regions)[:20]
             raise ShmNotRegistered(
-                f"{where}: region {region!r} is not registered by this client (registered: {known})"
+                f"{where}: region {region[:60]!r} is not registered by this client (registered: {known})"
             )
         return found
 
-    def resolve(self, region: str, offset: int, byte_size: int, where: str) -> MappedRegion:
-        """The registered region a reference points into, after checking the reference's bounds."""
+    def resolve(self, region: str, offset: int, byte_size: int, where: str) -> Region:
+        """The region an output reference points into, after checking the reference's bounds."""
         found = self.get(region, where)
-        found.check(offset, byte_size, where)
+        found.check(offset, byte_size, where, output=True)
         return found
 
     def close(self) -> None:

@@ -23,14 +23,20 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 
 import numpy as np
 
 from edge_server.backends.base import Backend, BatchItem, Result, TensorBackend, Timing
 from edge_server.config.model import ModelConfig, QueuePolicy
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelExecutionError, ServerShuttingDown
+from edge_server.errors import (
+    EdgeServerError,
+    InstanceFailed,
+    InvalidArgument,
+    ModelExecutionError,
+    ServerShuttingDown,
+)
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue, timed_out
 from edge_server.scheduler.stats import ModelStats
@@ -67,8 +73,23 @@ class _Expired:
 
 
 class ModelScheduler:
-    def __init__(self, config: ModelConfig, instances: list[tuple[str, Backend]], stats: ModelStats) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        instances: list[tuple[str, Backend]],
+        stats: ModelStats,
+        *,
+        reload: Callable[[str], Backend] | None = None,
+    ) -> None:
+        """Start one worker per instance.
+
+        ``reload(name)`` loads (and warms up) a fresh instance in place of one that raised
+        :class:`InstanceFailed`; without it such an instance just leaves service.
+        """
         self._config = config
+        self._reload = reload
+        self._broken: set[Backend] = set()  # raised InstanceFailed; touched only by its own worker
+        self._retired: set[Backend] = set()  # closed after failing; stop() must not close them again
         self._stats = stats
         self._settings = batch_settings(config)
         # While draining, queued requests go at once: no batching delay, no preferred sizes.
@@ -95,8 +116,9 @@ class ModelScheduler:
         self._next_seq = 0
         self._delivered_seq = 0
         self._instances = instances
+        # Inline execution is an explicit opt-in of each backend (TensorRT opts out: never on a frontend).
         self._inline_capable = not self._settings.batching and all(
-            isinstance(backend, TensorBackend) for _, backend in instances
+            isinstance(backend, TensorBackend) and backend.allows_inline for _, backend in instances
         )
         self._compute_ema_ns = float("inf")  # moving average of one request's execution
         self._waiting: set[Backend] = set()  # instances whose worker is idle, waiting for work
@@ -250,6 +272,8 @@ class ModelScheduler:
             if busy:
                 log.error("instance %s is still executing after the drain deadline; left running", name)
                 continue
+            if backend in self._retired:
+                continue
             try:
                 backend.close()
             except Exception:
@@ -270,8 +294,38 @@ class ModelScheduler:
                 # Drop the batch now, not at the next request: its inputs may be views of a client's
                 # shared memory that must be unmapped when the client unregisters it.
                 taken = None
+                if backend in self._broken:
+                    replacement = self._replace(backend)
+                    if replacement is None:
+                        return  # out of service; the other instances keep serving the queue
+                    backend = replacement
             except Exception:  # the loop never dies: log it and serve the next batch
                 log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
+
+    def _replace(self, broken: Backend) -> Backend | None:
+        """Close an instance that can never serve again and load a fresh one in its place (this thread)."""
+        index = next(i for i, (_, b) in enumerate(self._instances) if b is broken)
+        name = self._instances[index][0]
+        log.error("instance %s of %r failed unrecoverably; replacing it", name, self._config.name)
+        self._retired.add(broken)
+        try:
+            broken.close()
+        except Exception:
+            log.exception("closing the failed instance %s failed", name)
+        if self._reload is None or self._stopping:
+            return None
+        try:
+            fresh = self._reload(name)
+        except Exception:
+            log.exception("instance %s could not be reloaded; it stays out of service", name)
+            return None
+        with self._lock:
+            if self._stopping:  # stop() began while it loaded: it will not see this instance
+                fresh.close()
+                return None
+            self._instances[index] = (name, fresh)
+        log.info("instance %s of %r is serving again", name, self._config.name)
+        return fresh
 
     def _take_batch(self, backend: Backend) -> tuple[list[QueuedRequest], int] | _Expired | None:
         """The next batch and its sequence number, requests to fail (timed out), or None: stop."""
@@ -388,6 +442,8 @@ class ModelScheduler:
                 )
             return results
         except EdgeServerError as exc:
+            if isinstance(exc, InstanceFailed):
+                self._broken.add(backend)
             return [exc] * len(items)
         except Exception as exc:
             log.exception("instance of %r failed a batch of %d", self._config.name, len(items))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,8 @@ class ModelStats:
         self._compute_output = _Duration()
         self._batches: dict[int, _BatchStats] = {}
         self._unfolded: collections.deque[_Inline] = collections.deque()
+        #: set by a sequence scheduler: its sequence counts and slot occupancy, read with the rest
+        self.sequence_stats: Callable[[], dict[str, Any]] | None = None
 
     def record_batch(
         self,
@@ -148,7 +151,13 @@ class ModelStats:
             self._queue.add(queue_ns)
 
     def as_dict(self) -> dict[str, Any]:
-        """Triton's statistics JSON for this version."""
+        """Triton's statistics JSON for this version (plus ``sequence_stats`` for sequence models)."""
+        out = self._as_dict()
+        if self.sequence_stats is not None:
+            out["sequence_stats"] = self.sequence_stats()
+        return out
+
+    def _as_dict(self) -> dict[str, Any]:
         with self._lock:
             self._fold()
             return {

@@ -1,0 +1,198 @@
+"""TensorRT backend: ``platform: "tensorrt_plan"`` / ``backend: "tensorrt"`` (``model.plan``).
+
+One instance is one engine deserialized on its device (the GPU, or a DLA core through its own
+``trt.Runtime``), one CUDA stream, an execution context per optimization profile it has used, and
+buffers allocated once and grown when a larger batch comes.  Every decision that needs no GPU (profile,
+sizes, staging, placement, config) is made by ``planning``/``placement``/``config_check`` and tested
+without one; this module carries them out through ``engine``.
+
+Instances never run on a frontend thread (``allows_inline = False``): a GPU call can block for the whole
+inference, and the scheduler's inline path is for CPU models that take microseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_server import dtypes
+from edge_server.backends.base import LoadContext, TensorBackend
+from edge_server.backends.tensorrt import cache, engine, planning
+from edge_server.backends.tensorrt.config_check import complete_from_engine
+from edge_server.backends.tensorrt.placement import place
+from edge_server.config.model import ModelConfig
+from edge_server.errors import BackendUnavailable, ModelExecutionError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Buffer:
+    """One tensor's memory: a device buffer and/or a pinned (mapped) host buffer, grown together."""
+
+    sizer: planning.BufferSizer
+    device: int = 0  # cudaMalloc'd, 0 when not needed (integrated GPU, host-mapped)
+    host: int = 0  # cudaHostAlloc'd (mapped), 0 when not needed
+
+
+def require_capabilities() -> engine.Capabilities:
+    caps = engine.probe()
+    if not caps.usable:
+        raise BackendUnavailable("the TensorRT backend cannot run here: " + "; ".join(caps.missing))
+    return caps
+
+
+class TensorRTBackend(TensorBackend):
+    allows_inline = False
+
+    @classmethod
+    def gpu_available(cls) -> bool:
+        return engine.probe().usable
+
+    @classmethod
+    def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
+        require_capabilities()
+        record = cache.read_record(model_path)
+        trt_engine = engine.TrtEngine(model_path, dla_core=record.dla_core if record else None)
+        try:
+            description = trt_engine.describe()
+        finally:
+            trt_engine.close()
+        return complete_from_engine(config, description)
+
+    def __init__(self, ctx: LoadContext) -> None:
+        caps = require_capabilities()
+        record = cache.read_record(ctx.model_path)
+        placement = place(
+            ctx.instance,
+            gpu_count=caps.gpus,
+            dla_cores=caps.dla_cores,
+            engine_dla_core=record.dla_core if record else None,
+            engine_known=record is not None,
+        )
+        self.device = placement.label
+        self.output_names = tuple(t.name for t in ctx.config.outputs)
+        self.batched = ctx.config.max_batch_size > 0
+        self._cuda = engine.Cuda(placement.gpu)
+        self._traits = self._cuda.traits()
+        self._engine = engine.TrtEngine(ctx.model_path, dla_core=placement.dla_core)
+        self._description = self._engine.describe()
+        self._dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in self._description.tensors}
+        self._contexts: dict[int, engine.TrtContext] = {}
+        self._buffers: dict[str, _Buffer] = {}
+        self._stream = self._cuda.create_stream()
+        log.info("%s: TensorRT %s engine on %s", ctx.instance.name, self._engine.version, self.device)
+
+    # -- buffers ----------------------------------------------------------------------------------
+
+    def _buffer(self, name: str, size: int, *, device: bool, host: bool) -> _Buffer:
+        """The tensor's buffer with room for ``size`` bytes, (re)allocated when it grows."""
+        buffer = self._buffers.get(name)
+        if buffer is None:
+            ceiling = planning.ceiling_bytes(self._description, name, self._dtypes[name].itemsize)
+            buffer = self._buffers[name] = _Buffer(planning.BufferSizer(ceiling=ceiling))
+        capacity = buffer.sizer.grow_to(size)
+        if capacity is not None:
+            self._free(buffer)
+            if device:
+                buffer.device = self._cuda.malloc(capacity)
+            if host:
+                buffer.host = self._cuda.host_alloc(capacity)
+        return buffer
+
+    def _free(self, buffer: _Buffer) -> None:
+        if buffer.device:
+            self._cuda.free(buffer.device)
+            buffer.device = 0
+        if buffer.host:
+            self._cuda.free_host(buffer.host)
+            buffer.host = 0
+
+    def _context(self, profile: int) -> engine.TrtContext:
+        context = self._contexts.get(profile)
+        if context is None:
+            context = self._contexts[profile] = self._engine.create_context(profile)
+            context.select_profile(self._stream)
+        return context
+
+    # -- execution --------------------------------------------------------------------------------
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        shapes = {name: tuple(array.shape) for name, array in inputs.items()}
+        context = self._context(planning.choose_profile(self._description, shapes))
+        integrated = planning.output_in_host_memory(self._traits)
+        registered: list[int] = []
+        try:
+            for name, array in inputs.items():
+                array = np.ascontiguousarray(array, dtype=self._dtypes[name])
+                context.set_input_shape(name, shapes[name])
+                context.set_address(name, self._stage_input(name, array, registered))
+            outputs: dict[str, tuple[tuple[int, ...], _Buffer]] = {}
+            for tensor in self._description.outputs:  # TensorRT needs every output bound
+                shape = context.output_shape(tensor.name)
+                size = planning.nbytes(shape, self._dtypes[tensor.name].itemsize)
+                buffer = self._buffer(tensor.name, size, device=not integrated, host=True)
+                address = self._cuda.device_pointer(buffer.host) if integrated else buffer.device
+                context.set_address(tensor.name, address)
+                outputs[tensor.name] = (shape, buffer)
+            context.enqueue(self._stream)
+            if not integrated:
+                for name in output_names:
+                    shape, buffer = outputs[name]
+                    size = planning.nbytes(shape, self._dtypes[name].itemsize)
+                    self._cuda.copy_to_host(buffer.host, buffer.device, size, self._stream)
+            self._cuda.synchronize(self._stream)
+        finally:
+            for pointer in registered:
+                self._cuda.unregister(pointer)
+        result = {}
+        for name in output_names:
+            shape, buffer = outputs[name]
+            dtype = self._dtypes[name]
+            size = planning.nbytes(shape, dtype.itemsize)
+            # A copy: the pinned buffer is reused by the next batch while the caller still holds this one.
+            result[name] = engine.host_view(buffer.host, size).view(dtype).reshape(shape).copy()
+        return result
+
+    def _stage_input(self, name: str, array: np.ndarray, registered: list[int]) -> int:
+        """The device address the engine reads ``array`` from: mapped in place, or copied once."""
+        address, size = array.ctypes.data, array.nbytes
+        if planning.input_staging(self._traits, address, size) == planning.MAP:
+            try:
+                self._cuda.register(address, size)
+            except ModelExecutionError as exc:  # e.g. memory another registration already covers
+                log.debug("host registration of %r failed (%s); copying", name, exc.message)
+            else:
+                registered.append(address)
+                return self._cuda.device_pointer(address)
+        integrated = planning.output_in_host_memory(self._traits)
+        buffer = self._buffer(name, size, device=not integrated, host=True)
+        engine.host_view(buffer.host, size)[:] = array.reshape(-1).view(np.uint8)
+        if integrated:
+            return self._cuda.device_pointer(buffer.host)
+        self._cuda.copy_to_device(buffer.device, buffer.host, size, self._stream)
+        return buffer.device
+
+    def close(self) -> None:
+        try:
+            for context in self._contexts.values():
+                context.close()
+            self._contexts.clear()
+            for buffer in self._buffers.values():
+                self._free(buffer)
+            self._buffers.clear()
+            if self._stream is not None:
+                self._cuda.destroy_stream(self._stream)
+                self._stream = None
+        except (ModelExecutionError, BackendUnavailable) as exc:
+            log.warning("%s: freeing TensorRT resources failed: %s", self.device, exc.message)
+        finally:
+            self._engine.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"device": self.device, "engine": self._description.to_json()}

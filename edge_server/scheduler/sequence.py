@@ -1,0 +1,499 @@
+"""Triton's sequence batcher: stateful models, one correlation id per stream, requests in order.
+
+Every request carries a correlation id; the first of a sequence sets START, the last END.  A sequence
+has at most one request executing at a time, and its requests run in the order they arrived, so a
+model (or the implicit state the server keeps for it) sees a stream step by step.  Sequences of
+different streams batch together, one request of each per batch.  Two strategies, as in Triton:
+
+* ``direct``: a sequence is pinned, for its lifetime, to one batch slot of one instance
+  (``max_batch_size`` slots per instance, one for a model that does not batch).  Each instance's
+  worker builds its batch from its own slots: row ``j`` is slot ``j``; a slot whose sequence has no
+  request ready (or no sequence) is filled with a READY=0 row up to the highest ready slot.
+  Sequences that find every slot taken wait in a backlog until a slot frees.
+* ``oldest``: any idle instance takes the oldest head requests of up to ``max_batch_size``
+  different sequences (dynamic batching across sequences, ``preferred_batch_size`` and
+  ``max_queue_delay_microseconds`` as for the dynamic batcher), among at most
+  ``max_candidate_sequences`` sequences; later sequences wait in a backlog.
+
+A sequence with nothing queued or running for ``max_sequence_idle_microseconds`` is released (its
+slot and state freed); its next request is an error, as in Triton.  A sequence also ends after its
+END request ran.
+
+Lock order: one lock; backends run and futures complete outside it.  A sequence is ``busy`` while
+one of its requests executes, which is what keeps its requests one at a time and its state
+consistent: the state is written back before ``busy`` is cleared.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge_server.backends.base import Backend, BatchItem, Result, Timing
+from edge_server.config.model import ModelConfig
+from edge_server.errors import (
+    EdgeServerError,
+    InvalidArgument,
+    ModelExecutionError,
+    QueueFull,
+    ServerShuttingDown,
+)
+from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START
+from edge_server.scheduler.policy import BatchSettings, next_batch
+from edge_server.scheduler.scheduler import SchedulerClosed
+from edge_server.scheduler.sequence_tensors import SequenceTensors, State
+from edge_server.scheduler.stats import ModelStats
+
+log = logging.getLogger(__name__)
+
+_EXPIRED_REMEMBERED = 4096  # correlation ids of idled-out sequences kept for a precise error
+#: Live sequences one version holds at most (each holds its state): a client that starts sequences
+#: without end cannot grow the daemon without bound before they idle out.
+MAX_SEQUENCES = 16384
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    item: BatchItem
+    shape_key: Hashable
+    future: Future[dict]
+    enqueue_ns: int
+
+    @property
+    def batch_size(self) -> int:
+        return 1
+
+
+@dataclass(eq=False)
+class _Sequence:
+    corrid: int | str
+    last_ns: int
+    pending: collections.deque[_Request] = field(default_factory=collections.deque)
+    busy: bool = False
+    ending: bool = False  # END was submitted: no more requests
+    admitted: bool = False  # holds a slot (direct) or a candidate place (oldest)
+    slot: tuple[int, int] | None = None  # direct: (instance, row)
+    state: State | None = None
+
+
+class _Head:
+    """A sequence's next request as :func:`next_batch` sees it (batch size 1, its shape, its age)."""
+
+    __slots__ = ("seq", "shape_key", "enqueue_ns", "batch_size")
+
+    def __init__(self, seq: _Sequence, shape_key: Hashable) -> None:
+        self.seq = seq
+        self.shape_key = shape_key
+        self.enqueue_ns = seq.pending[0].enqueue_ns
+        self.batch_size = 1
+
+
+# A batch as taken from the queues: per row, the sequence and its request (None: a filler row).
+_Row = tuple[_Sequence | None, _Request | None]
+
+
+class SequenceScheduler:
+    """The scheduler of a model version with ``sequence_batching``; same interface as ModelScheduler."""
+
+    def __init__(
+        self, config: ModelConfig, instances: list[tuple[str, Backend]], stats: ModelStats, model_dir: Path
+    ) -> None:
+        seq = config.sequence_batching
+        assert seq is not None
+        self._config = config
+        self._name = config.name
+        self._stats = stats
+        self._tensors = SequenceTensors(config, model_dir)
+        self._direct = seq.strategy == "direct"
+        self._idle_ns = seq.max_sequence_idle_microseconds * 1000
+        self._delay_ns = seq.max_queue_delay_microseconds * 1000
+        self._min_utilization = seq.minimum_slot_utilization
+        self._slots_per_instance = max(config.max_batch_size, 1)
+        self._settings = BatchSettings(
+            max_batch_size=self._slots_per_instance,
+            preferred_batch_sizes=frozenset(seq.preferred_batch_size),
+            max_queue_delay_ns=self._delay_ns,
+        )
+        self._max_candidates = seq.max_candidate_sequences
+        self._max_sequences = MAX_SEQUENCES
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._live: dict[int | str, _Sequence] = {}  # sequences that take requests (END not yet sent)
+        self._held: set[_Sequence] = set()  # every sequence not yet released (live or ending)
+        self._expired: collections.OrderedDict[int | str, None] = collections.OrderedDict()
+        self._backlog: collections.deque[_Sequence] = collections.deque()
+        self._candidates: list[_Sequence] = []  # oldest: admitted sequences, in admission order
+        self._slots: list[list[_Sequence | None]] = [[None] * self._slots_per_instance for _ in instances]
+        self._queued = 0
+        self._in_flight = 0
+        self._accepting = True
+        self._stopping = False
+        self._counts = {"started": 0, "ended": 0, "expired": 0}
+        self._instances = instances
+        stats.sequence_stats = self.sequence_stats
+        self._threads = [
+            threading.Thread(target=self._worker, args=(index,), name=f"edge-{name}", daemon=True)
+            for index, (name, _) in enumerate(instances)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- request side ---------------------------------------------------------------------------
+
+    def submit(
+        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+    ) -> Future[dict]:
+        """Queue a request behind the earlier ones of its sequence; errors for a wrong sequence raise."""
+        corrid = item.correlation_id
+        start = bool(item.flags & REQUEST_FLAG_SEQUENCE_START)
+        end = bool(item.flags & REQUEST_FLAG_SEQUENCE_END)
+        now = time.monotonic_ns()
+        future: Future[dict] = Future()
+        with self._lock:
+            if self._stopping:
+                raise SchedulerClosed(f"model {self._name!r} was unloaded")
+            seq = self._live.get(corrid)
+            if start:
+                if seq is not None:
+                    raise InvalidArgument(
+                        f"model {self._name!r}: sequence {corrid!r} is already in progress; end it "
+                        "(sequence_end) before starting it again"
+                    )
+                if not self._accepting:
+                    raise SchedulerClosed(f"model {self._name!r} is being replaced or unloaded")
+                if len(self._held) >= self._max_sequences:
+                    raise QueueFull(
+                        f"model {self._name!r} has {len(self._held)} live sequences, the most it keeps; "
+                        "end sequences (sequence_end) or let them idle out before starting more"
+                    )
+                seq = _Sequence(corrid, now, state=self._tensors.initial_state())
+                self._live[corrid] = seq
+                self._held.add(seq)
+                self._expired.pop(corrid, None)
+                self._counts["started"] += 1
+                self._admit(seq)
+            elif seq is None:
+                raise self._unknown(corrid)
+            if end:
+                del self._live[corrid]
+                seq.ending = True
+            seq.pending.append(_Request(item, shape_key, future, now))
+            seq.last_ns = now
+            self._queued += 1
+            self._cond.notify_all()
+        return future
+
+    dispatch = submit  # a sequence request never runs in the caller's thread
+
+    def _unknown(self, corrid: int | str) -> InvalidArgument:
+        if corrid in self._expired:
+            return InvalidArgument(
+                f"model {self._name!r}: sequence {corrid!r} was released after being idle for more than "
+                f"{self._idle_ns // 1000} us (max_sequence_idle_microseconds); start it again with "
+                "sequence_start"
+            )
+        return InvalidArgument(
+            f"model {self._name!r}: sequence {corrid!r} is not in progress (never started, already ended, "
+            "or idled out); the first request of a sequence must set sequence_start"
+        )
+
+    def holds(self, corrid: int | str) -> bool:
+        """Whether ``corrid`` is a live sequence here (a reload lets it finish on this version)."""
+        return corrid in self._live
+
+    def queue_size(self) -> int:
+        with self._lock:
+            return self._queued
+
+    def sequence_stats(self) -> dict[str, Any]:
+        """Sequence counts and slot occupancy for the statistics."""
+        with self._lock:
+            out: dict[str, Any] = {
+                "strategy": "direct" if self._direct else "oldest",
+                "active": len(self._held),
+                "backlog": len(self._backlog),
+                **self._counts,
+            }
+            if self._direct:
+                out["slots"] = [
+                    {"instance": name, "total": len(slots), "occupied": sum(s is not None for s in slots)}
+                    for (name, _), slots in zip(self._instances, self._slots, strict=True)
+                ]
+            else:
+                out["candidates"] = len(self._candidates)
+            return out
+
+    # -- admission and release (lock held) -------------------------------------------------------
+
+    def _admit(self, seq: _Sequence) -> None:
+        """Give ``seq`` a slot (direct) or a candidate place (oldest), or put it in the backlog."""
+        if self._direct:
+            # Row by row across the instances, so that sequences spread over every instance first.
+            for row in range(self._slots_per_instance):
+                for instance, slots in enumerate(self._slots):
+                    if slots[row] is None:
+                        slots[row] = seq
+                        seq.slot = (instance, row)
+                        seq.admitted = True
+                        return
+        elif not self._max_candidates or len(self._candidates) < self._max_candidates:
+            self._candidates.append(seq)
+            seq.admitted = True
+            return
+        self._backlog.append(seq)
+
+    def _release(self, seq: _Sequence, *, expired: bool) -> None:
+        self._held.discard(seq)
+        if self._live.get(seq.corrid) is seq:
+            del self._live[seq.corrid]
+        if expired:
+            self._counts["expired"] += 1
+            self._expired[seq.corrid] = None
+            while len(self._expired) > _EXPIRED_REMEMBERED:
+                self._expired.popitem(last=False)
+        else:
+            self._counts["ended"] += 1
+        seq.state = None
+        if not seq.admitted:
+            self._backlog.remove(seq)
+            return
+        if seq.slot is not None:
+            instance, row = seq.slot
+            self._slots[instance][row] = None
+        else:
+            self._candidates.remove(seq)
+        seq.admitted = False
+        if self._backlog:
+            self._admit(self._backlog.popleft())
+        self._cond.notify_all()
+
+    def _reap(self, now: int) -> int:
+        """Release sequences idle for too long; return ns until the next one could (0: none)."""
+        soonest = 0
+        for seq in list(self._held):
+            if seq.busy or seq.pending:
+                continue
+            idle = now - seq.last_ns
+            if idle >= self._idle_ns:
+                log.info("%s: sequence %r idle for %d us; released", self._name, seq.corrid, idle // 1000)
+                self._release(seq, expired=True)
+            else:
+                left = self._idle_ns - idle
+                soonest = left if not soonest else min(soonest, left)
+        return soonest
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close_intake(self) -> None:
+        """Start no new sequences; live ones go on until they end or idle out."""
+        with self._lock:
+            self._accepting = False
+            self._cond.notify_all()
+
+    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
+        """Close intake and wait, until ``deadline`` (monotonic), for queued and running requests.
+
+        ``finish_sequences``: also wait for every live sequence to end or idle out (a reload, where
+        the data plane keeps routing their requests here).  Returns False if the deadline passed first.
+        """
+        self.close_intake()
+        with self._lock:
+            while self._queued or self._in_flight or (finish_sequences and self._held):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop the workers, fail what is still queued, close the instances (see ModelScheduler.stop)."""
+        with self._lock:
+            self._accepting = False
+            self._stopping = True
+            leftover = [r for seq in self._held for r in seq.pending]
+            for seq in list(self._held):  # a busy one's worker finds it released when its batch ends
+                seq.pending.clear()
+                self._release(seq, expired=False)
+            self._backlog.clear()
+            self._queued = 0
+            self._cond.notify_all()
+        for request in leftover:
+            if request.future.set_running_or_notify_cancel():
+                request.future.set_exception(
+                    ServerShuttingDown(f"model {self._name!r} was unloaded before the request ran")
+                )
+        deadline = time.monotonic() + grace
+        for thread, (name, backend) in zip(self._threads, self._instances, strict=True):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.error("instance %s is still executing after the drain deadline; left running", name)
+                continue
+            try:
+                backend.close()
+            except Exception:
+                log.exception("closing instance %s failed", name)
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def _worker(self, instance: int) -> None:
+        backend = self._instances[instance][1]
+        while True:
+            try:
+                rows = self._take(instance)
+                if rows is None:
+                    return
+                self._run(backend, rows)
+                rows = None
+            except Exception:  # the loop never dies: log it and serve the next batch
+                log.exception("sequence worker for %r hit an unexpected error", self._name)
+
+    def _take(self, instance: int) -> list[_Row] | None:
+        with self._lock:
+            while not self._stopping:
+                now = time.monotonic_ns()
+                reap_ns = self._reap(now)
+                rows, wait_ns = self._form_direct(instance, now) if self._direct else self._form_oldest(now)
+                if rows:
+                    for seq, request in rows:
+                        if seq is not None and request is not None:
+                            seq.busy = True
+                            seq.pending.popleft()
+                            self._queued -= 1
+                            self._in_flight += 1
+                    return rows
+                waits = [w for w in (wait_ns, reap_ns) if w]
+                self._cond.wait(min(waits) / 1e9 if waits else None)
+        return None
+
+    def _ready(self, candidates: list[_Sequence]) -> list[_Sequence]:
+        return [s for s in candidates if s.pending and not s.busy]
+
+    def _key(self, seq: _Sequence) -> Hashable:
+        """What rows must share to be stacked: the head's input shapes, and a growing state's shapes."""
+        key = seq.pending[0].shape_key
+        if self._tensors.variable_state and seq.state is not None:  # not busy: nobody writes it now
+            return (key, tuple(v.shape for v in seq.state.values()))
+        return key
+
+    def _form_direct(self, instance: int, now: int) -> tuple[list[_Row], int]:
+        slots = self._slots[instance]
+        ready = self._ready([s for s in slots if s is not None])
+        if not ready:
+            return [], 0
+        oldest = min(ready, key=lambda s: s.pending[0].enqueue_ns)
+        key = self._key(oldest)
+        ready = [s for s in ready if self._key(s) == key]
+        waited = now - oldest.pending[0].enqueue_ns
+        full_enough = len(ready) >= self._min_utilization * len(slots)
+        if self._delay_ns and self._accepting and not full_enough and waited < self._delay_ns:
+            return [], self._delay_ns - waited
+        chosen = set(ready)
+        last = max(s.slot[1] for s in ready if s.slot is not None)
+        rows: list[_Row] = []
+        for row in range(last + 1):
+            holder = slots[row]
+            if holder is not None and holder in chosen:
+                rows.append((holder, holder.pending[0]))
+            else:
+                rows.append((holder, None))  # filler: READY=0, the slot's state passes through
+        return rows, 0
+
+    def _form_oldest(self, now: int) -> tuple[list[_Row], int]:
+        ready = self._ready(self._candidates)
+        if not ready:
+            return [], 0
+        heads = sorted((_Head(s, self._key(s)) for s in ready), key=lambda h: h.enqueue_ns)
+        settings = self._settings if self._accepting else BatchSettings(self._settings.max_batch_size)
+        decision = next_batch(heads, now, settings)
+        if not decision.count:
+            return [], decision.wait_ns
+        return [(h.seq, h.seq.pending[0]) for h in heads[: decision.count]], 0
+
+    # -- execution ------------------------------------------------------------------------------
+
+    def _run(self, backend: Backend, rows: list[_Row]) -> None:
+        start_ns = time.monotonic_ns()
+        live: list[tuple[_Sequence, _Request]] = []
+        cancelled: list[_Sequence] = []
+        for seq, request in rows:
+            if seq is not None and request is not None:
+                if request.future.set_running_or_notify_cancel():
+                    live.append((seq, request))
+                else:
+                    cancelled.append(seq)
+        results: list[Result] = []
+        timing = Timing()
+        if live:
+            try:
+                results = self._execute(backend, rows, live, timing)
+            except Exception as exc:  # whatever broke, every request gets an answer and its sequence goes on
+                log.exception("sequence batch of %r failed unexpectedly", self._name)
+                results = [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(live)
+        end_ns = time.monotonic_ns()
+        with self._lock:
+            for seq in [s for s, _ in live] + cancelled:
+                seq.busy = False
+                seq.last_ns = end_ns
+                self._in_flight -= 1
+                if seq.ending and not seq.pending and seq in self._held:
+                    self._release(seq, expired=False)
+            self._cond.notify_all()
+        for (_, request), result in zip(live, results, strict=True):
+            if isinstance(result, Exception):
+                request.future.set_exception(result)
+            else:
+                request.future.set_result(result)
+        if live:
+            self._stats.record_batch(
+                batch_size=len(live),
+                queue_ns=[start_ns - r.enqueue_ns for _, r in live],
+                request_ns=[end_ns - r.enqueue_ns for _, r in live],
+                succeeded=[not isinstance(r, Exception) for r in results],
+                timing=timing,
+            )
+
+    def _execute(
+        self, backend: Backend, rows: list[_Row], live: list[tuple[_Sequence, _Request]], timing: Timing
+    ) -> list[Result]:
+        """Run the rows (fillers included) and keep each live sequence's new state; its results in order."""
+        tensors = self._tensors
+        like = live[0][1].item
+        like_state = live[0][0].state
+        chosen = {id(request) for _, request in live}
+        batch: list[BatchItem] = []
+        real: list[int] = []  # positions of the live requests in the batch
+        for seq, request in rows:
+            state = seq.state if seq is not None else None
+            if request is not None and id(request) in chosen:
+                real.append(len(batch))
+                batch.append(tensors.row(request.item, ready=True, state=state))
+            elif self._direct:  # a slot without a ready request: READY=0, its state passes through
+                batch.append(tensors.filler(like, tensors.stackable(state, like_state)))
+        all_results = self._compute(backend, batch, timing)
+        results = [all_results[i] for i in real]
+        if tensors.has_state:
+            for (seq, _), result in zip(live, results, strict=True):
+                if not isinstance(result, Exception) and seq.state is not None:
+                    seq.state.update(tensors.take_state(result))
+        return results
+
+    def _compute(self, backend: Backend, items: list[BatchItem], timing: Timing) -> list[Result]:
+        try:
+            results = backend.execute(items, timing)
+            if len(results) != len(items):
+                raise ModelExecutionError(
+                    f"backend returned {len(results)} results for {len(items)} requests"
+                )
+            return results
+        except EdgeServerError as exc:
+            return [exc] * len(items)
+        except Exception as exc:
+            log.exception("instance of %r failed a batch of %d", self._name, len(items))
+            return [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(items)
