@@ -33,7 +33,9 @@ from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
+from edge_server.pipeline.graph import declares_ensemble, parse_steps
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
+from edge_server.request import ModelAccess
 from edge_server.scheduler.sequence import SequenceScheduler
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,12 @@ class ModelManager:
         self._overrides: dict[str, str] = {}  # configs given at load time, until loaded without one
         self._closed = False
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
+        self._access: ModelAccess | None = None
+        self._loading_members: set[str] = set()  # members an explicit ensemble load is bringing up
+
+    def attach(self, access: ModelAccess) -> None:
+        """Give the models loaded from now on their way to other models (ensembles, BLS calls)."""
+        self._access = access
         # --engine-build on-load: stale TensorRT plans are rebuilt while their ONNX serves (set by Server)
         self.engine_rebuilder: EngineRebuilder | None = None
 
@@ -88,10 +96,10 @@ class ModelManager:
         """The version a request for ``name`` (and ``version``, or the latest) goes to."""
         versions = self._serving.get(name)
         if versions:
-            if version is None:
-                return versions[max(versions)]
-            found = versions.get(version)
+            found = versions[max(versions)] if version is None else versions.get(version)
             if found is not None:
+                if found.members:
+                    self._check_members(found)
                 return found
         check_model_name(name)
         with self._status_lock:
@@ -106,6 +114,16 @@ class ModelManager:
             raise ModelNotFound(f"model {name!r} has no version {version}; serving versions: {available}")
         reasons = "; ".join(f"v{s.version}: {s.state.value} {s.reason}".strip() for s in known.values())
         raise ModelNotReady(f"model {name!r} is not ready ({reasons})")
+
+    def _check_members(self, ensemble: LoadedVersion) -> None:
+        """An ensemble is ready only while every member is serving (one level: members check theirs)."""
+        for member, version in ensemble.members:
+            versions = self._serving.get(member)
+            if not versions or (version is not None and version not in versions):
+                which = f"{member!r}" + (f" version {version}" if version is not None else "")
+                raise ModelNotReady(
+                    f"ensemble {ensemble.name!r} is not ready: its member {which} is not serving"
+                )
 
     def sequence_holder(self, name: str, correlation_id: int | str) -> LoadedVersion | None:
         """The retiring version of ``name`` on which sequence ``correlation_id`` is still live, if any."""
@@ -130,9 +148,25 @@ class ModelManager:
     # -- index ----------------------------------------------------------------------------------
 
     def index(self) -> list[VersionStatus]:
-        """Every version the manager knows: serving, loading, unloading or failed (with why)."""
+        """Every version the manager knows: serving, loading, unloading or failed (with why).
+
+        A loaded ensemble whose member is not serving shows as UNAVAILABLE with the member named.
+        """
         with self._status_lock:
-            return sorted(self._status.values(), key=lambda s: (s.name, -(s.version or 0)))
+            rows = sorted(self._status.values(), key=lambda s: (s.name, -(s.version or 0)))
+        return [self._with_members(row) for row in rows]
+
+    def _with_members(self, row: VersionStatus) -> VersionStatus:
+        if row.state is not ModelState.READY or row.version is None:
+            return row
+        loaded = self._serving.get(row.name, {}).get(row.version)
+        if loaded is None or not loaded.members:
+            return row
+        try:
+            self._check_members(loaded)
+        except ModelNotReady as exc:
+            return VersionStatus(row.name, row.version, ModelState.UNAVAILABLE, exc.message)
+        return row
 
     def serving(self) -> dict[str, dict[int, LoadedVersion]]:
         return self._serving
@@ -198,6 +232,8 @@ class ModelManager:
             if config_override is not None:
                 self._overrides[name] = config_override
             try:
+                if is_ensemble(source):
+                    self._load_members(source)
                 self._sync(self._overridden(source), retry_failed=True)
             except BaseException:
                 self._overrides.pop(name, None)
@@ -209,6 +245,24 @@ class ModelManager:
     def _overridden(self, source: ModelSource) -> ModelSource:
         override = self._overrides.get(source.name)
         return source if override is None else dataclasses.replace(source, config_override=override)
+
+    def _load_members(self, source: ModelSource) -> None:
+        """Load an ensemble's members that are not serving (Triton's explicit mode does the same)."""
+        try:
+            config, _ = read_config(source)
+        except EdgeServerError:
+            return  # _sync reports it
+        steps, _ = parse_steps(config)
+        for member in dict.fromkeys(step.model_name for step in steps):
+            if not member or member in self._serving or member in self._loading_members:
+                continue
+            self._loading_members.add(member)  # an ensemble cycle must not recurse forever
+            try:
+                self.load(member)
+            except EdgeServerError as exc:
+                log.error("ensemble %s: member %s failed to load: %s", source.name, member, exc.message)
+            finally:
+                self._loading_members.discard(member)
 
     def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
@@ -236,7 +290,10 @@ class ModelManager:
             else:
                 wanted = set(names)
                 on_disk = {name: scan_model(self.repository, name) for name in wanted}
-            for name in sorted(wanted - self._unloaded):
+            # Ensembles after the models they call, so that their steps validate against them.
+            ordered = sorted(wanted - self._unloaded, key=lambda n: (is_ensemble(on_disk.get(n)), n))
+            failed_ensembles: list[ModelSource] = []
+            for name in ordered:
                 source = on_disk.get(name)
                 try:
                     if source is None:
@@ -249,6 +306,39 @@ class ModelManager:
                         self._sync(self._overridden(source), retry_failed=retry_failed)
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
+                    if is_ensemble(source):
+                        failed_ensembles.append(source)  # type: ignore[arg-type]
+            if names is not None and any(name in self._serving for name in ordered):
+                # A member that arrived may be what an ensemble loaded earlier was missing.
+                failed_ensembles += self._unavailable_ensembles(exclude=set(ordered))
+            self._retry_ensembles(failed_ensembles)
+
+    def _unavailable_ensembles(self, *, exclude: set[str]) -> list[ModelSource]:
+        with self._status_lock:
+            names = {
+                key[0]
+                for key, status in self._status.items()
+                if status.state is ModelState.UNAVAILABLE and key[0] not in self._serving
+            }
+        found = []
+        for name in sorted(names - exclude - self._unloaded):
+            source = scan_model(self.repository, name)
+            if source is not None and is_ensemble(source):
+                found.append(source)
+        return found
+
+    def _retry_ensembles(self, failed: list[ModelSource]) -> None:
+        """Ensembles of ensembles load in name order: retry the failed ones while that helps."""
+        while failed:
+            still: list[ModelSource] = []
+            for source in failed:
+                try:
+                    self._sync(source, retry_failed=True)
+                except EdgeServerError:
+                    still.append(source)
+            if len(still) == len(failed):
+                return
+            failed = still
 
     def close(self, deadline: float | None = None) -> None:
         """Unload everything; later control calls fail.
@@ -432,6 +522,7 @@ class ModelManager:
                 config,
                 content_hash=content_hash,
                 cpu_count=self._cpu_count,
+                access=self._access,
                 rebuilder=self.engine_rebuilder,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
@@ -475,3 +566,7 @@ class ModelManager:
 
 def _summary(failed: dict[int, str]) -> str:
     return "; ".join(f"v{v}: {reason}" for v, reason in sorted(failed.items())) or "nothing to load"
+
+
+def is_ensemble(source: ModelSource | None) -> bool:
+    return source is not None and declares_ensemble(source.config_path)

@@ -19,9 +19,13 @@ from edge_server.backends.tensorrt.fallback import choose as choose_runtime
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
-from edge_server.errors import ConfigError
+from edge_server.errors import BackendUnavailable, ConfigError
+from edge_server.pipeline.ensemble import EnsembleScheduler
+from edge_server.pipeline.graph import build_graph
 from edge_server.platform.gpus import gpu_ids
 from edge_server.repository import ModelSource
+from edge_server.request import ModelAccess
+from edge_server.scheduler.interface import RequestScheduler
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.sequence import SequenceScheduler
 from edge_server.scheduler.stats import ModelStats
@@ -38,11 +42,13 @@ class LoadedVersion:
     name: str
     version: int
     config: ModelConfig
-    scheduler: ModelScheduler | SequenceScheduler
+    scheduler: RequestScheduler
     stats: ModelStats
     content_hash: str
     devices: tuple[str, ...]
     validator: RequestValidator
+    #: an ensemble's members (name, version or None: latest); it is ready only while they are
+    members: tuple[tuple[str, int | None], ...] = ()
     note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
 
     def retire(self, deadline: float, *, finish_sequences: bool = False) -> None:
@@ -96,9 +102,15 @@ def load_version(
     *,
     content_hash: str,
     cpu_count: int | None = None,
+    access: ModelAccess | None = None,
     rebuilder: EngineRebuilder | None = None,
 ) -> LoadedVersion:
-    """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable."""
+    """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable.
+
+    ``access`` reaches other models (a Python model's BLS calls); None where nothing can be called.
+    """
+    if config.backend == "ensemble":
+        return _load_ensemble(source, version, config, content_hash=content_hash, access=access)
     version_dir = source.versions[version]
     # A TensorRT model whose plan cannot run here serves the ONNX beside it (backends/tensorrt/fallback.py).
     choice = choose_runtime(config, version_dir, rebuilder=rebuilder)
@@ -119,7 +131,12 @@ def load_version(
     try:
         for spec in specs:
             ctx = LoadContext(
-                config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
+                config=config,
+                version=version,
+                version_dir=version_dir,
+                model_path=model_path,
+                instance=spec,
+                models=access,
             )
             instances.append((spec.name, backend_cls.create(ctx)))
         for name, backend in instances:
@@ -163,6 +180,34 @@ def load_version(
         devices=tuple(backend.device for _, backend in instances),
         validator=RequestValidator(config),
         note=choice.note,
+    )
+
+
+def _load_ensemble(
+    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, access: ModelAccess | None
+) -> LoadedVersion:
+    """An ensemble: its graph validated against the members serving now; no instances of its own."""
+    if access is None:
+        raise BackendUnavailable(f"{source.name}: ensembles need a server to reach their members")
+    validate_config(config)
+    _check_io(config)
+    if config.instance_groups or config.dynamic_batching is not None:
+        log.warning(
+            "%s: instance_group and dynamic_batching do not apply to an ensemble (its members batch)",
+            source.name,
+        )
+    graph = build_graph(config, access.model_config)
+    stats = ModelStats(source.name, version)
+    return LoadedVersion(
+        name=source.name,
+        version=version,
+        config=config,
+        scheduler=EnsembleScheduler(config, graph, access, stats),
+        stats=stats,
+        content_hash=content_hash,
+        devices=(),
+        validator=RequestValidator(config),
+        members=graph.members,
     )
 
 

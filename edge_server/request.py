@@ -9,6 +9,9 @@ the scheduler, backends and pipelines can all use it without an import cycle.
 * :class:`Timing`, :data:`Result`: what a backend reports for a batch and returns per request.
 * :class:`ResponseSink`: where the responses of a streamed request go (decoupled models answer one
   request with zero, one or many responses; every stream ends with exactly one ``final``).
+* :class:`ModelAccess`: what pipelines (ensembles) and Python models' BLS calls receive at load to
+  reach other models: the data plane's submit and stream, and model control.  Handed down, so that
+  nothing below the server imports it.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import numpy as np
 
 from edge_server.errors import EdgeServerError
+
+if TYPE_CHECKING:
+    from edge_server.config.model import ModelConfig
 
 #: A request parameter's value, as KServe v2 allows: bool, int or string.
 ParamValue = bool | int | str
@@ -162,3 +169,32 @@ class ResponseSink(abc.ABC):
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
     ) -> None:
         """Hand one response to the consumer; must not block (called on the model's threads)."""
+
+
+class ModelAccess(Protocol):
+    """Other models, as a pipeline or a Python model's BLS call reaches them: through the data plane.
+
+    A request submitted here is validated, queued, batched with every other request for that model and
+    counted in its statistics, exactly like a client's.  Implementations must not block in
+    :meth:`submit` beyond queueing (pipelines call it from done-callbacks on model worker threads).
+    """
+
+    def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
+        """Queue ``request``; validation errors raise here, everything later arrives in the future."""
+        ...
+
+    def stream(self, request: InferRequest, sink: ResponseSink) -> None:
+        """Run ``request`` and send its responses to ``sink`` (decoupled models: zero or many)."""
+        ...
+
+    def model_config(self, name: str, version: int | None = None) -> ModelConfig:
+        """The config of the version a request for ``name`` would go to; raises if none serves."""
+        ...
+
+    def is_ready(self, name: str, version: int | None = None) -> bool: ...
+
+    def load(self, name: str) -> None:
+        """Load or reload ``name``; refused (``InvalidArgument``) where the control mode forbids it."""
+        ...
+
+    def unload(self, name: str) -> None: ...

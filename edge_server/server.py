@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from edge_server.access import LocalAccess
 from edge_server.backends.tensorrt.rebuild import ENGINE_BUILD_MODES, EngineRebuilder
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
@@ -93,6 +94,8 @@ class Server:
         # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
         # draining, strict readiness) and the daemon's part of status().  None in-process.
         self.service: ServiceView | None = None
+        # Pipelines and Python models reach other models through the data plane, handed down at load.
+        self._manager.attach(LocalAccess(self._dataplane, self._manager, control_mode=model_control_mode))
         self._rebuilder = self._engine_rebuilder(engine_build)
         self._closed = threading.Event()
         self._close_lock = threading.Lock()

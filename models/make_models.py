@@ -40,6 +40,14 @@ STATIC_FILES = (
     "identity/config.pbtxt",
     "preprocess/config.pbtxt",
     "preprocess/1/model.py",
+    "detector/config.pbtxt",
+    "detect_preprocess/config.pbtxt",
+    "detect_preprocess/1/model.py",
+    "detect_postprocess/config.pbtxt",
+    "detect_postprocess/1/model.py",
+    "detect/config.pbtxt",
+    "detect_classify/config.pbtxt",
+    "detect_classify/1/model.py",
 )
 
 DIGITS_HIDDEN = 64
@@ -347,6 +355,44 @@ def make_identity(repo: Path, force: bool) -> None:
     print("identity: built")
 
 
+# --------------------------------------------------------------------------------------------- detect
+
+
+def make_detect_example(repo: Path, force: bool) -> None:
+    """The detector of the detect-then-classify example and its sample scenes (see make_detect.py)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import make_detect
+    finally:
+        sys.path.remove(str(HERE))
+    (repo / "detect" / "1").mkdir(parents=True, exist_ok=True)  # an ensemble's (empty) version directory
+    model_path = repo / "detector" / "1" / "model.onnx"
+    samples = repo / "detect_classify" / "samples"
+    sample_files = [
+        samples / f"scene_{i}.{ext}" for i in range(make_detect.SCENES) for ext in ("png", "json")
+    ]
+    build_model = force or not model_path.is_file()
+    build_samples = force or not all(p.is_file() for p in sample_files)
+    if not (build_model or build_samples):
+        print("detector: up to date")
+        return
+    if build_model:
+        make_detect.build_detector(model_path, _save_model, _make_model)
+    if build_samples:
+        _, x_test, _, y_test = digits_data()
+        sess = _session(repo / "digits" / "1" / "model.onnx")
+
+        def classify(x: np.ndarray) -> np.ndarray:
+            return sess.run(["probabilities"], {"image": x})[0]
+
+        make_detect.write_scenes(samples, classify, x_test, y_test, _atomic_write)
+    print(
+        "detector: "
+        + " + ".join(w for w, b in (("model", build_model), ("samples", build_samples)) if b)
+        + " built"
+    )
+
+
 # --------------------------------------------------------------------------------------------- main
 
 
@@ -364,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_static(repo, args.force)
     make_identity(repo, args.force)
     make_digits(repo, args.force)
+    make_detect_example(repo, args.force)
     make_cnn(repo, args.force)
     print(f"model repository {repo} ready in {time.perf_counter() - t0:.2f} s")
     return 0

@@ -436,12 +436,11 @@ def test_decoupled_is_parsed_and_refused_for_backends_that_answer_once() -> None
         parse(python.replace("python", "onnxruntime"), name="m")
 
 
-def test_ensemble_scheduling_warns() -> None:
+def test_ensemble_scheduling_is_read() -> None:
     config, warnings = parse(ENSEMBLE, name="ensemble_model")
     assert (config.platform, config.backend) == ("ensemble", "ensemble")
-    assert warnings == [
-        "config.pbtxt: field 'ensemble_scheduling' is not supported by edge-server yet and is ignored"
-    ]
+    assert warnings == []
+    assert config.written["ensemble_scheduling"]["step"]  # the pipeline package reads it from here
 
 
 def test_warning_is_listed_once_for_many_inputs() -> None:

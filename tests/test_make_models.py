@@ -19,7 +19,7 @@ from edge_server.errors import InvalidArgument, ModelExecutionError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "models" / "make_models.py"
-ONNX_MODELS = ("digits", "cnn", "identity")
+ONNX_MODELS = ("digits", "cnn", "identity", "detector")
 STATIC_FILES = (
     "digits/config.pbtxt",
     "digits/labels.txt",
@@ -27,6 +27,14 @@ STATIC_FILES = (
     "identity/config.pbtxt",
     "preprocess/config.pbtxt",
     "preprocess/1/model.py",
+    "detector/config.pbtxt",
+    "detect_preprocess/config.pbtxt",
+    "detect_preprocess/1/model.py",
+    "detect_postprocess/config.pbtxt",
+    "detect_postprocess/1/model.py",
+    "detect/config.pbtxt",
+    "detect_classify/config.pbtxt",
+    "detect_classify/1/model.py",
 )
 
 
@@ -146,7 +154,7 @@ def test_second_run_builds_nothing(repo: Path) -> None:
     files = sorted(p for p in repo.rglob("*") if p.is_file())
     before = {p: p.stat().st_mtime_ns for p in files}
     out = _build(repo)
-    assert out.count("up to date") == 3, out
+    assert out.count("up to date") == 4, out
     assert {p: p.stat().st_mtime_ns for p in files} == before
 
 

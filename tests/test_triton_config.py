@@ -14,6 +14,7 @@ from edge_server import Server
 from edge_server.config import parse_config_text, schema, validate_config
 from edge_server.config.parser import reshape_problem
 from edge_server.errors import ConfigError
+from edge_server.pipeline.graph import parse_steps
 from tests.onnx_factory import affine_model
 
 FIELD_LIST = Path(__file__).parent / "data" / "triton_model_config_fields.txt"
@@ -94,7 +95,8 @@ def test_ensemble_max_inflight_requests_parses() -> None:
         """
     )
     assert config.backend == "ensemble"
-    assert any("ensemble_scheduling" in w for w in warnings)
+    assert warnings == []
+    assert parse_steps(config)[1] == 8
 
 
 def test_bf16_config_loads_and_a_python_model_round_trips_it(tmp_path: Path) -> None:

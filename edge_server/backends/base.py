@@ -19,7 +19,7 @@ import numpy as np
 
 from edge_server.config.model import ModelConfig
 from edge_server.errors import InstanceFailed, ModelExecutionError
-from edge_server.request import BatchItem, Result, Timing
+from edge_server.request import BatchItem, ModelAccess, Result, Timing
 
 __all__ = [
     "Backend",
@@ -52,6 +52,8 @@ class LoadContext:
     version_dir: Path
     model_path: Path
     instance: InstanceSpec
+    #: other models, through the data plane (BLS calls); None where nothing can be called (tools)
+    models: ModelAccess | None = None
 
 
 class Backend(abc.ABC):

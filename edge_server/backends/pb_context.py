@@ -5,7 +5,9 @@ In Triton every model instance runs in its own stub process, so ``pb_utils.get_m
 ``triton_python_backend_utils`` module, so the Python backend marks the thread that is running a
 model's ``auto_complete_config``/``initialize``/``execute``/``finalize`` with that model, and these
 helpers read the mark.  From a thread the model started itself, ``get_model_dir()`` falls back to
-the directory of the calling file, which is the version directory when the caller is ``model.py``.
+the directory of the calling file, which is the version directory when the caller is ``model.py``,
+and BLS calls find their model by the module of the calling code (each instance imports ``model.py``
+as a module of its own, registered here while the instance is loaded).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edge_server.request import ModelAccess
 
 _log = logging.getLogger("edge_server.models")
 
@@ -26,9 +33,41 @@ _log = logging.getLogger("edge_server.models")
 class ModelContext:
     instance_name: str  # "<model>_<group>_<index>", or the model name during auto-complete
     model_dir: Path  # the version directory, where model.py is
+    models: ModelAccess | None = None  # other models, for BLS calls
+    model_name: str = ""
+    model_version: int = 0
+    instances: int = 1  # instances of this model version (a self-call from the only one never runs)
+    executing: bool = False  # set while the instance's worker runs ``execute`` (not initialize)
 
 
 _current = threading.local()
+# module name of an instance's model.py -> its context, for code running on the model's own threads
+_by_module: dict[str, ModelContext] = {}
+_by_module_lock = threading.Lock()
+
+
+def register_module(module_name: str, context: ModelContext) -> None:
+    with _by_module_lock:
+        _by_module[module_name] = context
+
+
+def unregister_module(module_name: str) -> None:
+    with _by_module_lock:
+        _by_module.pop(module_name, None)
+
+
+def calling_model() -> ModelContext | None:
+    """The model whose code is calling: this thread's mark, else the nearest model module on the stack."""
+    context = current()
+    if context is not None:
+        return context
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        found = _by_module.get(frame.f_globals.get("__name__", ""))
+        if found is not None:
+            return found
+        frame = frame.f_back
+    return None
 
 
 @contextlib.contextmanager

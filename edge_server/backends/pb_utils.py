@@ -1,8 +1,8 @@
 """Triton's ``triton_python_backend_utils`` for models that run inside edge-server.
 
 A ``model.py`` written for Triton's Python backend does ``import triton_python_backend_utils as
-pb_utils``; the Python backend makes that name resolve to this module.  Only the parts a model uses on
-the request path are here; BLS calls (``InferenceRequest.exec``) arrive with the pipelines work.
+pb_utils``; the Python backend makes that name resolve to this module.  BLS calls
+(``InferenceRequest(...).exec()``) go through the data plane (see ``backends/pb_bls.py``).
 ``TritonError`` codes reach the client as our stable error codes (see ``backends/python.py``).
 """
 
@@ -16,11 +16,14 @@ from typing import Any
 import numpy as np
 
 from edge_server import dtypes
+from edge_server.backends import pb_bls
 from edge_server.backends.pb_autocomplete import ModelConfig as ModelConfig
 from edge_server.backends.pb_context import Logger as Logger
 from edge_server.backends.pb_context import LogLevel as LogLevel
 from edge_server.backends.pb_context import get_model_dir as get_model_dir
 from edge_server.config import schema
+from edge_server.errors import EdgeServerError
+from edge_server.request import InferRequest, ModelAccess
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -159,32 +162,86 @@ class InferenceResponseSender:
 
 
 class InferenceRequest:
-    """One request handed to ``TritonPythonModel.execute``.
+    """A request: handed to ``TritonPythonModel.execute``, or built by a model to call another (BLS).
 
-    ``flags`` holds ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START``/``_END``; ``timeout`` is the
-    request's timeout in microseconds (0: none), as in Triton.
+    The constructor is Triton's BLS form (keywords, as Triton's examples call it)::
+
+        request = pb_utils.InferenceRequest(
+            model_name="classifier", requested_output_names=["probabilities"], inputs=[tensor])
+        response = request.exec()                  # or: await request.async_exec()
+        for response in request.exec(decoupled=True): ...   # a decoupled model's responses
+
+    ``flags`` holds ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START``/``_END``; ``timeout`` is in
+    microseconds (0: none), as in Triton; for a BLS call it bounds the whole wait for the answer.
     """
 
     def __init__(
         self,
-        inputs: dict[str, np.ndarray],
-        requested_outputs: Iterable[str],
-        request_id: str = "",
         *,
+        model_name: str,
+        inputs: Iterable[Tensor] = (),
+        requested_output_names: Iterable[str] = (),
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        parameters: Mapping[str, Any] | str | None = None,
+        preferred_memory: Any = None,
+        trace: Any = None,
+    ) -> None:
+        if not isinstance(model_name, str) or not model_name:
+            raise TritonModelException("InferenceRequest: model_name must be a non-empty string")
+        tensors = list(inputs)
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException(
+                    f"InferenceRequest: inputs must be pb_utils.Tensor objects, got {type(tensor).__name__}"
+                )
+        if isinstance(requested_output_names, str):
+            raise TritonModelException("InferenceRequest: requested_output_names must be a list of names")
+        if not isinstance(timeout, int) or timeout < 0:
+            raise TritonModelException(
+                f"InferenceRequest: timeout must be microseconds >= 0, got {timeout!r}"
+            )
+        self._model_name = model_name
+        self._model_version = int(model_version)
+        self._inputs = tensors
+        self._requested = [str(name) for name in requested_output_names]
+        self._request_id = str(request_id)
+        self._parameters = json.loads(_parameters_json(parameters))
+        self._correlation_id = correlation_id
+        self._flags = int(flags)
+        self._timeout = timeout
+        self._sender: InferenceResponseSender | None = None
+
+    @classmethod
+    def _incoming(
+        cls,
+        model_name: str,
+        inputs: Mapping[str, np.ndarray],
+        requested_outputs: Iterable[str],
+        *,
+        request_id: str = "",
         parameters: Mapping[str, Any] | None = None,
         correlation_id: int | str = 0,
         flags: int = 0,
         timeout: int = 0,
         sender: InferenceResponseSender | None = None,
-    ) -> None:
-        self._inputs = [Tensor(name, array) for name, array in inputs.items()]
-        self._requested = list(requested_outputs)
-        self._request_id = request_id
-        self._parameters = dict(parameters or {})
-        self._correlation_id = correlation_id
-        self._flags = flags
-        self._timeout = timeout
-        self._sender = sender
+    ) -> InferenceRequest:
+        """A request the backend hands to ``execute`` (no checks: the data plane validated it)."""
+        request = cls.__new__(cls)
+        request._model_name = model_name
+        request._model_version = -1
+        request._inputs = [Tensor(name, array) for name, array in inputs.items()]
+        request._requested = list(requested_outputs)
+        request._request_id = request_id
+        request._parameters = dict(parameters or {})
+        request._correlation_id = correlation_id
+        request._flags = flags
+        request._timeout = timeout
+        request._sender = sender
+        return request
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs)
@@ -194,6 +251,12 @@ class InferenceRequest:
 
     def request_id(self) -> str:
         return self._request_id
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
 
     def parameters(self) -> str:
         """The request's parameters as a JSON object string, as Triton hands them to a model."""
@@ -206,7 +269,7 @@ class InferenceRequest:
         return self._flags
 
     def timeout(self) -> int:
-        """The request's queue timeout in microseconds (0: none)."""
+        """The request's timeout in microseconds (0: none)."""
         return self._timeout
 
     def get_response_sender(self) -> InferenceResponseSender:
@@ -219,6 +282,110 @@ class InferenceRequest:
 
     def is_cancelled(self) -> bool:
         return self._sender.is_cancelled() if self._sender is not None else False
+
+    # -- BLS ------------------------------------------------------------------------------------
+
+    def exec(self, decoupled: bool = False) -> Any:
+        """Run this request on ``model_name`` and wait: an InferenceResponse (errors inside it).
+
+        ``decoupled=True``: an iterator over the model's responses, ending with an empty response
+        when the final flag came alone (as in Triton).
+        """
+        models = self._models()
+        request, wait_s = self._outgoing()
+        if decoupled:
+            return (_response(out, err) for out, err in pb_bls.stream(models, request, wait_s))
+        return _response_of(pb_bls.call(models, request, wait_s))
+
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """:meth:`exec` for ``async def execute``: ``await`` it; many may be in flight at once."""
+        models = self._models()
+        request, wait_s = self._outgoing()
+        if decoupled:
+            responses = await pb_bls.stream_async(models, request, wait_s)
+            return iter([_response(out, err) for out, err in responses])
+        return _response_of(await pb_bls.call_async(models, request, wait_s))
+
+    def _models(self) -> ModelAccess:
+        try:
+            return pb_bls.models()
+        except EdgeServerError as exc:
+            raise TritonModelException(exc.message) from None
+
+    def _outgoing(self) -> tuple[InferRequest, float | None]:
+        request = InferRequest(
+            model=self._model_name,
+            inputs={t.name(): t.as_numpy() for t in self._inputs},
+            version=self._model_version if self._model_version >= 0 else None,
+            outputs=self._requested or None,
+            timeout_us=self._timeout or None,
+            request_id=self._request_id,
+            parameters=self._parameters,
+            correlation_id=self._correlation_id,
+            sequence_start=bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START),
+            sequence_end=bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END),
+        )
+        return request, (self._timeout / 1e6 if self._timeout else None)
+
+
+# Our error codes -> TritonError codes, for errors of BLS calls that reach model code.
+_TRITON_CODES = {
+    "INVALID_ARGUMENT": TritonError.INVALID_ARG,
+    "MODEL_NOT_FOUND": TritonError.NOT_FOUND,
+    "NOT_FOUND": TritonError.NOT_FOUND,
+    "MODEL_NOT_READY": TritonError.UNAVAILABLE,
+    "UNAVAILABLE": TritonError.UNAVAILABLE,
+    "QUEUE_FULL": TritonError.UNAVAILABLE,
+    "TIMEOUT": TritonError.UNAVAILABLE,
+    "UNSUPPORTED": TritonError.UNSUPPORTED,
+    "CANCELLED": TritonError.CANCELLED,
+}
+
+
+def _response(outputs: Mapping[str, np.ndarray], error: EdgeServerError | None) -> InferenceResponse:
+    if error is not None:
+        code = _TRITON_CODES.get(error.code, TritonError.INTERNAL)
+        return InferenceResponse(error=TritonError(f"[{error.code}] {error.message}", code))
+    return InferenceResponse(output_tensors=[Tensor(name, array) for name, array in outputs.items()])
+
+
+def _response_of(outcome: pb_bls.Outcome) -> InferenceResponse:
+    if isinstance(outcome, EdgeServerError):
+        return _response({}, outcome)
+    return _response(outcome, None)
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    """Whether ``model_name`` (and ``model_version``, "" for the latest) can take requests now."""
+    models = _calling_models()
+    return models.is_ready(model_name, int(model_version) if model_version else None)
+
+
+def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | None = None) -> None:
+    """Load or reload ``model_name`` from the repository (explicit and poll control modes only)."""
+    if config or files:
+        raise TritonModelException(
+            "load_model(): config and files overrides are not supported; write them to the repository"
+        )
+    try:
+        _calling_models().load(model_name)
+    except EdgeServerError as exc:
+        raise TritonModelException(exc.message) from None
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    """Unload every version of ``model_name`` (explicit and poll control modes only)."""
+    try:
+        _calling_models().unload(model_name)
+    except EdgeServerError as exc:
+        raise TritonModelException(exc.message) from None
+
+
+def _calling_models() -> ModelAccess:
+    try:
+        return pb_bls.models()
+    except EdgeServerError as exc:
+        raise TritonModelException(exc.message) from None
 
 
 def _parameters_json(parameters: Any) -> str:

@@ -12,7 +12,10 @@ A model may also return a plain ``{name: ndarray}`` dict per request instead of 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import importlib.util
+import inspect
 import itertools
 import logging
 import sys
@@ -184,6 +187,17 @@ def complete_in_thread(config: ModelConfig, model_path: Path) -> dict[str, Any] 
     return run_auto_complete(config, model_cls, model_path)
 
 
+def _instance_count(config: ModelConfig) -> int:
+    """How many instances the loader makes of ``config`` (a copy per GPU or DLA core of a group)."""
+    return (
+        sum(
+            group.count * max(1, len(group.secondary_devices) or len(group.gpus))
+            for group in config.instance_groups
+        )
+        or 1
+    )
+
+
 class PythonBackend(Backend):
     @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
@@ -210,10 +224,21 @@ class PythonBackend(Backend):
     def __init__(self, ctx: LoadContext) -> None:
         self._config = ctx.config
         self._name = ctx.instance.name
-        self._context = pb_context.ModelContext(ctx.instance.name, ctx.version_dir)
+        self._context = pb_context.ModelContext(
+            ctx.instance.name,
+            ctx.version_dir,
+            models=ctx.models,
+            model_name=ctx.config.name,
+            model_version=ctx.version,
+            instances=_instance_count(ctx.config),
+        )
+        self._executing = dataclasses.replace(self._context, executing=True)
         module = _import_model(ctx.model_path)
+        self._module_name = module.__name__
+        self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``, made on first use
         with pb_context.running(self._context):
             self._model = getattr(module, _CLASS_NAME)()
+        pb_context.register_module(self._module_name, self._context)  # BLS from the model's threads
         self._out_dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in ctx.config.outputs}
         if ctx.config.sequence_batching is not None:  # implicit state outputs come back like outputs
             for state in ctx.config.sequence_batching.states:
@@ -234,14 +259,17 @@ class PythonBackend(Backend):
                 with pb_context.running(self._context):
                     initialize(args)
             except Exception as exc:
+                pb_context.unregister_module(self._module_name)
                 raise ConfigError(f"{ctx.model_path}: initialize() failed: {exc!r}") from exc
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         requests = [self._request(item) for item in batch]
         t0 = time.perf_counter_ns()
         try:
-            with pb_context.running(self._context):
+            with pb_context.running(self._executing):
                 responses = self._model.execute(requests)
+                if inspect.iscoroutine(responses):  # ``async def execute``: run it, as Triton does
+                    responses = self._event_loop().run_until_complete(responses)
         except Exception as exc:
             if isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
                 error = model_error(self._config.name, exc)
@@ -282,10 +310,11 @@ class PythonBackend(Backend):
                 return stream.put(result, None, final=final)
 
             sender = pb_utils.InferenceResponseSender(emit, lambda: stream.cancelled)
-        return pb_utils.InferenceRequest(
+        return pb_utils.InferenceRequest._incoming(
+            self._config.name,
             item.inputs,
             item.requested_outputs,
-            item.request_id,
+            request_id=item.request_id,
             parameters=item.parameters,
             correlation_id=item.correlation_id,
             flags=item.flags,
@@ -324,6 +353,12 @@ class PythonBackend(Backend):
             result[name] = array
         return result
 
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop that runs a coroutine ``execute`` (one per instance, run by its worker)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
     def close(self) -> None:
         finalize = getattr(self._model, "finalize", None)
         if finalize is not None:
@@ -333,3 +368,7 @@ class PythonBackend(Backend):
             except Exception:
                 log.exception("%s: finalize() raised", self._name)
         self._model = None
+        pb_context.unregister_module(self._module_name)
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None

@@ -59,6 +59,7 @@ _SUPPORTED: Mapping[str, object] = {
     "default_model_filename": True,
     "optimization": {"execution_accelerators": True},
     "model_transaction_policy": True,
+    "ensemble_scheduling": True,
 }
 
 _PARSE_ERROR_PREFIX = re.compile(r"^\d+(?::\d+)? : ")

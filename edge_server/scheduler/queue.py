@@ -1,6 +1,9 @@
 """The per-model request queue: priority levels, queue size limits and timeouts (Triton's queue policy).
 
-Not thread-safe on its own: the scheduler calls it under its condition lock.
+Not thread-safe on its own: the scheduler calls it under its condition lock.  Nothing here completes a
+future: a future's done-callbacks may submit more work (a pipeline's next step), and running them under
+the scheduler's lock would deadlock; the queue hands requests back and the scheduler completes them
+after releasing the lock.
 """
 
 from __future__ import annotations
@@ -68,7 +71,11 @@ class RequestQueue:
             self._with_deadline += 1
 
     def expire(self, now_ns: int) -> list[QueuedRequest]:
-        """Apply timeouts; return the requests rejected (already failed with RequestTimeout)."""
+        """Apply timeouts; return the requests rejected, for the caller to fail with :func:`timed_out`.
+
+        They are out of the queue but their futures are untouched: complete them only after the
+        scheduler's lock is released.
+        """
         if not self._with_deadline:
             return []
         rejected: list[QueuedRequest] = []
@@ -84,11 +91,6 @@ class RequestQueue:
                 if request.timeout_action == "DELAY":
                     self._delayed[index].append(request)
                     continue
-                waited_us = (now_ns - request.enqueue_ns) // 1000
-                if request.future.set_running_or_notify_cancel():
-                    request.future.set_exception(
-                        RequestTimeout(f"request timed out after {waited_us} us in the queue")
-                    )
                 rejected.append(request)
             self._main[index] = keep
         self.size -= len(rejected)
@@ -121,3 +123,9 @@ class RequestQueue:
 
     def drain(self) -> list[QueuedRequest]:
         return self.pop(len(self))
+
+
+def timed_out(request: QueuedRequest, now_ns: int) -> RequestTimeout:
+    """The error of a request that :meth:`RequestQueue.expire` rejected."""
+    waited_us = (now_ns - request.enqueue_ns) // 1000
+    return RequestTimeout(f"request timed out after {waited_us} us in the queue")

@@ -15,7 +15,11 @@ lost) is taken out of service: its worker closes it and asks the ``restart`` cal
 in its place, after a back-off (1 s, 2 s, 4 s ... ``RESTART_BACKOFF_MAX_S``), while the other instances
 keep serving.  See :meth:`ModelScheduler._replace`.
 
-Lock order: the scheduler's lock is never held while a backend runs or a future is completed.
+Lock order: the scheduler's lock is never held while a backend runs or a future is completed.  A
+future's done-callbacks run in the thread that completes it, and a pipeline's callback submits the next
+step, maybe to this very scheduler: completing under the lock would deadlock on it.  So requests that
+leave without running (timed out in the queue, failed at stop) are collected under the lock and failed
+after it is released.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from edge_server.errors import (
     Unavailable,
 )
 from edge_server.scheduler.policy import BatchSettings, next_batch
-from edge_server.scheduler.queue import QueuedRequest, RequestQueue
+from edge_server.scheduler.queue import QueuedRequest, RequestQueue, timed_out
 from edge_server.scheduler.stats import ModelStats
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,14 @@ def batch_settings(config: ModelConfig) -> BatchSettings:
         preferred_batch_sizes=frozenset(db.preferred_batch_size),
         max_queue_delay_ns=db.max_queue_delay_microseconds * 1000,
     )
+
+
+@dataclasses.dataclass(slots=True)
+class _Expired:
+    """Requests the queue rejected for their timeout, to be failed after the lock is released."""
+
+    requests: list[QueuedRequest]
+    now_ns: int
 
 
 class ModelScheduler:
@@ -336,6 +348,9 @@ class ModelScheduler:
                         return
                     backend = replacement
                     continue
+                if isinstance(taken, _Expired):
+                    self._fail_expired(taken)
+                    continue
                 self._run(backend, *taken)
                 # Drop the batch now, not at the next request: its inputs may be views of a client's
                 # shared memory that must be unmapped when the client unregisters it.
@@ -343,7 +358,8 @@ class ModelScheduler:
             except Exception:  # the loop never dies: log it and serve the next batch
                 log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
 
-    def _take_batch(self, backend: Backend) -> tuple[list[QueuedRequest], int] | None:
+    def _take_batch(self, backend: Backend) -> tuple[list[QueuedRequest], int] | _Expired | None:
+        """The next batch and its sequence number, requests to fail (timed out), or None: stop."""
         with self._lock:
             self._waiting.add(backend)
             try:
@@ -351,7 +367,7 @@ class ModelScheduler:
             finally:
                 self._waiting.discard(backend)
 
-    def _next_batch_locked(self, backend: Backend) -> tuple[list[QueuedRequest], int] | None:
+    def _next_batch_locked(self, backend: Backend) -> tuple[list[QueuedRequest], int] | _Expired | None:
         while not self._stopping:
             if backend in self._failed:
                 return None  # the worker replaces it
@@ -359,8 +375,9 @@ class ModelScheduler:
                 self._cond.wait()
                 continue
             now = time.monotonic_ns()
-            for request in self._queue.expire(now):
-                self._stats.record_failure(now - request.enqueue_ns, now - request.enqueue_ns)
+            expired = self._queue.expire(now)
+            if expired:  # failed by the caller once the lock is released (see the module doc)
+                return _Expired(expired, now)
             settings = self._settings if self._accepting else self._flush
             decision = next_batch(self._queue.head(settings.max_batch_size + 1), now, settings)
             if decision.count:
@@ -371,6 +388,14 @@ class ModelScheduler:
                 return batch, seq
             self._cond.wait(decision.wait_ns / 1e9 if decision.wait_ns else None)
         return None
+
+    def _fail_expired(self, expired: _Expired) -> None:
+        """Fail requests that timed out in the queue (REJECT); called without the lock."""
+        now = expired.now_ns
+        for request in expired.requests:
+            self._stats.record_failure(now - request.enqueue_ns, now - request.enqueue_ns)
+            if request.future.set_running_or_notify_cancel():
+                request.future.set_exception(timed_out(request, now))
 
     def _run(self, backend: Backend, batch: list[QueuedRequest], seq: int) -> None:
         try:

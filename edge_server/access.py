@@ -1,0 +1,58 @@
+"""The :class:`~edge_server.request.ModelAccess` the server hands to pipelines and Python models.
+
+Ensembles and BLS calls reach other models through this object, which the model manager passes down
+at load: they submit through the same data plane as every frontend (validated, batched with direct
+traffic, counted), and load or unload models only where the control mode allows it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+
+from edge_server.config.model import ModelConfig
+from edge_server.dataplane import DataPlane
+from edge_server.errors import EdgeServerError, InvalidArgument
+from edge_server.lifecycle import ModelManager
+from edge_server.request import InferRequest, ResponseSink
+
+
+class LocalAccess:
+    """Other models of this server, for models that call models."""
+
+    def __init__(self, dataplane: DataPlane, manager: ModelManager, *, control_mode: str) -> None:
+        self._dataplane = dataplane
+        self._manager = manager
+        self._control_mode = control_mode
+
+    def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
+        return self._dataplane.submit(request)
+
+    def stream(self, request: InferRequest, sink: ResponseSink) -> None:
+        self._dataplane.stream(request, sink)
+
+    def model_config(self, name: str, version: int | None = None) -> ModelConfig:
+        return self._dataplane.config(name, version)
+
+    def is_ready(self, name: str, version: int | None = None) -> bool:
+        try:
+            self._manager.resolve(name, version)
+        except EdgeServerError:
+            return False
+        return True
+
+    def load(self, name: str) -> None:
+        self._check_control("load")
+        self._manager.load(name)
+
+    def unload(self, name: str) -> None:
+        self._check_control("unload")
+        self._manager.unload(name)
+
+    def _check_control(self, what: str) -> None:
+        if self._control_mode == "none":
+            raise InvalidArgument(
+                f"cannot {what} models: model control is disabled (model_control_mode 'none'); start "
+                "the server with --model-control-mode explicit or poll"
+            )

@@ -1,0 +1,199 @@
+"""BLS: a Python model's calls into other models (``pb_utils.InferenceRequest(...).exec()``).
+
+A call becomes an ordinary :class:`~edge_server.request.InferRequest` submitted through the
+:class:`~edge_server.request.ModelAccess` the model received at load, so it is validated, queued,
+batched with every other request for the called model and counted in its statistics.
+
+No call waits without bound when it was given a ``timeout``: the wait for the answer is bounded by it
+(not only the time in the queue), because the called model may be unable to run the request at all
+(a model calling itself with its only instance, two models calling each other).  A call that times
+out is cancelled, so it never runs later.  This module returns outcomes; ``pb_utils`` turns them into
+``InferenceResponse`` objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Iterator
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from edge_server.backends import pb_context
+from edge_server.errors import Cancelled, EdgeServerError, RequestTimeout, Unavailable
+from edge_server.request import InferRequest, ModelAccess, ResponseSink
+
+Outcome = dict[str, np.ndarray] | EdgeServerError
+
+
+def models() -> ModelAccess:
+    """The calling model's way to other models; raises where there is none."""
+    context = pb_context.calling_model()
+    if context is None or context.models is None:
+        raise Unavailable(
+            "BLS calls are available to model code loaded by the server (execute, initialize, or the "
+            "model's own threads), not here"
+        )
+    return context.models
+
+
+def _never_runs(request: InferRequest) -> EdgeServerError | None:
+    """A call that could never run: the model calling itself from its only instance's ``execute``.
+
+    The request would queue behind the very execution that waits for it; refuse it at once instead
+    of letting it wait for its timeout (or forever, without one).
+    """
+    context = pb_context.current()
+    if context is None or not context.executing or context.model_name != request.model:
+        return None
+    if context.instances > 1 or (request.version is not None and request.version != context.model_version):
+        return None
+    return Unavailable(
+        f"model {request.model!r} calls itself from its only instance, which is busy waiting for the "
+        "call: it could never run (give the model more instances with instance_group count)"
+    )
+
+
+def _timed_out(request: InferRequest, wait_s: float) -> RequestTimeout:
+    return RequestTimeout(f"BLS call to model {request.model!r} got no answer within {wait_s * 1e6:.0f} us")
+
+
+def _outcome(future: Future[dict[str, np.ndarray]]) -> Outcome:
+    try:
+        return future.result(timeout=0)
+    except CancelledError:
+        return Cancelled("the BLS call was cancelled")
+    except EdgeServerError as exc:
+        return exc
+    except Exception as exc:
+        return EdgeServerError(f"internal error: {exc!r}")
+
+
+def call(access: ModelAccess, request: InferRequest, wait_s: float | None) -> Outcome:
+    """Run ``request`` and wait for its outputs (at most ``wait_s`` seconds; None: no bound)."""
+    refused = _never_runs(request)
+    if refused is not None:
+        return refused
+    try:
+        future = access.submit(request)
+    except EdgeServerError as exc:
+        return exc
+    try:
+        future.result(timeout=wait_s)
+    except FutureTimeout:
+        if future.cancel() or not future.done():
+            return _timed_out(request, wait_s or 0.0)
+    except BaseException:
+        pass
+    return _outcome(future)
+
+
+async def call_async(access: ModelAccess, request: InferRequest, wait_s: float | None) -> Outcome:
+    """:func:`call` for ``async def execute``: the event loop runs other coroutines meanwhile."""
+    refused = _never_runs(request)
+    if refused is not None:
+        return refused
+    try:
+        future = access.submit(request)
+    except EdgeServerError as exc:
+        return exc
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), wait_s)
+    except asyncio.TimeoutError:
+        if future.cancel() or not future.done():
+            return _timed_out(request, wait_s or 0.0)
+    except BaseException:
+        pass
+    return _outcome(future)
+
+
+_Item = tuple[dict[str, np.ndarray] | None, EdgeServerError | None, bool]
+
+
+class _Collect(ResponseSink):
+    """The responses of a streamed BLS call, as they come (on any thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+
+    def deliver(
+        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
+    ) -> None:
+        self.items.put((outputs, error, final))
+
+
+def stream(
+    access: ModelAccess, request: InferRequest, wait_s: float | None
+) -> Iterator[tuple[dict[str, np.ndarray], EdgeServerError | None]]:
+    """Each response of a (decoupled) model as ``(outputs, error)``; a bare final yields ``({}, None)``.
+
+    ``wait_s`` bounds the wait for each response; leaving the loop early cancels the call.
+    """
+    refused = _never_runs(request)
+    if refused is not None:
+        yield {}, refused
+        return
+    sink = _Collect()
+    try:
+        access.stream(request, sink)
+    except EdgeServerError as exc:
+        yield {}, exc
+        return
+    try:
+        while True:
+            try:
+                outputs, error, final = sink.items.get(timeout=wait_s)
+            except queue.Empty:
+                sink.cancel()
+                yield {}, _timed_out(request, wait_s or 0.0)
+                return
+            if outputs is not None or error is not None or final:
+                yield outputs or {}, error
+            if final:
+                return
+    finally:
+        if not sink.finished:
+            sink.cancel()
+
+
+class _AsyncCollect(ResponseSink):
+    """:class:`_Collect` for a coroutine: responses cross to its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._loop = loop
+        self.items: asyncio.Queue[_Item] = asyncio.Queue()
+
+    def deliver(
+        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
+    ) -> None:
+        self._loop.call_soon_threadsafe(self.items.put_nowait, (outputs, error, final))
+
+
+async def stream_async(
+    access: ModelAccess, request: InferRequest, wait_s: float | None
+) -> list[tuple[dict[str, np.ndarray], EdgeServerError | None]]:
+    """Every response of a streamed call, gathered without blocking the event loop (see :func:`stream`)."""
+    refused = _never_runs(request)
+    if refused is not None:
+        return [({}, refused)]
+    sink = _AsyncCollect(asyncio.get_running_loop())
+    try:
+        access.stream(request, sink)
+    except EdgeServerError as exc:
+        return [({}, exc)]
+    responses: list[tuple[dict[str, np.ndarray], EdgeServerError | None]] = []
+    while True:
+        try:
+            outputs, error, final = await asyncio.wait_for(sink.items.get(), wait_s)
+        except asyncio.TimeoutError:
+            sink.cancel()
+            responses.append(({}, _timed_out(request, wait_s or 0.0)))
+            return responses
+        if outputs is not None or error is not None or final:
+            responses.append((outputs or {}, error))
+        if final:
+            return responses

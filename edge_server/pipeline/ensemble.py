@@ -1,0 +1,285 @@
+"""The scheduler of an ensemble: each request walks the step graph through the members' own schedulers.
+
+An ensemble owns no instance and no thread.  A request's steps are submitted through the
+:class:`~edge_server.request.ModelAccess` (the data plane) as soon as their inputs exist, so
+independent branches run at the same time, every step is validated and batched together with direct
+traffic to that member, and a member's hot reload is picked up by the next step that routes to it
+(steps name members, not loaded versions).  A step's completion callback (on the member's worker
+thread, outside every scheduler lock) stores its outputs and submits the steps they complete.
+
+``max_inflight_requests`` (0: no limit) bounds how many requests walk the graph at once; the others
+wait here, in order.  The first failing step fails the request: its still-queued steps are cancelled
+and the error names the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+import threading
+import time
+from collections.abc import Hashable
+from concurrent.futures import CancelledError, Future
+from functools import partial
+
+import numpy as np
+
+from edge_server.config.model import ModelConfig
+from edge_server.errors import Cancelled, EdgeServerError, ServerShuttingDown
+from edge_server.pipeline.graph import EnsembleGraph, Step
+from edge_server.request import (
+    REQUEST_FLAG_SEQUENCE_END,
+    REQUEST_FLAG_SEQUENCE_START,
+    BatchItem,
+    InferRequest,
+    ModelAccess,
+    Result,
+    Timing,
+)
+from edge_server.scheduler.scheduler import SchedulerClosed
+from edge_server.scheduler.stats import ModelStats
+
+log = logging.getLogger(__name__)
+
+
+class _Run:
+    """One ensemble request on its way through the graph."""
+
+    __slots__ = (
+        "item",
+        "future",
+        "priority",
+        "timeout_us",
+        "enqueue_ns",
+        "start_ns",
+        "tensors",
+        "missing",
+        "steps_left",
+        "step_futures",
+        "lock",
+        "over",
+    )
+
+    def __init__(
+        self, item: BatchItem, graph: EnsembleGraph, priority: int, timeout_us: int | None, now: int
+    ) -> None:
+        self.item = item
+        self.future: Future[dict] = Future()
+        self.priority = priority
+        self.timeout_us = timeout_us
+        self.enqueue_ns = now
+        self.start_ns = now
+        self.tensors: dict[str, np.ndarray] = {}
+        self.missing = {step.index: len(set(step.input_map.values())) for step in graph.steps}
+        self.steps_left = len(graph.steps)
+        self.step_futures: list[Future[dict[str, np.ndarray]]] = []
+        self.lock = threading.Lock()
+        self.over = False  # failed or finished: later step outcomes are ignored
+
+
+class EnsembleScheduler:
+    """:class:`~edge_server.scheduler.interface.RequestScheduler` for ``platform: "ensemble"``."""
+
+    def __init__(self, config: ModelConfig, graph: EnsembleGraph, models: ModelAccess, stats: ModelStats):
+        self._config = config
+        self._graph = graph
+        self._models = models
+        self._stats = stats
+        self._steps = {step.index: step for step in graph.steps}
+        self._first = [step for step in graph.steps if not step.input_map]  # steps with no inputs at all
+        self._ensemble_inputs = tuple(t.name for t in config.inputs)
+        self._limit = graph.max_inflight_requests
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting: collections.deque[_Run] = collections.deque()
+        self._running = 0
+        self._finished = 0  # requests that left the graph: the watchdog's progress counter
+        self._accepting = True
+
+    # -- request side ---------------------------------------------------------------------------
+
+    def submit(
+        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+    ) -> Future[dict]:
+        run = _Run(item, self._graph, priority, timeout_us, time.monotonic_ns())
+        with self._lock:
+            if not self._accepting:
+                raise SchedulerClosed(f"ensemble {self._config.name!r} is unloading")
+            admitted = not self._limit or self._running < self._limit
+            if admitted:
+                self._running += 1
+            else:
+                self._waiting.append(run)
+        if admitted:
+            self._start(run)
+        return run.future
+
+    def dispatch(
+        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+    ) -> Result | Future[dict]:
+        return self.submit(item, shape_key, priority=priority, timeout_us=timeout_us)
+
+    def queue_size(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    # -- walking the graph ----------------------------------------------------------------------
+
+    def _start(self, run: _Run) -> None:
+        run.start_ns = time.monotonic_ns()
+        if not run.future.set_running_or_notify_cancel():  # cancelled while it waited for a slot
+            self._release()
+            return
+        ready = list(self._first)
+        inputs = run.item.inputs
+        for name in self._ensemble_inputs:  # an optional input left out still counts as settled
+            ready += self._provide(run, name, inputs.get(name))
+        self._submit_steps(run, ready)
+
+    def _provide(self, run: _Run, tensor: str, array: np.ndarray | None) -> list[Step]:
+        """Record a produced tensor; return the steps it completes (call with ``run.lock`` or alone)."""
+        if array is not None:
+            run.tensors[tensor] = array
+        ready = []
+        for index in self._graph.consumers.get(tensor, ()):
+            run.missing[index] -= 1
+            if run.missing[index] == 0:
+                ready.append(self._steps[index])
+        return ready
+
+    def _submit_steps(self, run: _Run, steps: list[Step]) -> None:
+        item = run.item
+        for step in steps:
+            request = InferRequest(
+                model=step.model_name,
+                version=step.model_version,
+                inputs={name: run.tensors[t] for name, t in step.input_map.items() if t in run.tensors},
+                outputs=list(step.output_map),
+                priority=run.priority,
+                timeout_us=run.timeout_us,
+                request_id=item.request_id,
+                parameters=item.parameters,
+                correlation_id=item.correlation_id,
+                sequence_start=bool(item.flags & REQUEST_FLAG_SEQUENCE_START),
+                sequence_end=bool(item.flags & REQUEST_FLAG_SEQUENCE_END),
+            )
+            try:
+                future = self._models.submit(request)
+            except EdgeServerError as exc:
+                self._fail(run, step, exc)
+                return
+            except Exception as exc:  # the request must get an answer, whatever broke
+                log.exception("ensemble %r: submitting %s failed", self._config.name, step.describe())
+                self._fail(run, step, EdgeServerError(f"internal error: {exc!r}"))
+                return
+            with run.lock:
+                run.step_futures.append(future)
+            # Runs at once when the step already finished (it ran inline): at most one level per step.
+            future.add_done_callback(partial(self._step_done, run, step))
+
+    def _step_done(self, run: _Run, step: Step, future: Future[dict[str, np.ndarray]]) -> None:
+        try:
+            outputs = future.result()
+        except CancelledError:
+            self._fail(run, step, Cancelled("the step was cancelled"))
+            return
+        except EdgeServerError as exc:
+            self._fail(run, step, exc)
+            return
+        except Exception as exc:
+            self._fail(run, step, EdgeServerError(f"internal error: {exc!r}"))
+            return
+        ready: list[Step] = []
+        with run.lock:
+            if run.over:
+                return
+            for name, tensor in step.output_map.items():
+                ready += self._provide(run, tensor, outputs[name])
+            run.steps_left -= 1
+            finished = run.steps_left == 0
+            if finished:
+                run.over = True
+        if finished:
+            self._finish(run, None)
+        elif ready:
+            self._submit_steps(run, ready)
+
+    def _fail(self, run: _Run, step: Step, error: EdgeServerError) -> None:
+        with run.lock:
+            if run.over:
+                return
+            run.over = True
+            pending = list(run.step_futures)
+        for future in pending:  # the other branches' queued steps need not run any more
+            future.cancel()
+        # The member's error class (its code) with the step named: the client can act on the code.
+        wrapped = copy.copy(error)
+        wrapped.message = f"ensemble {self._config.name!r} {step.describe()}: {error.message}"
+        wrapped.args = (wrapped.message,)
+        self._finish(run, wrapped)
+
+    def _finish(self, run: _Run, error: EdgeServerError | None) -> None:
+        end = time.monotonic_ns()
+        if error is None:
+            wanted = run.item.requested_outputs
+            result: dict[str, np.ndarray] = {name: run.tensors[name] for name in wanted}
+            run.future.set_result(result)
+        else:
+            run.future.set_exception(error)
+        self._stats.record_batch(
+            batch_size=run.item.batch_size,
+            queue_ns=[run.start_ns - run.enqueue_ns],
+            request_ns=[end - run.enqueue_ns],
+            succeeded=[error is None],
+            timing=Timing(compute_infer_ns=end - run.start_ns),
+        )
+        run.tensors = {}
+        self._release()
+
+    def _release(self) -> None:
+        """A request left the graph: admit the next waiting one."""
+        with self._lock:
+            self._finished += 1
+            following = self._waiting.popleft() if self._waiting else None
+            if following is None:
+                self._running -= 1
+            self._cond.notify_all()
+        if following is not None:
+            self._start(following)
+
+    def liveness(self) -> tuple[int, bool]:
+        """Progress is the members' to make: the ensemble itself only counts what left the graph."""
+        with self._lock:
+            return self._finished, bool(self._running or self._waiting)
+
+    def instance_busy_ns(self) -> dict[str, int]:
+        return {}  # no instances of its own: the members report theirs
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close_intake(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def drain(self, deadline: float) -> bool:
+        self.close_intake()
+        with self._lock:
+            while self._running or self._waiting:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Fail what still waits for a slot; requests inside the members finish there on their own."""
+        with self._lock:
+            self._accepting = False
+            leftover = list(self._waiting)
+            self._waiting.clear()
+        for run in leftover:
+            if run.future.set_running_or_notify_cancel():
+                run.future.set_exception(
+                    ServerShuttingDown(f"ensemble {self._config.name!r} was unloaded before the request ran")
+                )

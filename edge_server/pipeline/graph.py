@@ -1,0 +1,217 @@
+"""An ensemble's steps as a validated graph: Triton's ``ensemble_scheduling``, checked once at load.
+
+Every tensor of an ensemble has exactly one producer (an ensemble input or one step's output) and may
+have many consumers (steps, or the ensemble's outputs).  With one producer per tensor, the steps form a
+graph whose edges are tensors; :func:`build_graph` rejects everything that would make a request fail
+or hang later, each error naming the step and the tensor: unknown or unready members, member tensors
+that do not exist, required member inputs left unmapped, tensors consumed but never produced, tensors
+produced twice, ensemble inputs no step uses, cycles, and dtype or shape disagreements between the
+producer and the consumer of a tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge_server.config.model import ModelConfig, TensorSpec
+from edge_server.errors import ConfigError, EdgeServerError
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ``step``: run ``model_name`` with its inputs taken from, and outputs put into, ensemble tensors."""
+
+    index: int
+    model_name: str
+    model_version: int | None  # None: the latest serving version (Triton's -1)
+    input_map: Mapping[str, str]  # member input name -> ensemble tensor
+    output_map: Mapping[str, str]  # member output name -> ensemble tensor
+
+    def describe(self) -> str:
+        return f"step {self.index} (model {self.model_name!r})"
+
+
+@dataclass(frozen=True)
+class EnsembleGraph:
+    """The validated steps, in an order where every step comes after the producers of its inputs."""
+
+    steps: tuple[Step, ...]
+    #: ensemble tensor -> indices of the steps that consume it
+    consumers: Mapping[str, tuple[int, ...]]
+    max_inflight_requests: int  # 0: no limit
+
+    @property
+    def members(self) -> tuple[tuple[str, int | None], ...]:
+        return tuple(dict.fromkeys((s.model_name, s.model_version) for s in self.steps))
+
+
+MemberConfig = Callable[[str, int | None], ModelConfig]
+
+_ENSEMBLE = re.compile(rb'\b(platform|backend)\s*:\s*"ensemble"')
+
+
+def declares_ensemble(config_path: Path) -> bool:
+    """Whether a ``config.pbtxt`` declares an ensemble: a cheap look before parsing, to order loads."""
+    try:
+        return bool(_ENSEMBLE.search(config_path.read_bytes()))
+    except OSError:
+        return False
+
+
+def parse_steps(config: ModelConfig) -> tuple[list[Step], int]:
+    """The steps and ``max_inflight_requests`` as written (Triton's JSON form, ``config.written``)."""
+    scheduling: dict[str, Any] = config.written.get("ensemble_scheduling") or {}
+    steps = []
+    for index, step in enumerate(scheduling.get("step", [])):
+        version = int(step.get("model_version", -1))
+        steps.append(
+            Step(
+                index=index,
+                model_name=str(step.get("model_name", "")),
+                model_version=version if version >= 0 else None,
+                input_map=dict(step.get("input_map", {})),
+                output_map=dict(step.get("output_map", {})),
+            )
+        )
+    return steps, int(scheduling.get("max_inflight_requests", 0))
+
+
+def _fail(config: ModelConfig, message: str) -> ConfigError:
+    return ConfigError(f"{config.source or config.name}: ensemble {config.name!r}: {message}")
+
+
+def full_shape(spec: TensorSpec, max_batch_size: int) -> tuple[int, ...]:
+    """The shape a request carries for ``spec``: the batch axis (-1) first when the model batches."""
+    return ((-1,) if max_batch_size > 0 else ()) + spec.dims
+
+
+def shapes_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
+
+
+def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGraph:
+    """Validate ``config``'s ``ensemble_scheduling`` against its members' configs; raise ConfigError."""
+    steps, max_inflight = parse_steps(config)
+    if not steps:
+        raise _fail(config, "ensemble_scheduling has no step")
+    # tensor -> (description of its producer, its spec, the producer's max_batch_size)
+    produced: dict[str, tuple[str, TensorSpec, int]] = {
+        t.name: ("the ensemble input", t, config.max_batch_size) for t in config.inputs
+    }
+    members: dict[int, ModelConfig] = {}
+    for step in steps:
+        if not step.model_name:
+            raise _fail(config, f"step {step.index} names no model_name")
+        try:
+            member = member_config(step.model_name, step.model_version)
+        except EdgeServerError as exc:
+            raise _fail(config, f"{step.describe()}: {exc.message}") from None
+        if member.decoupled:
+            raise _fail(config, f"{step.describe()}: decoupled models cannot be ensemble steps here yet")
+        members[step.index] = member
+        if not step.output_map:
+            raise _fail(config, f"{step.describe()}: output_map is empty; the step would produce nothing")
+        for name in step.input_map:
+            if member.input(name) is None:
+                known = [t.name for t in member.inputs]
+                raise _fail(config, f"{step.describe()}: input_map names input {name!r}, model has {known}")
+        for spec in member.inputs:
+            if spec.name not in step.input_map and not spec.optional:
+                raise _fail(config, f"{step.describe()}: required input {spec.name!r} is not in input_map")
+        for name, tensor in step.output_map.items():
+            output = member.output(name)
+            if output is None:
+                known = [t.name for t in member.outputs]
+                raise _fail(config, f"{step.describe()}: output_map names output {name!r}, model has {known}")
+            if tensor in produced:
+                raise _fail(
+                    config,
+                    f"{step.describe()}: tensor {tensor!r} is already produced by {produced[tensor][0]}",
+                )
+            produced[tensor] = (step.describe(), output, member.max_batch_size)
+
+    consumers: dict[str, list[int]] = {}
+    for step in steps:
+        member = members[step.index]
+        for name, tensor in step.input_map.items():
+            if tensor not in produced:
+                raise _fail(
+                    config,
+                    f"{step.describe()}: input {name!r} reads tensor {tensor!r}, which nothing produces",
+                )
+            readers = consumers.setdefault(tensor, [])
+            if step.index not in readers:  # a step reading a tensor twice waits for it once
+                readers.append(step.index)
+            wanted = member.input(name)
+            assert wanted is not None  # checked above
+            reader = f"{step.describe()} input {name!r}"
+            _check_match(config, tensor, produced[tensor], reader, wanted, member.max_batch_size)
+    for spec in config.outputs:
+        if spec.name not in produced:
+            raise _fail(config, f"ensemble output {spec.name!r} is produced by no step")
+        producer = produced[spec.name]
+        _check_match(config, spec.name, producer, "the ensemble output", spec, config.max_batch_size)
+    for spec in config.inputs:
+        if spec.name not in consumers:
+            raise _fail(config, f"ensemble input {spec.name!r} is used by no step")
+    order = _topological(config, steps)
+    return EnsembleGraph(
+        steps=tuple(order),
+        consumers={tensor: tuple(indices) for tensor, indices in consumers.items()},
+        max_inflight_requests=max_inflight,
+    )
+
+
+def _check_match(
+    config: ModelConfig,
+    tensor: str,
+    producer: tuple[str, TensorSpec, int],
+    consumer: str,
+    spec: TensorSpec,
+    consumer_batch: int,
+) -> None:
+    source, produced_spec, producer_batch = producer
+    if produced_spec.data_type != spec.data_type:
+        raise _fail(
+            config,
+            f"tensor {tensor!r}: {source} produces {produced_spec.data_type}, "
+            f"{consumer} expects {spec.data_type}",
+        )
+    have, want = full_shape(produced_spec, producer_batch), full_shape(spec, consumer_batch)
+    if not shapes_agree(have, want):
+        raise _fail(
+            config,
+            f"tensor {tensor!r}: {source} produces shape {list(have)}, {consumer} expects {list(want)} "
+            "(-1: any size, the batch axis included)",
+        )
+
+
+def _topological(config: ModelConfig, steps: list[Step]) -> list[Step]:
+    """The steps in dependency order; a cycle is an error naming the steps and tensors in it."""
+    producer_of = {tensor: step.index for step in steps for tensor in step.output_map.values()}
+    needs = {
+        step.index: {producer_of[t] for t in step.input_map.values() if t in producer_of} for step in steps
+    }
+    order: list[Step] = []
+    done: set[int] = set()
+    remaining = {step.index: step for step in steps}
+    while remaining:
+        ready = [i for i in remaining if needs[i] <= done]
+        if not ready:
+            stuck = sorted(remaining)
+            waits = "; ".join(
+                f"{remaining[i].describe()} needs "
+                + ", ".join(
+                    repr(t) for t in remaining[i].input_map.values() if producer_of.get(t) in remaining
+                )
+                for i in stuck
+            )
+            raise _fail(config, f"the steps form a cycle: {waits}")
+        for i in sorted(ready):
+            order.append(remaining.pop(i))
+            done.add(i)
+    return order

@@ -1,0 +1,364 @@
+"""Ensembles in Triton's format: validated at load, walked through the members' own schedulers."""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_server import Server
+from edge_server.errors import EdgeServerError, ModelNotReady
+from edge_server.lifecycle import ModelState
+from tests.onnx_factory import affine_model
+from tests.test_pipeline_deadlock import SLOW_MODEL
+
+MEMBER_CONFIG = """
+name: "%(name)s"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+%(extra)s
+"""
+
+SLOW_CONFIG = """
+name: "%(name)s"
+backend: "python"
+max_batch_size: 1
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+instance_group [ { kind: KIND_CPU, count: %(count)d } ]
+"""
+
+
+def step(model: str, inputs: dict[str, str], outputs: dict[str, str]) -> str:
+    maps = "".join(f' input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items())
+    maps += "".join(f' output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items())
+    return f'{{ model_name: "{model}" model_version: -1{maps} }}'
+
+
+def ensemble_config(
+    name: str,
+    steps: list[str],
+    *,
+    inputs: str = '{ name: "IN", data_type: TYPE_FP32, dims: [ 4 ] }',
+    outputs: str = '{ name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] }',
+    extra: str = "",
+) -> str:
+    return textwrap.dedent(
+        f"""
+        name: "{name}"
+        platform: "ensemble"
+        max_batch_size: 8
+        input [ {inputs} ]
+        output [ {outputs} ]
+        ensemble_scheduling {{ step [ {", ".join(steps)} ] {extra} }}
+        """
+    )
+
+
+def add_ensemble(repo: Path, name: str, config: str) -> None:
+    (repo / name / "1").mkdir(parents=True)  # Triton requires a version directory, empty
+    (repo / name / "config.pbtxt").write_text(config)
+
+
+def add_member(
+    repo: Path, name: str, *, scale: float, offset: float, extra: str = "", version: int = 1
+) -> None:
+    (repo / name).mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(MEMBER_CONFIG % {"name": name, "extra": extra})
+    affine_model(repo / name / str(version) / "model.onnx", scale=scale, offset=offset)
+
+
+def add_slow(repo: Path, name: str, count: int = 1) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(SLOW_CONFIG % {"name": name, "count": count})
+    (repo / name / "1" / "model.py").write_text(SLOW_MODEL)
+
+
+PIPE = [
+    step("scale", {"INPUT0": "IN"}, {"OUTPUT0": "mid"}),
+    step("shift", {"INPUT0": "mid"}, {"OUTPUT0": "OUT"}),
+]
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    return repo
+
+
+def x(n: int = 2, first: float = 0.0) -> np.ndarray:
+    return (np.arange(4 * n, dtype=np.float32).reshape(n, 4) + first).astype(np.float32)
+
+
+def test_an_ensemble_equals_running_its_models_by_hand(repo: Path) -> None:
+    with Server(repo) as server:
+        by_hand = server.infer("shift", {"INPUT0": server.infer("scale", {"INPUT0": x()})["OUTPUT0"]})
+        out = server.infer("pipe", {"IN": x()})
+        np.testing.assert_array_equal(out["OUT"], by_hand["OUTPUT0"])
+        np.testing.assert_allclose(out["OUT"], 2 * x() + 3)
+        (stats,) = server.statistics("pipe")
+        assert stats["inference_stats"]["success"]["count"] == 1
+        for member in ("scale", "shift"):  # one direct request and one from the ensemble each
+            (member_stats,) = server.statistics(member)
+            assert member_stats["inference_stats"]["success"]["count"] == 2
+
+
+def test_ensemble_traffic_is_batched_with_direct_traffic(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    batching = "dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 10000000 }"
+    add_member(repo, "scale", scale=2.0, offset=0.0, extra=batching)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    with Server(repo) as server:
+        direct = server.submit("scale", {"INPUT0": x(1)})  # waits (10 s at most) for a partner
+        start = time.monotonic()
+        out = server.infer("pipe", {"IN": x(1, first=10)})
+        np.testing.assert_allclose(out["OUT"], 2 * x(1, first=10) + 3)
+        np.testing.assert_allclose(direct.result(timeout=30)["OUTPUT0"], 2 * x(1))
+        assert time.monotonic() - start < 5
+        (stats,) = server.statistics("scale")
+        assert (stats["inference_count"], stats["execution_count"]) == (2, 1)
+
+
+def test_independent_branches_run_at_the_same_time(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    add_slow(repo, "slow_a")
+    add_slow(repo, "slow_b")
+    add_ensemble(
+        repo,
+        "fork",
+        ensemble_config(
+            "fork",
+            [
+                step("slow_a", {"INPUT0": "IN"}, {"OUTPUT0": "A"}),
+                step("slow_b", {"INPUT0": "IN"}, {"OUTPUT0": "B"}),
+            ],
+            outputs='{ name: "A", data_type: TYPE_FP32, dims: [ 4 ] }, '
+            '{ name: "B", data_type: TYPE_FP32, dims: [ 4 ] }',
+        ).replace("max_batch_size: 8", "max_batch_size: 1"),
+    )
+    with Server(repo) as server:
+        inputs = {"IN": np.array([[300, 1, 2, 3]], np.float32)}
+        start = time.monotonic()
+        out = server.infer("fork", inputs)
+        elapsed = time.monotonic() - start
+        np.testing.assert_array_equal(out["A"], inputs["IN"])
+        np.testing.assert_array_equal(out["B"], inputs["IN"])
+        assert 0.3 <= elapsed < 0.55  # both 300 ms steps at once, not one after the other
+
+
+def test_max_inflight_requests_is_honoured(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    add_slow(repo, "slow", count=2)
+    config = ensemble_config(
+        "limited", [step("slow", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"})], extra="max_inflight_requests: 1"
+    ).replace("max_batch_size: 8", "max_batch_size: 1")
+    add_ensemble(repo, "limited", config)
+    with Server(repo) as server:
+        inputs = {"IN": np.array([[150, 1, 2, 3]], np.float32)}
+        start = time.monotonic()
+        futures = [server.submit("limited", inputs) for _ in range(2)]
+        for future in futures:
+            np.testing.assert_array_equal(future.result(timeout=30)["OUT"], inputs["IN"])
+        # slow has two instances: only the ensemble's limit makes the second wait for the first
+        assert time.monotonic() - start >= 0.3
+        (stats,) = server.statistics("limited")
+        assert stats["inference_stats"]["queue"]["ns"] >= 100_000_000
+
+
+MALFORMED = {
+    "unknown model": (
+        [step("nope", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"})],
+        {},
+        "step 0 (model 'nope'): unknown model 'nope'",
+    ),
+    "consumed, never produced": (
+        [
+            step("scale", {"INPUT0": "IN"}, {"OUTPUT0": "mid"}),
+            step("shift", {"INPUT0": "typo"}, {"OUTPUT0": "OUT"}),
+        ],
+        {},
+        "step 1 (model 'shift'): input 'INPUT0' reads tensor 'typo', which nothing produces",
+    ),
+    "unused ensemble input": (
+        PIPE,
+        {
+            "inputs": '{ name: "IN", data_type: TYPE_FP32, dims: [ 4 ] }, '
+            '{ name: "EXTRA", data_type: TYPE_FP32, dims: [ 4 ] }'
+        },
+        "ensemble input 'EXTRA' is used by no step",
+    ),
+    "cycle": (
+        [
+            step("scale", {"INPUT0": "b"}, {"OUTPUT0": "a"}),
+            step("shift", {"INPUT0": "a"}, {"OUTPUT0": "b"}),
+            step("scale", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"}),
+        ],
+        {},
+        "the steps form a cycle: step 0 (model 'scale') needs 'b'; step 1 (model 'shift') needs 'a'",
+    ),
+    "dtype mismatch": (
+        PIPE,
+        {"inputs": '{ name: "IN", data_type: TYPE_INT32, dims: [ 4 ] }'},
+        "tensor 'IN': the ensemble input produces TYPE_INT32, step 0 (model 'scale') input 'INPUT0' "
+        "expects TYPE_FP32",
+    ),
+    "shape mismatch": (
+        PIPE,
+        {"outputs": '{ name: "OUT", data_type: TYPE_FP32, dims: [ 5 ] }'},
+        "tensor 'OUT': step 1 (model 'shift') produces shape [-1, 4], the ensemble output expects [-1, 5]",
+    ),
+    "unknown member output": (
+        [step("scale", {"INPUT0": "IN"}, {"OUT0": "OUT"})],
+        {},
+        "step 0 (model 'scale'): output_map names output 'OUT0', model has ['OUTPUT0']",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_ensemble_fails_its_own_load_with_a_clear_error(repo: Path, case: str) -> None:
+    steps, fields, reason = MALFORMED[case]
+    add_ensemble(repo, "broken", ensemble_config("broken", steps, **fields))
+    with Server(repo) as server:
+        (row,) = [s for s in server.models() if s.name == "broken"]
+        assert row.state is ModelState.UNAVAILABLE
+        assert reason in row.reason
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 3)
+
+
+def test_ready_only_while_every_member_is(repo: Path) -> None:
+    with Server(repo, model_control_mode="explicit", load_models=["pipe"]) as server:  # loads members
+        assert server.is_ready("pipe") and server.is_ready("scale")
+        server.unload_model("shift")
+        assert not server.is_ready("pipe")
+        (row,) = [s for s in server.models() if s.name == "pipe"]
+        assert row.state is ModelState.UNAVAILABLE and "member 'shift'" in row.reason
+        with pytest.raises(ModelNotReady, match="member 'shift' is not serving"):
+            server.infer("pipe", {"IN": x()})
+        server.load_model("shift")
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 3)
+
+
+def test_a_member_reload_is_picked_up_without_reloading_the_ensemble(repo: Path) -> None:
+    with Server(repo, model_control_mode="explicit", load_models=["*"]) as server:
+        ensemble = server.manager.serving()["pipe"][1]
+        affine_model(repo / "shift" / "2" / "model.onnx", scale=1.0, offset=10.0)
+        server.load_model("shift")
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 10)
+        assert server.manager.serving()["pipe"][1] is ensemble
+
+
+def test_requests_during_a_member_reload_end_in_a_result_or_an_error(repo: Path) -> None:
+    with Server(repo, model_control_mode="explicit", load_models=["*"]) as server:
+        stop = threading.Event()
+        outcomes: list[Future[dict[str, np.ndarray]]] = []
+
+        def traffic() -> None:
+            while not stop.is_set():
+                try:
+                    outcomes.append(server.submit("pipe", {"IN": x()}))
+                except EdgeServerError:
+                    pass
+                time.sleep(0.001)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            for version in (2, 3):
+                affine_model(repo / "shift" / str(version) / "model.onnx", scale=1.0, offset=float(version))
+                server.load_model("shift")
+            server.unload_model("shift")
+            server.load_model("shift")
+        finally:
+            stop.set()
+            thread.join()
+        assert outcomes
+        for future in outcomes:
+            try:
+                out = future.result(timeout=10)  # never a hang
+            except EdgeServerError:
+                continue
+            assert float(out["OUT"][0, 0] - 2 * x()[0, 0]) in (2.0, 3.0)  # v1 and v3 add 3, v2 adds 2
+
+
+def test_an_ensemble_waiting_for_a_member_loads_when_the_member_arrives(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    with Server(repo, model_control_mode="poll", watch_quiet_s=0.1) as server:
+        (row,) = [s for s in server.models() if s.name == "pipe"]
+        assert row.state is ModelState.UNAVAILABLE and "unknown model 'shift'" in row.reason
+        staging = tmp_path / "staging"
+        add_member(staging, "shift", scale=1.0, offset=3.0)
+        (staging / "shift").rename(repo / "shift")  # the OTA way: built elsewhere, renamed into place
+        deadline = time.monotonic() + 20
+        while not server.is_ready("pipe"):
+            assert time.monotonic() < deadline, server.models()
+            time.sleep(0.05)
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 3)
+
+
+CHAIN_CONFIG = """
+name: "%(name)s"
+backend: "python"
+max_batch_size: 8
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+CHAIN_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+def call(model, x):
+    return pb_utils.InferenceRequest(
+        model_name=model, requested_output_names=["OUTPUT0"], inputs=[pb_utils.Tensor("INPUT0", x)]
+    )
+
+
+def output(response):
+    if response.has_error():
+        raise pb_utils.TritonModelException(response.error().message())
+    return pb_utils.get_output_tensor_by_name(response, "OUTPUT0").as_numpy()
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            mid = output(call("scale", x).exec())
+            out = output(call("shift", mid).exec())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)]))
+        return responses
+"""
+
+ASYNC_CHAIN_MODEL = (
+    CHAIN_MODEL.replace("def execute", "async def execute")
+    .replace(".exec()", ".async_exec()")
+    .replace("output(call(", "output(await call(")
+)
+
+
+def test_a_bls_model_sync_and_async_equals_the_ensemble(repo: Path) -> None:
+    for name, model in (("chain", CHAIN_MODEL), ("async_chain", ASYNC_CHAIN_MODEL)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(CHAIN_CONFIG % {"name": name})
+        (repo / name / "1" / "model.py").write_text(model)
+    with Server(repo) as server:
+        inputs = {"IN": x(3, first=0.5)}
+        ensemble = server.infer("pipe", inputs)["OUT"]
+        np.testing.assert_array_equal(server.infer("chain", inputs)["OUT"], ensemble)
+        np.testing.assert_array_equal(server.infer("async_chain", inputs)["OUT"], ensemble)

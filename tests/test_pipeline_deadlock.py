@@ -1,0 +1,124 @@
+"""No deadlocks by construction: every case ends in an error or a result within its timeout.
+
+A future's done-callbacks run in the thread that completes it; a pipeline's callback submits the next
+step.  The scheduler therefore completes no future while it holds its lock.  These tests would hang
+(and fail on their own timeouts) if it did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_server import Server
+from edge_server.errors import RequestTimeout, Unavailable
+from tests.bls_models import add_bls_models
+from tests.test_batching import probe_repo, rows, wait_running
+
+
+def test_a_callback_on_a_timed_out_request_may_submit_to_the_same_model(tmp_path: Path) -> None:
+    repo = probe_repo(
+        tmp_path,
+        max_batch_size=1,
+        extra="dynamic_batching { default_queue_policy { default_timeout_microseconds: 20000 } }",
+    )
+    with Server(repo) as server:
+        blocker = server.submit("probe", {"X": rows(1, 0, sleep_ms=200)})
+        wait_running(blocker)
+        late = server.submit("probe", {"X": rows(1, 1)})
+        resubmitted: Future[Future[dict]] = Future()
+        # Runs on the model's worker thread when the queue rejects ``late``: it enters the scheduler.
+        late.add_done_callback(lambda _: resubmitted.set_result(server.submit("probe", {"X": rows(1, 2)})))
+        blocker.result(timeout=30)
+        assert isinstance(late.exception(timeout=30), RequestTimeout)
+        again = resubmitted.result(timeout=10).result(timeout=10)
+        assert float(again["Y"][0, 0]) == 2.0
+
+
+SLOW_CONFIG = """
+name: "slow"
+backend: "python"
+max_batch_size: 1
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+dynamic_batching { default_queue_policy { max_queue_size: 1 } }
+"""
+
+SLOW_MODEL = '''
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Sleeps INPUT0[0, 0] milliseconds, then echoes INPUT0."""
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            time.sleep(float(x[0, 0]) / 1000)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return responses
+'''
+
+
+@pytest.fixture
+def bls_server(tmp_path: Path) -> Iterator[Server]:
+    repo = tmp_path / "repo"
+    add_bls_models(repo, tmp_path / "repeat.log")
+    (repo / "slow" / "1").mkdir(parents=True)
+    (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    with Server(repo) as server:
+        yield server
+
+
+def x(first: float = 0.0) -> np.ndarray:
+    return np.array([[first, 1, 2, 3]], np.float32)
+
+
+def test_a_model_calling_itself_from_its_only_instance_is_refused_at_once(bls_server: Server) -> None:
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match=r"calls itself from its only instance"):
+        bls_server.infer("caller", {"INPUT0": x()}, parameters={"target": "caller"})  # no timeout
+    assert time.monotonic() - start < 1
+
+
+def test_a_self_call_that_cannot_be_refused_up_front_ends_at_its_timeout(bls_server: Server) -> None:
+    # caller -> caller2 -> caller: caller's only instance is busy waiting; caller2 gives up at its timeout
+    start = time.monotonic()
+    params = {"target": "caller2", "next": "caller", "timeout_us": 300_000}
+    future = bls_server.submit("caller", {"INPUT0": x()}, parameters=params)
+    with pytest.raises(Unavailable, match=r"\[TIMEOUT\] BLS call to model 'caller'"):
+        future.result(timeout=10)
+    assert time.monotonic() - start < 5
+    # the timed-out call was cancelled: it never runs later, and the model serves again
+    np.testing.assert_allclose(bls_server.infer("caller", {"INPUT0": x()})["OUTPUT0"], 2 * x() + 2)
+
+
+def test_two_models_calling_each_other_end_in_an_error(bls_server: Server) -> None:
+    params = {"target": "caller2", "next": "caller", "timeout_us": 300_000}
+    future = bls_server.submit(
+        "caller2", {"INPUT0": x()}, parameters={**params, "target": "caller", "next": "caller2"}
+    )
+    with pytest.raises(Unavailable, match=r"\[TIMEOUT\]"):
+        future.result(timeout=10)
+    np.testing.assert_allclose(bls_server.infer("caller2", {"INPUT0": x()})["OUTPUT0"], 2 * x() + 2)
+
+
+def test_a_call_into_a_full_queue_fails_at_once(bls_server: Server) -> None:
+    running = bls_server.submit("slow", {"INPUT0": x(300)})
+    wait_running(running)
+    queued = bls_server.submit("slow", {"INPUT0": x(0)})  # fills max_queue_size 1
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match=r"\[QUEUE_FULL\]"):
+        bls_server.infer("caller", {"INPUT0": x()}, parameters={"target": "slow"})
+    assert time.monotonic() - start < 0.25  # not after the running request
+    running.result(timeout=10)
+    queued.result(timeout=10)
