@@ -15,6 +15,7 @@ as in the thread mode.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -277,7 +278,10 @@ class IsolatedPythonBackend(Backend):
     def _initialize(self, ctx: LoadContext) -> None:
         assert self._child is not None
         timeout = init_timeout(ctx.config)
-        message = {"op": "init", "context": pickle.dumps(ctx), "log_level": logging.getLogger().level}
+        # The child gets the load context without the daemon's model access (locks, sockets): BLS calls
+        # from an isolated model are not supported (they need a channel back to the daemon).
+        child_ctx = dataclasses.replace(ctx, models=None)
+        message = {"op": "init", "context": pickle.dumps(child_ctx), "log_level": logging.getLogger().level}
         try:
             reply = self._child.call(message, timeout)
         except TimeoutError:
