@@ -15,6 +15,7 @@ as in the thread mode.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -277,7 +278,9 @@ class IsolatedPythonBackend(Backend):
     def _initialize(self, ctx: LoadContext) -> None:
         assert self._child is not None
         timeout = init_timeout(ctx.config)
-        message = {"op": "init", "context": pickle.dumps(ctx), "log_level": logging.getLogger().level}
+        # Without the daemon's model access (live objects; BLS in a child is refused there, see the stub).
+        context = dataclasses.replace(ctx, models=None)
+        message = {"op": "init", "context": pickle.dumps(context), "log_level": logging.getLogger().level}
         try:
             reply = self._child.call(message, timeout)
         except TimeoutError:
