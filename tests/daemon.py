@@ -249,6 +249,12 @@ class Daemon:
             "false",
             "--allow-metrics",  # metrics tests turn it on, on a port of their own
             "false",
+            # Test repositories hold broken models on purpose: serve the rest and call that ready
+            # (the systemd tests check both flags' defaults with flags of their own; later flags win).
+            "--exit-on-error",
+            "false",
+            "--strict-readiness",
+            "false",
             *self.args,
         ]
         nofile = self.nofile

@@ -127,11 +127,14 @@ def test_triton_counters_match_the_statistics_api_and_move_with_traffic(
             assert value(after, "nv_inference_request_failure_total", **lab) == s["fail"]["count"]
             assert value(after, "nv_inference_count_total", **lab) == stats[model]["inference_count"]
             assert value(after, "nv_inference_exec_count_total", **lab) == stats[model]["execution_count"]
-            assert value(after, "nv_inference_queue_duration_us_total", **lab) == s["queue"]["ns"] / 1e3
+            queue_us = (
+                s["queue"]["ns"] / 1e3
+            )  # microseconds as floats: equal up to the text format's rounding
+            assert value(after, "nv_inference_queue_duration_us_total", **lab) == pytest.approx(queue_us)
             infer_us = value(after, "nv_inference_compute_infer_duration_us_total", **lab)
-            assert infer_us == s["compute_infer"]["ns"] / 1e3 > 0
+            assert infer_us == pytest.approx(s["compute_infer"]["ns"] / 1e3) and infer_us > 0
             request_us = (s["success"]["ns"] + s["fail"]["ns"]) / 1e3
-            assert value(after, "nv_inference_request_duration_us_total", **lab) == request_us
+            assert value(after, "nv_inference_request_duration_us_total", **lab) == pytest.approx(request_us)
             assert value(after, "nv_inference_pending_request_count", **lab) == 0
         assert value(after, "nv_inference_request_failure_total", model="counted", version="1") == 1
         # Triton's exact names in the text: no _total on its counters.

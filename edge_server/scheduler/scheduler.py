@@ -24,6 +24,7 @@ after it is released.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -144,7 +145,7 @@ class ModelScheduler:
         # Watched, not used: finished executions (the watchdog's progress counter) and the time each
         # instance spent executing (metrics).  Each instance is used by one thread at a time.
         self._progress = 0
-        self._busy_ns: dict[Backend, int] = {backend: 0 for _, backend in instances}
+        self._busy_ns: collections.defaultdict[Backend, int] = collections.defaultdict(int)  # restarts too
         # Inline execution is an explicit opt-in of each backend (TensorRT opts out: never on a frontend).
         self._inline_capable = not self._settings.batching and all(
             isinstance(backend, TensorBackend) and backend.allows_inline for _, backend in instances
@@ -277,7 +278,7 @@ class ModelScheduler:
 
     def instance_busy_ns(self) -> dict[str, int]:
         """Nanoseconds each instance has spent executing, by instance name (a utilisation figure)."""
-        return {name: self._busy_ns[backend] for name, backend in self._instances}
+        return {name: self._busy_ns.get(backend, 0) for name, backend in self._instances}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -400,6 +401,11 @@ class ModelScheduler:
     def _run(self, backend: Backend, batch: list[QueuedRequest], seq: int) -> None:
         try:
             self._execute(backend, batch, seq=seq if self._preserve_ordering else None)
+        except Exception as exc:  # a bug of ours: every request of the batch still gets an answer
+            log.exception("running a batch of %r failed unexpectedly", self._config.name)
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_exception(ModelExecutionError(f"internal error: {exc!r}"))
         finally:
             with self._lock:
                 self._in_flight -= len(batch)

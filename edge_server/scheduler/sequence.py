@@ -140,7 +140,7 @@ class SequenceScheduler:
         # Watched, not used: finished executions (the watchdog's progress counter) and each instance's
         # time spent executing (metrics); see ModelScheduler.
         self._progress = 0
-        self._busy_ns: dict[Backend, int] = {backend: 0 for _, backend in instances}
+        self._busy_ns: collections.defaultdict[Backend, int] = collections.defaultdict(int)  # restarts too
         stats.sequence_stats = self.sequence_stats
         self._threads = [
             threading.Thread(target=self._worker, args=(index,), name=f"edge-{name}", daemon=True)
@@ -226,7 +226,7 @@ class SequenceScheduler:
             return self._progress, bool(self._in_flight)
 
     def instance_busy_ns(self) -> dict[str, int]:
-        return {name: self._busy_ns[backend] for name, backend in self._instances}
+        return {name: self._busy_ns.get(backend, 0) for name, backend in self._instances}
 
     def sequence_stats(self) -> dict[str, Any]:
         """Sequence counts and slot occupancy for the statistics."""
