@@ -101,6 +101,16 @@ class TritonPythonModel:
                 continue
             if n[0, 0] == -2:
                 raise ValueError("user code blew up")
+            if n[0, 0] == -4:  # a BLS call: served in the thread mode, refused clearly in a process
+                text_in = pb_utils.Tensor("TEXT", np.array([b"bls"], dtype=object))
+                bls = pb_utils.InferenceRequest(
+                    model_name="text", inputs=[text_in], requested_output_names=["UPPER"]
+                )
+                response = bls.exec()
+                if response.has_error():
+                    raise pb_utils.TritonError(response.error().message())
+                answer = pb_utils.get_output_tensor_by_name(response, "UPPER").as_numpy()
+                n = n * 0 + len(answer[0])
             upper = np.array([bytes(v).upper() for v in text.reshape(-1)], dtype=object)
             outputs = {
                 "UPPER": upper.reshape(text.shape),
@@ -167,7 +177,8 @@ def iso_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     _write(repo / "bogus" / "1" / "model.py", CRASH_MODEL)
     _write(repo / "hang" / "config.pbtxt", HANG_CONFIG)
     _write(repo / "hang" / "1" / "model.py", HANG_MODEL)
-    proc = start_daemon(root, repo, "iso.sock")
+    # bogus and hang are refused at load, on purpose: the daemon serves the rest and says it is ready
+    proc = start_daemon(root, repo, "iso.sock", "--exit-on-error", "false", "--strict-readiness", "false")
     try:
         yield proc
     finally:
@@ -355,3 +366,12 @@ def test_an_execute_past_its_timeout_is_killed_and_the_instance_restarted(
     assert time.monotonic() - started < 5
     out = client.infer("slow", {"IN": np.array([1.0], np.float32)})["OUT"]
     np.testing.assert_array_equal(out, np.array([3.0], np.float32))
+
+
+def test_bls_calls_are_refused_clearly_in_a_process(client: Client) -> None:
+    inputs, _ = _mixed_request(1)
+    inputs["N"] = np.array([[-4]], np.int64)
+    assert client.infer("mixed_thread", inputs)["SUM"].tolist() == [[3]]
+    with pytest.raises(EdgeServerError, match="not available to a model with isolation 'process'") as info:
+        client.infer("mixed_process", inputs)
+    assert info.value.code == "EXECUTION_FAILED"

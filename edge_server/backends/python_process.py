@@ -278,10 +278,9 @@ class IsolatedPythonBackend(Backend):
     def _initialize(self, ctx: LoadContext) -> None:
         assert self._child is not None
         timeout = init_timeout(ctx.config)
-        # The child gets the load context without the daemon's model access (locks, sockets): BLS calls
-        # from an isolated model are not supported (they need a channel back to the daemon).
-        child_ctx = dataclasses.replace(ctx, models=None)
-        message = {"op": "init", "context": pickle.dumps(child_ctx), "log_level": logging.getLogger().level}
+        # Without the daemon's model access (live objects; BLS in a child is refused there, see the stub).
+        context = dataclasses.replace(ctx, models=None)
+        message = {"op": "init", "context": pickle.dumps(context), "log_level": logging.getLogger().level}
         try:
             reply = self._child.call(message, timeout)
         except TimeoutError:

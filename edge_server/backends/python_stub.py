@@ -23,6 +23,7 @@ parent changes), so that no stub outlives the daemon that owns it.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -41,7 +42,7 @@ import numpy as np
 from edge_server.backends import python as python_backend
 from edge_server.backends.base import BatchItem, Timing
 from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, pack_inline, put, read
-from edge_server.errors import EdgeServerError
+from edge_server.errors import EdgeServerError, Unsupported
 from edge_server.request import ResponseSink
 
 log = logging.getLogger("edge_server.backends.python_stub")
@@ -64,6 +65,18 @@ def _detach_signals(parent_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="orphan-check", daemon=True).start()
+
+
+class _NoModels:
+    """What BLS calls reach in a child: a clear refusal (the daemon's data plane is not here)."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise Unsupported(
+            "BLS calls (InferenceRequest.exec) are not available to a model with isolation 'process' "
+            "yet; use isolation 'thread' for a model that calls other models"
+        )
+
+    submit = stream = model_config = is_ready = load = unload = _refuse
 
 
 class _PipeSink(ResponseSink):
@@ -130,7 +143,7 @@ class _Stub:
     def _init(self, message: dict[str, Any]) -> dict[str, Any]:
         logging.getLogger().setLevel(int(message.get("log_level") or logging.INFO))
         ctx = pickle.loads(message["context"])  # from the daemon that started this process
-        self._backend = python_backend.PythonBackend(ctx)
+        self._backend = python_backend.PythonBackend(dataclasses.replace(ctx, models=_NoModels()))
         return {"ok": True}
 
     def _complete(self, message: dict[str, Any]) -> dict[str, Any]:

@@ -549,6 +549,7 @@ class ModelScheduler:
                 stopping = self._stopping
                 if not stopping:
                     self._instances[index] = (name, fresh)
+                    self._busy_ns[fresh] = self._busy_ns.pop(dead, 0)  # the slot's utilisation goes on
                     self._failed.discard(dead)
                     self._since[index] = time.monotonic()
                     self._unavailable = ""
