@@ -125,6 +125,26 @@ class Timing:
     compute_output_ns: int = 0
 
 
+class Outputs(dict[str, np.ndarray]):
+    """A response's outputs and the response parameters its model gave (KServe v2; empty: none).
+
+    A dict, so that everything that handles outputs handles these unchanged; frontends put
+    ``parameters`` into their replies (IPC header, KServe JSON and gRPC), and clients hand them back the
+    same way.
+    """
+
+    __slots__ = ("parameters",)
+
+    def __init__(self, outputs: Mapping[str, np.ndarray], parameters: Parameters = NO_PARAMETERS) -> None:
+        super().__init__(outputs)
+        self.parameters: Parameters = parameters
+
+
+def response_parameters(outputs: Mapping[str, np.ndarray]) -> Parameters:
+    """The response parameters ``outputs`` carry (none for a plain dict)."""
+    return outputs.parameters if isinstance(outputs, Outputs) else NO_PARAMETERS
+
+
 Result = dict[str, np.ndarray] | EdgeServerError
 
 
@@ -158,7 +178,9 @@ class ResponseSink(abc.ABC):
             if not dropped and (outputs is not None or error is not None):
                 self.responses += 1
         if not dropped:
-            self.deliver(dict(outputs) if outputs is not None else None, error, final)
+            if outputs is not None and type(outputs) is not Outputs:
+                outputs = dict(outputs)
+            self.deliver(outputs, error, final)  # type: ignore[arg-type]
         return True
 
     def cancel(self) -> None:

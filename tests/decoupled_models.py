@@ -175,7 +175,8 @@ class TritonPythonModel:
                 "flags": request.flags(),
             }
             out = np.array([json.dumps(seen).encode()], dtype=object)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("PARAMS", out)]))
+            echoed = {"seen": len(seen["parameters"]), "model": "params", "echo": True}
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("PARAMS", out)], parameters=echoed))
         return responses
 """
 

@@ -102,6 +102,16 @@ def test_a_silent_model_times_out_per_response(server: Server) -> None:
     stream.close()
 
 
+def test_response_parameters_reach_the_caller(tmp_path: Path) -> None:
+    from tests.decoupled_models import add_params_model
+
+    repo = tmp_path / "p"
+    add_params_model(repo)
+    with Server(repo) as server:
+        out = server.infer("params", {"IN": np.array([1], np.int32)}, parameters={"a": 1})
+    assert out.parameters == {"seen": 1, "model": "params", "echo": True}
+
+
 def test_asyncio_stream(server: Server) -> None:
     async def collect() -> list[int]:
         stream = await server.stream_async("square", {"IN": np.array([3], np.int32)}, timeout=10)

@@ -116,6 +116,7 @@ def test_parameters_and_sequence_fields_reach_the_model(client: Client) -> None:
     )
     seen = json.loads(out["PARAMS"][0])
     assert seen["parameters"] == params
+    assert out.parameters == {"seen": 3, "model": "params", "echo": True}  # the response's parameters
     assert seen["correlation_id"] == 42 and seen["flags"] == 1
     assert seen["request_id"]  # the IPC request id
 

@@ -417,7 +417,6 @@ class InferenceResponse:
     ) -> None:
         self._outputs = list(output_tensors or [])
         self._error = error
-        # TODO(issue 9): response parameters do not reach clients yet; Result carries outputs only.
         self._parameters = _parameters_json(parameters)
 
     def parameters(self) -> str:

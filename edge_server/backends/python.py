@@ -17,6 +17,7 @@ import dataclasses
 import importlib.util
 import inspect
 import itertools
+import json
 import logging
 import sys
 import time
@@ -43,7 +44,7 @@ from edge_server.errors import (
     Unavailable,
     Unsupported,
 )
-from edge_server.request import ResponseSink
+from edge_server.request import Outputs, ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -351,6 +352,10 @@ class PythonBackend(Backend):
                 except InvalidArgument as exc:
                     return ModelExecutionError(exc.message)
             result[name] = array
+        if isinstance(response, pb_utils.InferenceResponse):
+            parameters = response.parameters()
+            if parameters != "{}":  # Triton's response parameters go back to the client
+                return Outputs(result, json.loads(parameters))
         return result
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:

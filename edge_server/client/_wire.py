@@ -10,6 +10,7 @@ import numpy as np
 
 from edge_server.errors import MalformedMessage, ShmNotRegistered
 from edge_server.ipc import protocol
+from edge_server.request import Outputs as ResponseOutputs
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,9 @@ def infer_outputs(
         if type(slot) is not int or not 0 <= slot < len(frames):
             raise MalformedMessage(f"output {name!r} refers to frame {slot!r}; the reply has {len(frames)}")
         result[name] = protocol.tensor_array(desc, frames[slot], "output", name)
+    parameters = header.get("parameters")
+    if isinstance(parameters, dict) and parameters:  # the model's response parameters
+        return ResponseOutputs(result, parameters)
     return result
 
 

@@ -23,7 +23,7 @@ from edge_server.errors import (
 from edge_server.ipc import protocol
 from edge_server.ipc.handoff import FdHandoff
 from edge_server.ipc.shm import Region, ShmRegistry, check_name
-from edge_server.request import InferRequest
+from edge_server.request import InferRequest, response_parameters
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -226,7 +226,10 @@ def encode_result(
             region.write(offset, data, f"output {name!r}")  # checks the segment's size again
             desc["shm"] = {"region": region.name, "offset": offset, "byte_size": nbytes}
         descs.append(desc)
-    header = {"v": protocol.PROTOCOL_VERSION, "id": ctx.rid, "ok": True, "outputs": descs}
+    header: dict[str, Any] = {"v": protocol.PROTOCOL_VERSION, "id": ctx.rid, "ok": True, "outputs": descs}
+    parameters = response_parameters(outputs)
+    if parameters:
+        header["parameters"] = dict(parameters)
     if final is not None:
         header["final"] = final
     frames[0] = pack(header)

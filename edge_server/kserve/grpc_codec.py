@@ -20,7 +20,7 @@ from edge_server.errors import InvalidArgument, TensorSizeMismatch, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import Peer
-from edge_server.request import InferRequest
+from edge_server.request import InferRequest, response_parameters
 
 MAX_TENSORS = 1024
 # datatype -> the typed contents field that carries it
@@ -137,6 +137,8 @@ def encode(
         else service.serving_version(request.model),
         id=request.request_id,
     )
+    for key, value in response_parameters(outputs).items():
+        _set_param(response.parameters[key], value)
     for want in wants or [OutputWant(name, True) for name in outputs]:
         array = outputs[want.name]
         datatype = codec.wire_datatype(array)

@@ -17,7 +17,7 @@ from edge_server.errors import InvalidArgument, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import Peer
-from edge_server.request import InferRequest
+from edge_server.request import InferRequest, response_parameters
 
 MAX_TENSORS = 1024
 
@@ -139,5 +139,8 @@ def encode(
     }
     if request.request_id:
         header["id"] = request.request_id
+    parameters = response_parameters(outputs)
+    if parameters:
+        header["parameters"] = dict(parameters)
     header["outputs"] = entries
     return codec.encode_body(header, chunks)
