@@ -23,7 +23,21 @@ from edge_server.request import ResponseSink
 _Item = tuple[dict[str, np.ndarray] | None, EdgeServerError | None, bool]
 
 
-class ResponseIterator(ResponseSink):
+class StreamReader:
+    """What every stream iterator does with one (outputs, error, final) it took: the shared rules."""
+
+    _done = False
+
+    def _take(self, item: tuple[Any, BaseException | None, bool]) -> Any:
+        """The response's outputs; None for a bare final; its error raised (the stream goes on)."""
+        outputs, error, final = item
+        self._done = final
+        if error is not None:
+            raise error
+        return outputs
+
+
+class ResponseIterator(ResponseSink, StreamReader):
     """Blocking iterator; ``timeout`` (seconds, None: forever) bounds the wait for each response."""
 
     def __init__(self, timeout: float | None = None) -> None:
@@ -43,14 +57,12 @@ class ResponseIterator(ResponseSink):
     def __next__(self) -> dict[str, np.ndarray]:
         while not self._done:
             try:
-                outputs, error, final = self._items.get(timeout=self._timeout)
+                item = self._items.get(timeout=self._timeout)
             except queue.Empty:
                 raise RequestTimeout(f"no response within {self._timeout} s") from None
-            self._done = final
-            if error is not None:
-                raise error
+            outputs = self._take(item)
             if outputs is not None:
-                return outputs
+                return outputs  # type: ignore[no-any-return]
         raise StopIteration
 
     def close(self) -> None:
@@ -66,7 +78,7 @@ class ResponseIterator(ResponseSink):
         self.close()
 
 
-class AsyncResponseIterator(ResponseSink):
+class AsyncResponseIterator(ResponseSink, StreamReader):
     """``async for`` over the responses; create it on the event loop that reads it."""
 
     def __init__(self, timeout: float | None = None) -> None:
@@ -87,14 +99,12 @@ class AsyncResponseIterator(ResponseSink):
     async def __anext__(self) -> dict[str, np.ndarray]:
         while not self._done:
             try:
-                outputs, error, final = await asyncio.wait_for(self._items.get(), self._timeout)
+                item = await asyncio.wait_for(self._items.get(), self._timeout)
             except asyncio.TimeoutError:
                 raise RequestTimeout(f"no response within {self._timeout} s") from None
-            self._done = final
-            if error is not None:
-                raise error
+            outputs = self._take(item)
             if outputs is not None:
-                return outputs
+                return outputs  # type: ignore[no-any-return]
         raise StopAsyncIteration
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from edge_server.client._common import (
 from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, ReplyTimeout
 from edge_server.ipc import protocol
+from edge_server.streaming import StreamReader
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -63,7 +64,7 @@ class _Pending:
         self.responses = responses  # a stream's: its responses until the final one
 
 
-class AsyncResponseStream:
+class AsyncResponseStream(StreamReader):
     """The responses of one ``AsyncClient.stream`` call: ``async for outputs in stream``."""
 
     def __init__(self, client: AsyncClient, rid: int, pending: _Pending, timeout: float | None) -> None:
@@ -80,12 +81,10 @@ class AsyncResponseStream:
     async def __anext__(self) -> dict[str, Any]:
         while not self._done:
             try:
-                value, error, final = await asyncio.wait_for(self._responses.get(), self._timeout)
+                item = await asyncio.wait_for(self._responses.get(), self._timeout)
             except asyncio.TimeoutError:
                 raise ReplyTimeout(f"no response within {self._timeout} s") from None
-            self._done = final
-            if error is not None:
-                raise error
+            value = self._take(item)
             if value is not None:
                 return value  # type: ignore[no-any-return]
         raise StopAsyncIteration

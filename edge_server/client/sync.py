@@ -16,6 +16,7 @@ from edge_server.client._transport import Call, StreamCall, Transport
 from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import EdgeServerError
 from edge_server.ipc import protocol
+from edge_server.streaming import StreamReader
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ResponseStream:
+class ResponseStream(StreamReader):
     """The responses of one ``Client.stream`` call, as an iterator (see :meth:`Client.stream`)."""
 
     def __init__(self, transport: Transport, call: StreamCall, timeout: float | None) -> None:
@@ -37,10 +38,7 @@ class ResponseStream:
 
     def __next__(self) -> dict[str, Any]:
         while not self._done:
-            value, error, final = self._t.next_response(self._call, self._timeout)
-            self._done = final
-            if error is not None:
-                raise error
+            value = self._take(self._t.next_response(self._call, self._timeout))
             if value is not None:
                 return value  # type: ignore[no-any-return]
         raise StopIteration
