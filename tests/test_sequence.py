@@ -32,6 +32,7 @@ from sequence_models import (
 
 from edge_server import Server
 from edge_server.errors import InvalidArgument, QueueFull
+from edge_server.metrics.collector import ServerCollector
 from edge_server.scheduler import sequence
 
 STRATEGIES = {"direct": DIRECT, "oldest": OLDEST}
@@ -253,6 +254,15 @@ def test_direct_slots_backlog_and_occupancy(tmp_path: Path) -> None:
         stats = server.statistics("acc")[0]["sequence_stats"]
         assert stats["slots"] == [{"instance": "acc_0_0", "total": 2, "occupied": 2}]
         assert stats["backlog"] == 1 and stats["active"] == 3
+        metrics = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in ServerCollector(server).collect()
+            for sample in family.samples
+        }
+        labels = (("model", "acc"), ("version", "1"))
+        assert metrics[("edge_sequence_active", labels)] == 3
+        assert metrics[("edge_sequence_backlog", labels)] == 1
+        assert metrics[("edge_sequence_slots_occupied", (("instance", "acc_0_0"), *labels))] == 2
         assert not third.done()
         assert scalar(server.infer("acc", one(10), correlation_id=1, sequence_end=True)) == 11
         assert scalar(third.result(timeout=10)) == 3

@@ -128,6 +128,9 @@ class ServerCollector:
         busy = _counter(
             "edge_instance_busy_seconds", "Time each model instance spent executing (its utilisation)"
         )
+        active = _gauge("edge_sequence_active", "Live sequences of a sequence-batched model")
+        backlog = _gauge("edge_sequence_backlog", "Sequences waiting for a slot or candidate place")
+        occupied = _gauge("edge_sequence_slots_occupied", "Batch slots held by a sequence (direct strategy)")
         for name, versions in self._server.manager.serving().items():
             for version, loaded in versions.items():
                 labels = {"model": name, "version": str(version)}
@@ -147,12 +150,20 @@ class ServerCollector:
                         {**labels, "batch_size": str(batch["batch_size"])},
                         batch["compute_infer"]["count"],
                     )
+                sequences = stats.get("sequence_stats")
+                if sequences:
+                    active.add_sample(active.name, labels, sequences["active"])
+                    backlog.add_sample(backlog.name, labels, sequences["backlog"])
+                    for slot in sequences.get("slots", ()):
+                        occupied.add_sample(
+                            occupied.name, {**labels, "instance": slot["instance"]}, slot["occupied"]
+                        )
                 for instance, ns in loaded.scheduler.instance_busy_ns().items():
                     busy.add_sample(
                         "edge_instance_busy_seconds_total", {**labels, "instance": instance}, ns / 1e9
                     )
         yield from counters.values()
-        yield from (duration, pending, batches, busy)
+        yield from (duration, pending, batches, busy, active, backlog, occupied)
 
     def _models(self) -> Iterator[Metric]:
         state = _gauge("edge_model_state", "1 for the state each known model version is in")
