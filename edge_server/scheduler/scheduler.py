@@ -78,6 +78,31 @@ def _input_bytes(item: BatchItem) -> int:
     return total
 
 
+def close_instances(
+    threads: Sequence[threading.Thread],
+    instances: Sequence[tuple[str, Backend]],
+    deadline: float,
+    state: Callable[[threading.Thread, Backend], tuple[bool, bool]],
+) -> None:
+    """Join each instance's worker until ``deadline`` and close its backend, at stop.
+
+    ``state`` says whether an instance is still busy (its worker stuck in user code: it is logged and
+    left running, never closed under it) or already closed.  The caller is held no longer than that.
+    """
+    for thread, (name, backend) in zip(threads, instances, strict=True):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        busy, closed = state(thread, backend)
+        if busy:
+            log.error("instance %s is still executing after the drain deadline; left running", name)
+            continue
+        if closed:
+            continue
+        try:
+            backend.close()
+        except Exception:
+            log.exception("closing instance %s failed", name)
+
+
 class SchedulerClosed(ServerShuttingDown):
     """The version stopped taking requests (being replaced or unloaded); route to another."""
 
@@ -318,21 +343,12 @@ class ModelScheduler:
                 request.future.set_exception(
                     ServerShuttingDown(f"model {self._config.name!r} was unloaded before the request ran")
                 )
-        deadline = time.monotonic() + grace
-        for thread, (name, backend) in zip(self._threads, self._instances, strict=True):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            with self._lock:
-                busy = thread.is_alive() or backend in self._borrowed
-                closed = backend in self._failed  # its worker closed it already (_replace)
-            if busy:
-                log.error("instance %s is still executing after the drain deadline; left running", name)
-                continue
-            if closed:
-                continue
-            try:
-                backend.close()
-            except Exception:
-                log.exception("closing instance %s failed", name)
+
+        def state(thread: threading.Thread, backend: Backend) -> tuple[bool, bool]:
+            with self._lock:  # busy; or closed already by its worker (_replace)
+                return thread.is_alive() or backend in self._borrowed, backend in self._failed
+
+        close_instances(self._threads, self._instances, time.monotonic() + grace, state)
 
     # -- workers --------------------------------------------------------------------------------
 

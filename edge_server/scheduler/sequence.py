@@ -47,7 +47,7 @@ from edge_server.errors import (
 )
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START
 from edge_server.scheduler.policy import BatchSettings, next_batch
-from edge_server.scheduler.scheduler import SchedulerClosed
+from edge_server.scheduler.scheduler import SchedulerClosed, close_instances
 from edge_server.scheduler.sequence_tensors import SequenceTensors, State
 from edge_server.scheduler.stats import ModelStats
 
@@ -345,16 +345,9 @@ class SequenceScheduler:
                 request.future.set_exception(
                     ServerShuttingDown(f"model {self._name!r} was unloaded before the request ran")
                 )
-        deadline = time.monotonic() + grace
-        for thread, (name, backend) in zip(self._threads, self._instances, strict=True):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                log.error("instance %s is still executing after the drain deadline; left running", name)
-                continue
-            try:
-                backend.close()
-            except Exception:
-                log.exception("closing instance %s failed", name)
+        close_instances(
+            self._threads, self._instances, time.monotonic() + grace, lambda t, _: (t.is_alive(), False)
+        )
 
     # -- workers --------------------------------------------------------------------------------
 
