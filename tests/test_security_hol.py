@@ -60,6 +60,8 @@ def test_a_large_request_to_a_cheap_model_does_not_block_the_frontend(daemon: Da
         try:
             region.array(np.float32, (big_count,))[...] = 1.0
             done = threading.Event()
+            running = threading.Event()
+            in_flight = threading.Event()
             answered_meanwhile = 0
 
             def other_client() -> None:
@@ -67,13 +69,16 @@ def test_a_large_request_to_a_cheap_model_does_not_block_the_frontend(daemon: Da
                 x = np.arange(16, dtype=np.float32)
                 while not done.is_set():
                     b.infer("identity", {"INPUT0": x})
-                    if not done.is_set():
+                    running.set()  # connected and answered once: the big request may go now
+                    if in_flight.is_set() and not done.is_set():
                         answered_meanwhile += 1
 
-            t0 = time.perf_counter()
-            big = a.submit("reduce", {"X": region.tensor("FP32", (big_count,))})
             thread = threading.Thread(target=other_client)
             thread.start()
+            assert running.wait(30)
+            t0 = time.perf_counter()
+            in_flight.set()
+            big = a.submit("reduce", {"X": region.tensor("FP32", (big_count,))})
             assert big.result(timeout=60)["S"][0] == big_count
             took = time.perf_counter() - t0
             done.set()
