@@ -117,7 +117,8 @@ def test_descriptor_exhaustion_is_refused_cleanly_never_an_abort(
     tmp_path: pytest.TempPathFactory, no_leaked_processes: None
 ) -> None:
     """libzmq aborts the process when accept() fails with EMFILE: with a low RLIMIT_NOFILE and more
-    connections than descriptors, the daemon must refuse the excess and stay up."""
+    connections than descriptors, the daemon must stop accepting at its cap, stay up, and accept again
+    once connections close."""
     import time
 
     import zmq
@@ -141,7 +142,8 @@ def test_descriptor_exhaustion_is_refused_cleanly_never_an_abort(
         time.sleep(0.5)
         still_serves(proc)
         with Client(proc.address, timeout=10) as client:
-            assert client.ipc_status()["refused_connections"] > 0
+            status = client.ipc_status()
+            assert status["paused_accepting"] > 0, status  # the listener closed at the cap, and came back
     finally:
         for sock in socks:
             sock.close(0)

@@ -21,6 +21,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HWM = 10_000
+#: Connections the kernel queues for accept: all of them may arrive after the cap is reached.
+_BACKLOG = 64
 # Plain ints: pyzmq's enum flags cost a microsecond per operation on the hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
@@ -100,7 +103,9 @@ class IpcFrontend:
         self.max_regions = 0
         self.operator_gid = operator_gid
         self._connections = 0
+        self._listening = True
         self.refused_connections = 0
+        self.paused_accepting = 0  # times the listener closed at the connection cap
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
@@ -120,6 +125,7 @@ class IpcFrontend:
         sock.setsockopt(zmq.RCVHWM, _HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.BACKLOG, _BACKLOG)
         try:
             sock.bind(self.address)
             if self.address.startswith("tcp://"):  # a wildcard port (tcp://127.0.0.1:*) resolves here
@@ -175,6 +181,7 @@ class IpcFrontend:
         return {
             "connections": self._connections,
             "refused_connections": self.refused_connections,
+            "paused_accepting": self.paused_accepting,
             "clients": len(self._peers),
             "regions": self._peers.region_count(),
             "released_clients": self._peers.dropped,
@@ -244,9 +251,13 @@ class IpcFrontend:
                         if self._connections > self.max_connections:
                             refuse_connection(event["value"])
                             self.refused_connections += 1
+                        if self._connections >= self.max_connections and self._listening:
+                            self._pause_accepting()
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
                         self._connections = max(0, self._connections - 1)
                         peers.disconnect_seen()
+                        if self._connections < self.max_connections and not self._listening:
+                            self._resume_accepting()
             else:
                 try:
                     os.eventfd_read(self._wake_fd)
@@ -261,8 +272,46 @@ class IpcFrontend:
             return not peers.busy() or time.monotonic() >= self._stop_deadline
         return False
 
+    def _pause_accepting(self) -> None:
+        """Hide the socket file while the connection cap is reached.
+
+        Refusing a connection after libzmq accepted it is not enough: its I/O thread accepts a burst
+        faster than they can be refused, and it aborts the process when ``accept`` on a Unix socket
+        meets EMFILE (on TCP it does not).  Unbinding would close the connections already accepted,
+        so the listener stays and its path is renamed away: a ``connect`` finds nothing and the
+        client retries until the file is back.  Only the connections already queued still arrive.
+        """
+        path = addresses.ipc_path(self.address)
+        if path is None:
+            return
+        try:
+            os.rename(path, _paused_path(path))
+        except OSError as exc:
+            log.warning("IPC frontend: could not stop accepting at the connection cap: %s", exc)
+            return
+        self._listening = False
+        self.paused_accepting += 1
+        log.warning(
+            "IPC frontend: %d connections, the cap (--max-connections or the descriptor budget); "
+            "not accepting more until one closes",
+            self._connections,
+        )
+
+    def _resume_accepting(self) -> None:
+        path = addresses.ipc_path(self.address)
+        assert path is not None
+        try:
+            os.rename(_paused_path(path), path)
+        except OSError as exc:
+            log.error("IPC frontend: could not accept connections again on %s: %s", path, exc)
+            return
+        self._listening = True
+        log.info("IPC frontend: below the connection cap again; accepting connections")
+
     def _shutdown(self) -> None:
         assert self._sock is not None and self._monitor is not None and self._ctx is not None
+        if not self._listening:
+            self._resume_accepting()  # the file is ours to remove, under its own name
         self._send_replies(self._sock)
         self._peers.close()
         self._sock.disable_monitor()
@@ -497,6 +546,10 @@ def fd_budget(max_connections: int) -> tuple[int, int]:
 
 
 _CREDS = struct.Struct("3i")
+
+
+def _paused_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.full")
 
 
 def peer_identity(frame: zmq.Frame) -> tuple[int, set[int]]:
