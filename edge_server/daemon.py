@@ -112,6 +112,8 @@ class Daemon:
                 operator_gid=operator_gid(options.operator_group),
             )
             kserve.start()
+            for label, probe in kserve.probes():
+                supervisor.add_frontend(label, probe)
             if options.ipc_address != "":
                 from edge_server.ipc.addresses import default_address
                 from edge_server.ipc.frontend import IpcFrontend
