@@ -22,6 +22,7 @@ from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
 from edge_server.metrics.collector import LoadCounter, ServerCollector
+from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.server import ControlMode, Server
 from edge_server.service.notify import Notifier
 from edge_server.service.supervisor import Supervisor, unavailable_models
@@ -50,6 +51,7 @@ class DaemonOptions:
     allow_metrics: bool = True
     metrics_address: str = "127.0.0.1"
     metrics_port: int = 8002
+    latency_summaries: SummaryOptions | None = None  # --metrics-config summary_latencies=true
 
 
 def operator_gid(group: str | None) -> int | None:
@@ -88,6 +90,7 @@ class Daemon:
             watch_quiet_s=options.watch_quiet_s,
             listeners=(supervisor.on_model_state, loads),
             engine_build=options.engine_build,
+            latency_summaries=options.latency_summaries,
         )
         supervisor.attach(server)
         frontend = None
