@@ -7,6 +7,12 @@ traffic to that member, and a member's hot reload is picked up by the next step 
 (steps name members, not loaded versions).  A step's completion callback (on the member's worker
 thread, outside every scheduler lock) stores its outputs and submits the steps they complete.
 
+A member's reload may change the tensors a step relies on (a renamed output, another dtype or
+shape).  The ensemble's readiness check hands :meth:`EnsembleScheduler.members_fit` the members'
+serving configs; when they are not the ones last checked, the graph is validated again against them,
+and while it does not fit the ensemble is unavailable with that validation error (it recovers by
+itself when a later reload makes the members fit again).
+
 ``max_inflight_requests`` (0: no limit) bounds how many requests walk the graph at once; the others
 wait here, in order.  The first failing step fails the request: its still-queued steps are cancelled
 and the error names the step.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import operator
 import threading
 import time
 from collections.abc import Hashable
@@ -27,7 +34,7 @@ import numpy as np
 
 from edge_server.config.model import ModelConfig
 from edge_server.errors import Cancelled, EdgeServerError, ServerShuttingDown
-from edge_server.pipeline.graph import EnsembleGraph, Step
+from edge_server.pipeline.graph import EnsembleGraph, Step, build_graph
 from edge_server.request import (
     REQUEST_FLAG_SEQUENCE_END,
     REQUEST_FLAG_SEQUENCE_START,
@@ -96,6 +103,33 @@ class EnsembleScheduler:
         self._running = 0
         self._finished = 0  # requests that left the graph: the watchdog's progress counter
         self._accepting = True
+        # (the member configs last checked, why they do not fit or ""): replaced whole, read lock-free
+        self._fit: tuple[tuple[ModelConfig, ...] | None, str] = (None, "")
+
+    # -- members ----------------------------------------------------------------------------------
+
+    def members_fit(self, configs: dict[tuple[str, int | None], ModelConfig]) -> str:
+        """Why the steps do not fit the members' serving ``configs`` ("" when they do).
+
+        ``configs`` maps each of ``graph.members`` to the config of the version a step would reach
+        now.  Checked again only when one of them is another object than last time (a reload), so
+        the request path pays a tuple comparison.
+        """
+        key = tuple(configs[member] for member in self._graph.members)
+        checked, why = self._fit
+        if checked is not None and len(checked) == len(key) and all(map(operator.is_, checked, key)):
+            return why
+        try:
+            build_graph(self._config, lambda name, version: configs[(name, version)])
+        except EdgeServerError as exc:
+            why = f"a member reload no longer fits its steps: {exc.message}"
+            log.error("ensemble %r is unavailable: %s", self._config.name, why)
+        else:
+            if checked is not None and self._fit[1]:
+                log.info("ensemble %r: its members fit its steps again", self._config.name)
+            why = ""
+        self._fit = (key, why)
+        return why
 
     # -- request side ---------------------------------------------------------------------------
 
