@@ -47,6 +47,7 @@ PIPELINE = ("digits", "detector", "detect_preprocess", "detect_postprocess", "de
 
 
 VARIANTS = ("batching on", "batching, no delay", "batching off")
+CROP_BATCH = 32  # the classifier's max_batch_size where it batches
 
 
 def repositories(root: Path) -> dict[str, Path]:
@@ -61,10 +62,17 @@ def repositories(root: Path) -> dict[str, Path]:
             shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("samples"))
         config = repo / "digits" / "config.pbtxt"
         text = config.read_text()
-        if variant == "batching off":
-            config.write_text(text[: text.index("dynamic_batching")])
+        head = text[: text.index("dynamic_batching")]
+        if variant != "batching off":
+            # Room for the crops of several frames (a frame sends up to 8): with the shipped 8, two
+            # frames of 4-5 crops never fit one batch and the queue delay is waited for nothing.
+            head = head.replace("max_batch_size: 8", f"max_batch_size: {CROP_BATCH}")
+        if variant == "batching on":
+            config.write_text(head + text[text.index("dynamic_batching") :])
         elif variant == "batching, no delay":
-            config.write_text(text[: text.index("dynamic_batching")] + "dynamic_batching { }\n")
+            config.write_text(head + "dynamic_batching { }\n")
+        else:
+            config.write_text(head)
         repos[variant] = repo
     return repos
 
