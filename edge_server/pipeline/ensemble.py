@@ -34,16 +34,10 @@ import numpy as np
 
 from edge_server.config.model import ModelConfig
 from edge_server.errors import Cancelled, EdgeServerError, ServerShuttingDown
+from edge_server.pipeline.decoupled import DecoupledWalk
 from edge_server.pipeline.graph import EnsembleGraph, Step, build_graph
-from edge_server.request import (
-    REQUEST_FLAG_SEQUENCE_END,
-    REQUEST_FLAG_SEQUENCE_START,
-    BatchItem,
-    InferRequest,
-    ModelAccess,
-    Result,
-    Timing,
-)
+from edge_server.pipeline.steps import step_request
+from edge_server.request import BatchItem, ModelAccess, Result, Timing
 from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.stats import ModelStats
 
@@ -120,7 +114,15 @@ class EnsembleScheduler:
         if checked is not None and len(checked) == len(key) and all(map(operator.is_, checked, key)):
             return why
         try:
-            build_graph(self._config, lambda name, version: configs[(name, version)])
+            graph = build_graph(self._config, lambda name, version: configs[(name, version)])
+            if graph.decoupled != self._graph.decoupled:
+                was, now = (
+                    sorted(self._steps[i].describe() for i in g.decoupled) for g in (self._graph, graph)
+                )
+                raise EdgeServerError(
+                    f"the decoupled steps changed from {was} to {now} "
+                    "(reload the ensemble to change how it answers)"
+                )
         except EdgeServerError as exc:
             why = f"a member reload no longer fits its steps: {exc.message}"
             log.error("ensemble %r is unavailable: %s", self._config.name, why)
@@ -165,6 +167,17 @@ class EnsembleScheduler:
         if not run.future.set_running_or_notify_cancel():  # cancelled while it waited for a slot
             self._release()
             return
+        if self._config.decoupled:
+            walk = DecoupledWalk(
+                self._graph,
+                self._models,
+                run.item,
+                priority=run.priority,
+                timeout_us=run.timeout_us,
+                finished=partial(self._walked, run),
+            )
+            walk.start(self._ensemble_inputs)
+            return
         ready = list(self._first)
         inputs = run.item.inputs
         for name in self._ensemble_inputs:  # an optional input left out still counts as settled
@@ -185,19 +198,7 @@ class EnsembleScheduler:
     def _submit_steps(self, run: _Run, steps: list[Step]) -> None:
         item = run.item
         for step in steps:
-            request = InferRequest(
-                model=step.model_name,
-                version=step.model_version,
-                inputs={name: run.tensors[t] for name, t in step.input_map.items() if t in run.tensors},
-                outputs=list(step.output_map),
-                priority=run.priority,
-                timeout_us=run.timeout_us,
-                request_id=item.request_id,
-                parameters=item.parameters,
-                correlation_id=item.correlation_id,
-                sequence_start=bool(item.flags & REQUEST_FLAG_SEQUENCE_START),
-                sequence_end=bool(item.flags & REQUEST_FLAG_SEQUENCE_END),
-            )
+            request = step_request(step, item, run.tensors, run.priority, run.timeout_us)
             try:
                 future = self._models.submit(request)
             except EdgeServerError as exc:
@@ -247,17 +248,29 @@ class EnsembleScheduler:
             pending = list(run.step_futures)
         for future in pending:  # the other branches' queued steps need not run any more
             future.cancel()
-        # The member's error class (its code) with the step named: the client can act on the code.
+        self._finish(run, self._step_error(step, error))
+
+    def _step_error(self, step: Step, error: EdgeServerError) -> EdgeServerError:
+        """The member's error class (its code) with the step named: the client can act on the code."""
         wrapped = copy.copy(error)
         wrapped.message = f"ensemble {self._config.name!r} {step.describe()}: {error.message}"
         wrapped.args = (wrapped.message,)
-        self._finish(run, wrapped)
+        return wrapped
+
+    def _walked(self, run: _Run, step: Step | None, error: EdgeServerError | None) -> None:
+        """A decoupled walk ended: its responses and final went to the stream, or it failed."""
+        if error is not None and step is not None:
+            error = self._step_error(step, error)
+        self._finish(run, error)
 
     def _finish(self, run: _Run, error: EdgeServerError | None) -> None:
         end = time.monotonic_ns()
         if error is None:
             wanted = run.item.requested_outputs
-            result: dict[str, np.ndarray] = {name: run.tensors[name] for name in wanted}
+            # A decoupled ensemble sent its responses to the stream already.
+            result: dict[str, np.ndarray] = (
+                {} if self._config.decoupled else {name: run.tensors[name] for name in wanted}
+            )
             run.future.set_result(result)
         else:
             run.future.set_exception(error)
