@@ -187,6 +187,7 @@ def test_bad_output_regions_fail_before_anything_is_written(client: Client) -> N
     with pytest.raises(EdgeServerError) as info:  # y needs 128 bytes; the span holds 100
         client.infer("add", {"x": region.write(x)}, outputs={"y": region.output(offset=4096, byte_size=100)})
     assert info.value.code == ShmOutOfBounds.code
+    assert "needs 128 bytes" in info.value.message and "holds 100" in info.value.message
     assert (region.array(np.uint8, (4096,), offset=4096) == 0xAB).all()  # nothing written, in or past it
     with pytest.raises(EdgeServerError) as info:  # a span past the registration: refused at decode
         client.infer(

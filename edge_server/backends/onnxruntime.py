@@ -21,7 +21,7 @@ import onnxruntime as ort
 from edge_server import dtypes
 from edge_server.backends.base import LoadContext, OutputBuffer, TensorBackend
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
-from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError
+from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError, ShmOutOfBounds
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,14 @@ class OnnxRuntimeBackend(TensorBackend):
             if destination is None or spec is None:
                 continue
             dtype, dims = spec
-            view = destination.view(dtype, (rows, *dims) if self.batched else dims)
+            shape = (rows, *dims) if self.batched else dims
+            view = destination.view(dtype, shape)
+            if view is None:  # the shape is known: refuse the short span before running anything
+                need = dtype.itemsize * int(np.prod(shape))
+                raise ShmOutOfBounds(
+                    f"output {name!r} ({dtype} {list(shape)}) needs {need} bytes but its shared-memory "
+                    f"reference holds {destination.array.nbytes}"
+                )
             if view is not None and not any(np.may_share_memory(view, a) for a in inputs.values()):
                 placed[name] = view
         if not placed:
