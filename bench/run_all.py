@@ -58,7 +58,8 @@ def run(name: str, flags: list[str], timeout: float) -> tuple[bool, str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--full", action="store_true", help="the scripts' default (long) runs")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), help="run only these")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per script")
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         (RESULTS / f"{name}.txt").write_text(text)
         if not ok:
             failed.append(name)
-        section = f"## {name} {' '.join(flags)} ({elapsed:.0f} s{'' if ok else ', FAILED'})\n\n{text.strip()}\n"
+        status = f"{elapsed:.0f} s" + ("" if ok else ", FAILED")
+        section = f"## {name} {' '.join(flags)} ({status})\n\n{text.strip()}\n"
         print(section, flush=True)
         sections.append(section)
     if args.out is not None:
