@@ -54,6 +54,7 @@ TRANSPORTS = {
     "frame": ("HTTP", "gRPC", "HTTP + system shm", "IPC", "IPC + shm"),
 }
 DTYPES = {"TYPE_FP32": "FP32", "TYPE_UINT8": "UINT8"}
+DIRECT = "direct ONNX Runtime call"
 
 
 @dataclass
@@ -205,6 +206,18 @@ def latency_cases(
     return cases
 
 
+def direct_cases(repo: Path, inputs: dict[str, np.ndarray]) -> dict[tuple[str, str, str], Callable[[], Any]]:
+    """The floor: the same ONNX file run by a default ONNX Runtime session in this process, no server."""
+    import onnxruntime as ort
+
+    cases: dict[tuple[str, str, str], Callable[[], Any]] = {}
+    for w in WORKLOADS:
+        session = ort.InferenceSession(str(repo / f"{w.name}_py" / "1" / "model.onnx"))
+        feed = {session.get_inputs()[0].name: inputs[w.name]}
+        cases[(w.name, DIRECT, DIRECT)] = lambda session=session, feed=feed: session.run(None, feed)
+    return cases
+
+
 def measure_latency(
     cases: dict[tuple[str, str, str], Callable[[], Any]], counts: dict[str, int], rounds: int
 ) -> dict[tuple[str, str, str], float]:
@@ -349,7 +362,14 @@ def report(
             f"| CNN 224, {clients} clients, inferences/s | {transport} | "
             f"{' | '.join(cell(v, 1) for v in values)} | {versus} |"
         )
-    return "\n".join(lines) + f"\n\nTriton: {triton_note}\n"
+    floor = ", ".join(
+        f"{w.name} {latency[(w.name, DIRECT, DIRECT)]:,.0f} µs"
+        for w in WORKLOADS
+        if (w.name, DIRECT, DIRECT) in latency
+    )
+    return (
+        "\n".join(lines) + f"\n\nFloor ({DIRECT} in the client, no server): {floor}\nTriton: {triton_note}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
             Endpoint("edge", http_port, grpc_port, daemon.address, {COLUMNS[1]: "py", COLUMNS[2]: "onnx"})
         )
         builder = CaseBuilder(stack, inputs)
-        latency = measure_latency(latency_cases(builder, endpoints, reference), counts, rounds)
+        cases = latency_cases(builder, endpoints, reference)
+        cases.update(direct_cases(repo, inputs))
+        latency = measure_latency(cases, counts, rounds)
         tput = measure_throughput(concurrency_cases(endpoints, inputs, stack), args.clients, seconds, rounds)
 
     mode = "quick" if args.quick else "full"
