@@ -112,7 +112,8 @@ class _Progress:
         which = f"p{self.options.percentile}" if self.options.percentile else "avg"
         line = (
             f"{level_name(self.options)} {level:g}: window {trial}/{self.options.max_trials}: "
-            f"{window.throughput:.1f} infer/s, {which} latency {figure:.0f} us{', stable' if stable else ''}"
+            f"{window.throughput * self.options.batch_size:.1f} infer/s, {which} latency {figure:.0f} us"
+            f"{', stable' if stable else ''}"
         )
         if self.tty:
             print(f"\r\x1b[2K{line}", end="" if not stable else "\n", file=sys.stderr, flush=True)
@@ -150,6 +151,7 @@ def measure(options: PerfOptions) -> int:
                 target,
                 load,
                 level,
+                batch_size=options.batch_size,
                 interval_ms=options.measurement_interval_ms,
                 max_trials=options.max_trials,
                 stability_percentage=options.stability_percentage,

@@ -83,6 +83,7 @@ class LevelResult:
     """One load level: the reported windows merged, and the whole level's counts for the check."""
 
     level: float
+    batch_size: int
     windows: list[Window]
     stable: bool
     sent: int
@@ -102,9 +103,15 @@ class LevelResult:
         return np.concatenate([w.latencies_us for w in self.reported])
 
     @property
-    def throughput(self) -> float:
+    def request_throughput(self) -> float:
+        """Requests answered per second."""
         seconds = sum(w.seconds for w in self.reported)
         return sum(len(w.latencies_us) for w in self.reported) / seconds if seconds else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Inferences per second, as perf_analyzer counts them: a request of batch size b is b."""
+        return self.request_throughput * self.batch_size
 
     @property
     def response_throughput(self) -> float:
@@ -134,6 +141,7 @@ def measure_level(
     load: Load,
     level: float,
     *,
+    batch_size: int,
     interval_ms: float,
     max_trials: int,
     stability_percentage: float,
@@ -161,9 +169,10 @@ def measure_level(
                 break
     finally:
         load.stop()
-    after = target.statistics()
+    after = _settled(target, before, len(recorder.records))
     return LevelResult(
         level=level,
+        batch_size=batch_size,
         windows=windows,
         stable=is_stable(windows, stability_percentage, percentile),
         sent=recorder.sent,
@@ -172,6 +181,20 @@ def measure_level(
         error=recorder.error,
         late=int(getattr(load, "late", 0)),
     )
+
+
+def _settled(target: Target, before: Snapshot, answered: int, patience_s: float = 2.0) -> Snapshot:
+    """The statistics once the daemon has counted every answered request.
+
+    A daemon may send a reply a moment before it records the request in its statistics; the check
+    against the client's count waits (briefly) for that, instead of reporting a false mismatch.
+    """
+    deadline = time.monotonic() + patience_s
+    after = target.statistics()
+    while (after - before).success_count < answered and time.monotonic() < deadline:
+        time.sleep(0.01)
+        after = target.statistics()
+    return after
 
 
 def _window(recorder: Recorder, start: int, end: int, server: Snapshot) -> Window:

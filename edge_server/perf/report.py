@@ -199,6 +199,7 @@ def write_json(options: PerfOptions, results: Sequence[LevelResult], target: str
                 "stable": result.stable,
                 "error": result.error or None,
                 "throughput": result.throughput,
+                "request_throughput": result.request_throughput,
                 "response_throughput": result.response_throughput,
                 "latency_us": result.latency(),
                 "server": result.server.summary(),
@@ -212,7 +213,7 @@ def write_json(options: PerfOptions, results: Sequence[LevelResult], target: str
                         "seconds": w.seconds,
                         "requests": len(w.latencies_us),
                         "responses": w.responses,
-                        "throughput": w.throughput,
+                        "requests_per_second": w.throughput,
                         "server_requests": w.server.success_count,
                     }
                     for w in result.windows
