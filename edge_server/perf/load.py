@@ -12,24 +12,59 @@ import logging
 import queue
 import threading
 import time
+from array import array
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from edge_server.perf.targets import Sequence, Target, Worker
 
 log = logging.getLogger(__name__)
 
 
+class Lane:
+    """One sender's records: (sent ns, done ns, responses) per answered request, flat in an array.
+
+    Each sender writes only its own lane, so recording takes no lock, and an ``array`` of integers
+    holds no Python objects that the garbage collector would scan again and again as a run grows.
+    """
+
+    def __init__(self) -> None:
+        self.data = array("q")
+        self.sent = 0
+
+    def snapshot(self) -> np.ndarray:
+        data = self.data[:]  # a copy, taken at once under the GIL while the sender appends
+        return np.frombuffer(data, dtype=np.int64)[: len(data) // 3 * 3].reshape(-1, 3)
+
+
 @dataclass
 class Recorder:
-    """What a load level did: ``records`` is (sent ns, done ns, responses) per answered request."""
+    """What a load level did, lane by lane, and the first error that stopped it."""
 
-    records: list[tuple[int, int, int]] = field(default_factory=list)
+    lanes: list[Lane] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
     error: str = ""
-    sent: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def lane(self) -> Lane:
+        lane = Lane()
+        self.lanes.append(lane)
+        return lane
+
+    def records(self) -> np.ndarray:
+        """Every answered request so far, one (sent ns, done ns, responses) row each."""
+        return np.concatenate([lane.snapshot() for lane in self.lanes] or [np.zeros((0, 3), np.int64)])
+
+    @property
+    def sent(self) -> int:
+        return sum(lane.sent for lane in self.lanes)
+
+    @property
+    def answered(self) -> int:
+        return sum(len(lane.data) // 3 for lane in self.lanes)
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -74,16 +109,15 @@ class _Stepper:
         return step, sequence
 
 
-def _send(worker: Worker, recorder: Recorder, step: int, sequence: Sequence | None) -> bool:
+def _send(worker: Worker, lane: Lane, recorder: Recorder, step: int, sequence: Sequence | None) -> bool:
     start = time.perf_counter_ns()
-    with recorder._lock:
-        recorder.sent += 1
+    lane.sent += 1
     try:
         responses = worker.send(step, sequence)
     except Exception as exc:  # any failure ends the level; the report names it
         recorder.fail(exc)
         return False
-    recorder.records.append((start, time.perf_counter_ns(), responses))
+    lane.data.extend((start, time.perf_counter_ns(), responses))
     return True
 
 
@@ -99,7 +133,7 @@ class ConcurrencyLoad:
         self._threads = [
             threading.Thread(
                 target=self._loop,
-                args=(worker, _Stepper(steps, sequence_length, ids)),
+                args=(worker, self.recorder.lane(), _Stepper(steps, sequence_length, ids)),
                 name=f"perf-load-{i}",
                 daemon=True,
             )
@@ -110,14 +144,14 @@ class ConcurrencyLoad:
         for thread in self._threads:
             thread.start()
 
-    def _loop(self, worker: Worker, stepper: _Stepper) -> None:
+    def _loop(self, worker: Worker, lane: Lane, stepper: _Stepper) -> None:
         while not self._stop.is_set() and not self.recorder.failed.is_set():
             step, sequence = stepper.next()
-            if not _send(worker, self.recorder, step, sequence):
+            if not _send(worker, lane, self.recorder, step, sequence):
                 return
         closing = stepper.closing()
         if closing is not None and not self.recorder.failed.is_set():
-            _send(worker, self.recorder, *closing)
+            _send(worker, lane, self.recorder, *closing)
 
     def stop(self) -> None:
         """Stop sending, wait for what is in flight, close the connections."""
@@ -141,10 +175,10 @@ class RateLoad:
         self._rate = rate
         self._steps = steps
         self._stop = threading.Event()
-        self._free: queue.SimpleQueue[Worker] = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[tuple[Worker, Lane]] = queue.SimpleQueue()
         self._workers = [target.worker() for _ in range(threads)]
         for worker in self._workers:
-            self._free.put(worker)
+            self._free.put((worker, self.recorder.lane()))
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="perf-rate")
         self._scheduler = threading.Thread(target=self._schedule, name="perf-schedule", daemon=True)
 
@@ -163,14 +197,14 @@ class RateLoad:
             self._pool.submit(self._one, i % self._steps, due)
 
     def _one(self, step: int, due: float) -> None:
-        worker = self._free.get()
+        worker, lane = self._free.get()
         try:
             if time.perf_counter() - due > 0.001:
                 with self.recorder._lock:
                     self.late += 1
-            _send(worker, self.recorder, step, None)
+            _send(worker, lane, self.recorder, step, None)
         finally:
-            self._free.put(worker)
+            self._free.put((worker, lane))
 
     def stop(self) -> None:
         self._stop.set()

@@ -169,14 +169,14 @@ def measure_level(
                 break
     finally:
         load.stop()
-    after = _settled(target, before, len(recorder.records))
+    after = _settled(target, before, recorder.answered)
     return LevelResult(
         level=level,
         batch_size=batch_size,
         windows=windows,
         stable=is_stable(windows, stability_percentage, percentile),
         sent=recorder.sent,
-        answered=len(recorder.records),
+        answered=recorder.answered,
         server_total=after - before,
         error=recorder.error,
         late=int(getattr(load, "late", 0)),
@@ -198,7 +198,7 @@ def _settled(target: Target, before: Snapshot, answered: int, patience_s: float 
 
 
 def _window(recorder: Recorder, start: int, end: int, server: Snapshot) -> Window:
-    records = np.array(recorder.records[:], dtype=np.int64).reshape(-1, 3)
+    records = recorder.records()
     inside = records[(records[:, 1] >= start) & (records[:, 1] < end)]
     latencies = (inside[:, 1] - inside[:, 0]) / 1000.0
     return Window(start, end, latencies, int(inside[:, 2].sum()), server)
