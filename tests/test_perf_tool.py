@@ -96,7 +96,7 @@ def perf(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 def _where(kserve: KServeDaemon, repo: Path, transport: str) -> list[str]:
     return {
         "ipc": ["--ipc", kserve.daemon.address],
-        "http": ["--http", kserve.http_url],
+        "http": ["--http", f"http://{kserve.http_url}"],  # a scheme is accepted
         "grpc": ["--grpc", kserve.grpc_url],
         "local": ["--model-repository", str(repo)],
     }[transport]
@@ -259,6 +259,8 @@ def test_streaming_a_decoupled_model(
     assert code == 0, err
     (level,) = json.loads(report.read_text())["levels"]
     assert all(w["responses"] == 3 * w["requests"] > 0 for w in level["windows"])
+    check = level["level_check"]
+    assert check["sent"] == check["answered"] == check["server"]["request_count"] > 0
     assert level["response_throughput"] == pytest.approx(3 * level["request_throughput"])
     assert "responses/s" in out
 

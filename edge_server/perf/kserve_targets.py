@@ -44,6 +44,8 @@ class KServeTarget:
     """``--http URL`` or ``--grpc URL``."""
 
     def __init__(self, kind: str, url: str, model: str, version: int | None) -> None:
+        # tritonclient takes host:port; a scheme (http://, grpc://) is what users type anyway
+        url = url.split("://", 1)[-1]
         self.kind, self.url, self.model = kind, url, model
         self.version = "" if version is None else str(version)
         self.module = _module(kind)
