@@ -149,7 +149,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("model")
-    parser.add_argument("-x", "--model-version", type=_bounded(int, 1), default=None)
+    parser.add_argument(
+        "-x", "--model-version", type=_bounded(int, 1), default=None, metavar="N", help="default: latest"
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--ipc", default=None, metavar="ADDR", help="the daemon's IPC address")
     where.add_argument("--http", default=None, metavar="URL", help="KServe HTTP, e.g. 127.0.0.1:8000")
@@ -158,16 +160,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--model-repository", type=Path, default=None, metavar="DIR", help="load DIR in this process"
     )
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency-range", type=concurrency_range, default=None, metavar="START:END:STEP")
-    load.add_argument("--request-rate-range", type=rate_range, default=None, metavar="START:END:STEP")
+    load.add_argument(
+        "--concurrency-range",
+        type=concurrency_range,
+        default=None,
+        metavar="START:END:STEP",
+        help="requests kept in flight, one level per value (default 1)",
+    )
+    load.add_argument(
+        "--request-rate-range",
+        type=rate_range,
+        default=None,
+        metavar="START:END:STEP",
+        help="requests per second on a fixed schedule, one level per value",
+    )
     parser.add_argument(
         "--max-threads",
         type=_bounded(int, 1, 1024),
         default=16,
+        metavar="N",
         help="request-rate mode: senders, so requests in flight at most (default 16)",
     )
-    parser.add_argument("-b", "--batch-size", type=_bounded(int, 1), default=1)
-    parser.add_argument("--shared-memory", choices=["none", "system"], default="none")
+    parser.add_argument(
+        "-b", "--batch-size", type=_bounded(int, 1), default=1, metavar="N", help="rows per request"
+    )
+    parser.add_argument(
+        "--shared-memory", choices=["none", "system"], default="none", help="inputs through shared memory"
+    )
     parser.add_argument(
         "--input-data",
         default="random",
@@ -177,18 +196,39 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape", type=shape_flag, action="append", default=[], metavar="NAME:DIMS", help="repeatable"
     )
-    parser.add_argument("-p", "--measurement-interval", type=_bounded(float, 1), default=5000.0, metavar="MS")
+    parser.add_argument(
+        "-p",
+        "--measurement-interval",
+        type=_bounded(float, 1),
+        default=5000.0,
+        metavar="MS",
+        help="window length (default 5000)",
+    )
     parser.add_argument(
         "--percentile",
         type=_bounded(int, 1, 99),
         default=None,
+        metavar="P",
         help="judge stability and report latency at this percentile (default: the average)",
     )
     parser.add_argument(
-        "-s", "--stability-percentage", type=_bounded(float, 0.001), default=10.0, metavar="PCT"
+        "-s",
+        "--stability-percentage",
+        type=_bounded(float, 0.001),
+        default=10.0,
+        metavar="PCT",
+        help="stable: the last 3 windows within PCT %% of their mean (default 10)",
     )
-    parser.add_argument("-r", "--max-trials", type=_bounded(int, 1), default=10)
-    parser.add_argument("--sequence-length", type=_bounded(int, 1), default=None)
+    parser.add_argument(
+        "-r", "--max-trials", type=_bounded(int, 1), default=10, metavar="N", help="windows per level at most"
+    )
+    parser.add_argument(
+        "--sequence-length",
+        type=_bounded(int, 1),
+        default=None,
+        metavar="N",
+        help=f"requests per sequence, sequence models (default {DEFAULT_SEQUENCE_LENGTH})",
+    )
     parser.add_argument("--streaming", action="store_true", help="stream responses (decoupled models)")
     parser.add_argument("-f", type=Path, default=None, metavar="FILE", dest="csv", help="CSV report")
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help="latency-throughput PNG")
