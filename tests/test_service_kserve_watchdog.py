@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import queue
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -206,3 +207,23 @@ def test_the_daemon_pings_with_http_and_grpc_probed(tmp_path: Path, monkeypatch:
         status = daemon.daemon.stop()
         notify.close()
     assert status == 0, daemon.daemon.log()
+
+
+def test_grpc_is_optional_unless_asked_for(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the grpc extra (its module cannot import), the default serves HTTP alone and probes it;
+    ``--allow-grpc true`` makes gRPC required."""
+    from edge_server.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).allow_grpc is None
+    monkeypatch.setitem(sys.modules, "edge_server.kserve.grpc_frontend", None)  # import raises ImportError
+    kserve = KServeFrontends(server, KServeOptions(http_port=0, allow_grpc=None), max_message_bytes=1 << 20)
+    kserve.start()
+    try:
+        assert kserve.grpc is None
+        assert [label for label, _ in kserve.probes()] == ["HTTP frontend"]
+    finally:
+        kserve.close()
+    required = KServeFrontends(server, KServeOptions(http_port=0, allow_grpc=True), max_message_bytes=1 << 20)
+    with pytest.raises(ImportError):
+        required.start()
+    required.close()

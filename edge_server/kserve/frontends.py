@@ -49,7 +49,11 @@ def add_kserve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--http-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
     group.add_argument("--http-port", type=int, default=8000)
     group.add_argument(
-        "--allow-grpc", type=_flag, default=True, metavar="BOOL", help="serve gRPC (default true)"
+        "--allow-grpc",
+        type=_flag,
+        default=None,
+        metavar="BOOL",
+        help="serve gRPC (default: true where the grpc extra is installed; true makes it required)",
     )
     group.add_argument("--grpc-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
     group.add_argument("--grpc-port", type=int, default=8001)
