@@ -11,7 +11,7 @@ edge-server's own frontends, which run beside them in the same run (the ``tiny_p
 the bare servers skip, so its row holds that compute too).
 
 * ``bare grpcio``: ``grpc.server`` with a thread pool, Triton's generated ``GRPCInferenceService``
-  servicer, default options; ``bare grpcio, tuned``: the options edge-server's frontend sets.
+  servicer, default options; ``bare grpcio, our options``: the options edge-server's frontend sets (message bounds).
 * ``bare uvicorn``: a bare ASGI app under uvicorn (httptools, uvloop when present) that reads the body,
   parses the JSON header of the binary tensor extension and answers a binary output.
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp, ExitStack() as stack:
         for label, kind, is_http in (
             ("bare grpcio", "grpc", False),
-            ("bare grpcio, tuned", "grpc-tuned", False),
+            ("bare grpcio, our options", "grpc-tuned", False),
             ("bare uvicorn", "uvicorn", True),
         ):
             port = free_port()
