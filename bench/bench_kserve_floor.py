@@ -11,7 +11,8 @@ edge-server's own frontends, which run beside them in the same run (the ``tiny_p
 the bare servers skip, so its row holds that compute too).
 
 * ``bare grpcio``: ``grpc.server`` with a thread pool, Triton's generated ``GRPCInferenceService``
-  servicer, default options; ``bare grpcio, our options``: the options edge-server's frontend sets (message bounds).
+  servicer, default options; ``bare grpcio, our options``: the options edge-server's frontend sets
+  (message bounds).
 * ``bare uvicorn``: a bare ASGI app under uvicorn (httptools, uvloop when present) that reads the body,
   parses the JSON header of the binary tensor extension and answers a binary output.
 
