@@ -41,6 +41,7 @@ class InstanceSpec:
     kind: str  # "KIND_CPU", "KIND_GPU", "KIND_DLA" (resolved, never KIND_AUTO)
     device_id: int = 0
     threads: int = 1  # intra-op threads this instance may use without oversubscribing the cores
+    cpu_count: int = 1  # the cores the loader split among the model's CPU instances
 
 
 @dataclass(frozen=True)
