@@ -60,6 +60,12 @@ class LoadContext:
 class Backend(abc.ABC):
     """One loaded instance of a model version.  Construction loads; :meth:`close` frees everything."""
 
+    #: an explicit opt-in: whether the scheduler may run a request on the caller's (frontend) thread
+    #: when it has measured the model as cheap for requests of that size.  Off unless a backend says
+    #: so (ONNX Runtime on the CPU and in-thread Python models do); GPU/DLA backends never do: a
+    #: device call can block.
+    allows_inline: bool = False
+
     #: device label for status and metrics: "cpu", "cuda:0", "dla:1"
     device: str = "cpu"
 
@@ -123,10 +129,6 @@ class TensorBackend(Backend):
     output_names: tuple[str, ...] = ()
     #: whether tensors carry a leading batch axis (max_batch_size > 0)
     batched: bool = True
-    #: an explicit opt-in: whether the scheduler may run a request on the caller's (frontend) thread
-    #: when it has measured the model as cheap for requests of that size.  Off unless a backend says
-    #: so (ONNX Runtime on the CPU does); GPU/DLA backends never do: a device call can block.
-    allows_inline: bool = False
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         if len(batch) == 1:  # nothing to stack or split: the outputs are this request's own
