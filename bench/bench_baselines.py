@@ -195,6 +195,7 @@ class Raw:
 
     def __init__(self, ctx: zmq.Context[Any], address: str, name: str, data: np.ndarray) -> None:
         self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.RCVTIMEO, 120_000)  # a dead baseline process fails the run, not hangs it
         self.sock.connect(address)
         self.frames = [name.encode(), data]
 

@@ -272,10 +272,13 @@ class PythonBackend(Backend):
         requests = [self._request(item) for item in batch]
         t0 = time.perf_counter_ns()
         try:
-            with pb_context.running(self._executing):
+            previous = pb_context.mark(self._executing)  # pb_context.running(), minus a generator
+            try:
                 responses = self._model.execute(requests)
                 if inspect.iscoroutine(responses):  # ``async def execute``: run it, as Triton does
                     responses = self._event_loop().run_until_complete(responses)
+            finally:
+                pb_context.mark(previous)
         except Exception as exc:
             if isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
                 error = model_error(self._config.name, exc)
