@@ -271,7 +271,8 @@ def main() -> int:
         ctx: zmq.Context[Any] = zmq.Context()
         try:
             for key, command in procs.items():
-                started[key] = subprocess.Popen(command, stdout=subprocess.PIPE)
+                # A session of its own: signals meant for the shell that started the benchmark stay there.
+                started[key] = subprocess.Popen(command, stdout=subprocess.PIPE, start_new_session=True)
                 out = started[key].stdout
                 assert out is not None and out.readline().strip() == b"ready"
             daemon.start(timeout=120)
@@ -279,6 +280,8 @@ def main() -> int:
             results = measure(ctx, root, daemon.address, http_port, args)
         finally:
             for key in started:
+                if started[key].poll() is not None:
+                    print(f"{key} baseline exited early: {started[key].returncode}", file=sys.stderr)
                 quit_sock = ctx.socket(zmq.DEALER)
                 quit_sock.connect(procs[key][3])
                 quit_sock.send_multipart([b"quit", b"quit"] if key == "minimal" else [b"quit"])
