@@ -7,9 +7,9 @@ Starts, beside each other: a bare pyzmq ROUTER echo; a minimal hand-written zmq 
 (one thread, one ``InferenceSession`` per model with default ``SessionOptions``: what a team writes
 when it has no server); and the real daemon (IPC and HTTP) on a temporary repository:
 
-* ``tiny``: a [B,16] FP32 identity (ONNX), and the same as a Triton-style ``model.py`` (thread
-  isolation, the default);
-* ``cnn``: a ~1.4 GFLOP CNN at 224x224 (four 3x3 convolutions, seeded weights), served with the
+* ``tiny``: the [B,16] FP32 model of bench/triton_models.py (ONNX), and a Triton-style ``model.py``
+  returning its input (thread isolation, the default);
+* ``cnn``: bench/triton_models.py's ~1.4 GFLOP CNN at 224x224 with a dynamic batch axis, served with the
   default thread rule (one instance: ONNX Runtime's defaults), with ``thread_policy: split`` (the
   CPU-saving setting), and with dynamic batching (max batch 8, 2 ms delay).
 
@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_ipc import ECHO  # noqa: E402
 from bench.bench_kserve import RawPost, free_port, kserve_binary, wait_http  # noqa: E402
+from bench.triton_models import cnn_graph, tiny_graph  # noqa: E402
 from edge_server.client import Client  # noqa: E402
 from tests.daemon import Daemon  # noqa: E402
 
@@ -68,7 +69,7 @@ MINIMAL_SERVER = textwrap.dedent(
 
 TINY_PY = textwrap.dedent(
     '''
-    """Triton-style identity: OUTPUT0 = INPUT0."""
+    """Triton-style identity: OUTPUT = INPUT."""
     import triton_python_backend_utils as pb_utils
 
 
@@ -76,7 +77,7 @@ TINY_PY = textwrap.dedent(
         def execute(self, requests):
             return [
                 pb_utils.InferenceResponse(
-                    [pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())]
+                    [pb_utils.Tensor("OUTPUT", pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy())]
                 )
                 for r in requests
             ]
@@ -87,8 +88,8 @@ TINY_CONFIG = """
 name: "{name}"
 backend: "{backend}"
 max_batch_size: 8
-input [ {{ name: "INPUT0", data_type: TYPE_FP32, dims: [ 16 ] }} ]
-output [ {{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 16 ] }} ]
+input [ {{ name: "INPUT", data_type: TYPE_FP32, dims: [ 16 ] }} ]
+output [ {{ name: "OUTPUT", data_type: TYPE_FP32, dims: [ 16 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
 """
 
@@ -104,61 +105,18 @@ instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
 
 
 def tiny_onnx(path: Path) -> None:
-    import onnx
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
-        "tiny",
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["B", 16])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["B", 16])],
-    )
-    _save(onnx, helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    """bench/triton_models.py's tiny model (docs/benchmarks.md's anchor): [B,16] FP32 MatMul + Add."""
+    tiny_graph(path)
 
 
 def cnn_onnx(path: Path) -> None:
-    """[B,3,224,224] -> [B,10]: conv s2 to 112, then conv+pool at 112, 56, 28; ~1.41 GFLOP per image."""
+    """bench/triton_models.py's ~1.4 GFLOP CNN at 224x224, with a dynamic batch axis for batching."""
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(0)
-    nodes, inits = [], []
-    prev, channels = "input", 3
-    for i, (out, stride, pool) in enumerate([(32, 2, False), (64, 1, True), (128, 1, True), (256, 1, False)]):
-        w = (rng.standard_normal((out, channels, 3, 3)) * np.sqrt(2 / (9 * channels))).astype(np.float32)
-        inits += [
-            numpy_helper.from_array(w, f"w{i}"),
-            numpy_helper.from_array(np.zeros(out, np.float32), f"b{i}"),
-        ]
-        nodes.append(
-            helper.make_node(
-                "Conv", [prev, f"w{i}", f"b{i}"], [f"c{i}"], pads=[1, 1, 1, 1], strides=[stride] * 2
-            )
-        )
-        nodes.append(helper.make_node("Relu", [f"c{i}"], [f"r{i}"]))
-        prev = f"r{i}"
-        if pool:
-            nodes.append(helper.make_node("MaxPool", [prev], [f"p{i}"], kernel_shape=[2, 2], strides=[2, 2]))
-            prev = f"p{i}"
-        channels = out
-    nodes.append(helper.make_node("GlobalAveragePool", [prev], ["gap"]))
-    nodes.append(helper.make_node("Flatten", ["gap"], ["flat"]))
-    fc = (rng.standard_normal((channels, 10)) * 0.05).astype(np.float32)
-    inits += [numpy_helper.from_array(fc, "fc"), numpy_helper.from_array(np.zeros(10, np.float32), "fcb")]
-    nodes.append(helper.make_node("Gemm", ["flat", "fc", "fcb"], ["logits"]))
-    graph = helper.make_graph(
-        nodes,
-        "cnn224",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["B", 3, 224, 224])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", 10])],
-        inits,
-    )
-    _save(onnx, helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-
-
-def _save(onnx: Any, model: Any, path: Path) -> None:
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
+    cnn_graph(path)
+    model = onnx.load(str(path))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_param = "batch"
     onnx.save(model, str(path))
 
 
@@ -305,7 +263,7 @@ def measure(
     image = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
     echo_addr, min_addr = f"ipc://{root}/echo.sock", f"ipc://{root}/min.sock"
     client = Client(address, timeout=120)
-    body, headers = kserve_binary("INPUT0", tiny, "FP32")
+    body, headers = kserve_binary("INPUT", tiny, "FP32")
     raw = {
         "echo": Raw(ctx, echo_addr, "tiny", tiny),
         "min_tiny": Raw(ctx, min_addr, "tiny", tiny),
@@ -314,8 +272,8 @@ def measure(
     single: dict[str, Callable[[], Any]] = {
         "echo": raw["echo"],
         "min_tiny": raw["min_tiny"],
-        "es_tiny": lambda: client.infer("tiny", {"INPUT0": tiny}),
-        "es_tiny_py": lambda: client.infer("tiny_py", {"INPUT0": tiny}),
+        "es_tiny": lambda: client.infer("tiny", {"INPUT": tiny}),
+        "es_tiny_py": lambda: client.infer("tiny_py", {"INPUT": tiny}),
         "http_tiny": RawPost(http_port, "/v2/models/tiny/infer", body, headers),
         "min_cnn": raw["min_cnn"],
         "es_cnn": lambda: client.infer("cnn", {"input": image}),
