@@ -21,6 +21,7 @@ Timing on a shared machine is noisy: compare within one table, not across tables
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
 import subprocess
@@ -165,6 +166,17 @@ class Raw:
         self.sock.close(0)
 
 
+class KeptPost(RawPost):
+    """RawPost that reconnects when the server closed the idle keep-alive connection (between rounds)."""
+
+    def __call__(self) -> bytes:
+        try:
+            return super().__call__()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            self.conn.close()
+            return super().__call__()
+
+
 def throughput(make: Callable[[], tuple[Callable[[], Any], Callable[[], None]]], seconds: float) -> float:
     """Inferences/s of CLIENTS threads, each with its own connection, calling for ``seconds``."""
     calls = [make() for _ in range(CLIENTS)]
@@ -248,7 +260,7 @@ def main() -> int:
                     started[key].wait(10)
                 except subprocess.TimeoutExpired:
                     started[key].kill()
-            ctx.term()
+            ctx.destroy(linger=0)  # also the sockets of a run that raised
             daemon.stop()
     report(results, args)
     if args.json is not None:
@@ -274,7 +286,7 @@ def measure(
         "min_tiny": raw["min_tiny"],
         "es_tiny": lambda: client.infer("tiny", {"INPUT": tiny}),
         "es_tiny_py": lambda: client.infer("tiny_py", {"INPUT": tiny}),
-        "http_tiny": RawPost(http_port, "/v2/models/tiny/infer", body, headers),
+        "http_tiny": KeptPost(http_port, "/v2/models/tiny/infer", body, headers),
         "min_cnn": raw["min_cnn"],
         "es_cnn": lambda: client.infer("cnn", {"input": image}),
         "es_cnn_split": lambda: client.infer("cnn_split", {"input": image}),
