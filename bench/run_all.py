@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bench_python_isolation": (["--quick"], []),
     "bench_reload": (["--reloads", "10", "--warmup", "1"], []),
     "bench_http_stacks": (["--short"], []),
+    "bench_shm_outputs": (["--short"], []),
 }
 
 
