@@ -40,6 +40,7 @@ class DaemonOptions:
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_client_reply_bytes: int = 256 << 20  # IPC: replies waiting for a client that does not read
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     watch_quiet_s: float = 0.5
@@ -124,6 +125,7 @@ class Daemon:
                     max_header_bytes=options.max_header_bytes,
                     operator_gid=operator_gid(options.operator_group),
                     drain_timeout=options.drain_timeout,
+                    max_reply_bytes=options.max_client_reply_bytes,
                 )
                 frontend.start()
                 supervisor.add_frontend("IPC frontend", frontend)
