@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: members may load/unload models (besides the daemon's own user and group)",
     )
     serve.add_argument(
+        "--model-load-timeout-secs",
+        type=float,
+        default=600.0,
+        help="a model load (instances created and warmed up) taking longer fails and is abandoned",
+    )
+    serve.add_argument(
         "--max-client-reply-bytes",
         type=int,
         default=256 << 20,
@@ -286,6 +292,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_client_reply_bytes=args.max_client_reply_bytes,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
+        load_timeout=args.model_load_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
         strict_readiness=args.strict_readiness,
         exit_on_error=args.exit_on_error,

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _HWM = 10_000
 #: Default of ``--max-client-reply-bytes``: replies queued for one client that does not read them.
 DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
+_CONTROL_WORKERS = 4
 _ZERO_COPY = zmq.COPY_THRESHOLD  # frames this large are sent zero-copy, so tracking them is free
 #: Connections the kernel queues for accept: all of them may arrive after the cap is reached.
 _BACKLOG = 64
@@ -107,7 +108,10 @@ class IpcFrontend:
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
-        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-ipc-control")
+        # Several: control is locked per model, and one model's slow load must not queue the others'.
+        self._control = ThreadPoolExecutor(
+            max_workers=_CONTROL_WORKERS, thread_name_prefix="edge-ipc-control"
+        )
         self._stopping = False
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
         self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
