@@ -85,6 +85,8 @@ class DataPlane:
             if loaded is None or (request.version is not None and loaded.version != request.version):
                 loaded = self._manager.resolve(request.model, request.version)
             item, shape_key = loaded.validator(request)
+            if request.output_buffers:  # the client's shared memory, for backends that write there
+                item.destinations = request.output_buffers
             if loaded.config.decoupled:
                 if sink is None:
                     raise InvalidArgument(

@@ -41,6 +41,7 @@ from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
+from edge_server.pipeline.ensemble import EnsembleScheduler
 from edge_server.pipeline.graph import declares_ensemble, parse_steps
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
 from edge_server.request import ModelAccess
@@ -140,7 +141,12 @@ class ModelManager:
         raise ModelNotReady(f"model {name!r} is not ready ({reasons})")
 
     def _check_members(self, ensemble: LoadedVersion) -> None:
-        """An ensemble is ready only while every member is serving (one level: members check theirs)."""
+        """An ensemble is ready only while every member serves and its steps fit the members' configs.
+
+        One level: members check theirs.  A member's reload may have changed its tensors (see
+        ``EnsembleScheduler.members_fit``).
+        """
+        configs = {}
         for member, version in ensemble.members:
             versions = self._serving.get(member)
             if not versions or (version is not None and version not in versions):
@@ -148,6 +154,11 @@ class ModelManager:
                 raise ModelNotReady(
                     f"ensemble {ensemble.name!r} is not ready: its member {which} is not serving"
                 )
+            configs[(member, version)] = versions[max(versions) if version is None else version].config
+        if isinstance(ensemble.scheduler, EnsembleScheduler):
+            why = ensemble.scheduler.members_fit(configs)
+            if why:
+                raise ModelNotReady(f"ensemble {ensemble.name!r} is not ready: {why}")
 
     def sequence_holder(self, name: str, correlation_id: int | str) -> LoadedVersion | None:
         """The retiring version of ``name`` on which sequence ``correlation_id`` is still live, if any."""

@@ -197,6 +197,8 @@ def _load_ensemble(
             source.name,
         )
     graph = build_graph(config, access.model_config)
+    if graph.decoupled and not config.decoupled:  # its responses are its decoupled steps' responses
+        config = dataclasses.replace(config, decoupled=True)
     stats = ModelStats(source.name, version)
     return LoadedVersion(
         name=source.name,

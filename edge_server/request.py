@@ -76,6 +76,9 @@ class InferRequest:
     correlation_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
+    #: set by frontends, not by applications: where the client asked each named output to be written
+    #: (a span of its own mapped shared memory, bounds already checked); see :class:`OutputBuffer`
+    output_buffers: Mapping[str, OutputBuffer] | None = None
 
 
 class RequestOptions(TypedDict, total=False):
@@ -109,6 +112,46 @@ class BatchItem:
     flags: int = 0  # REQUEST_FLAG_SEQUENCE_START | REQUEST_FLAG_SEQUENCE_END
     timeout_us: int = 0
     stream: ResponseSink | None = None
+    #: outputs the client wants in its shared memory (from ``InferRequest.output_buffers``)
+    destinations: Mapping[str, OutputBuffer] | None = None
+
+
+class OutputBuffer:
+    """A writable span of one client's mapped shared memory where one output of its request goes.
+
+    Built by a frontend from a reference it has bounds-checked against that client's own registration,
+    so a backend that writes here can only reach memory of the client that sent the request.  ``array``
+    is a flat ``uint8`` view of the whole span (the output's shape may be known only after the run).
+    ``filled`` says who put the output there, for the frontend (which then skips its copy) and for
+    ``shm_status``: ``DIRECT`` (the runtime wrote it during the run), ``COPIED`` (the instance copied it
+    after the run), or ``""`` (not filled: the frontend copies it).
+    """
+
+    __slots__ = ("array", "filled")
+
+    DIRECT = "direct"
+    COPIED = "copied"
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.filled = ""
+
+    def view(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+        """The span's first bytes as ``dtype``/``shape``, or None where that does not fit in it."""
+        nbytes = dtype.itemsize
+        for dim in shape:
+            nbytes *= dim
+        if dtype.hasobject or nbytes > self.array.nbytes:
+            return None
+        return self.array[:nbytes].view(dtype).reshape(shape)
+
+    def holds(self, array: np.ndarray) -> bool:
+        """Whether ``array`` lies at the start of this span (the runtime wrote it here)."""
+        return (
+            array.flags.c_contiguous
+            and array.nbytes <= self.array.nbytes
+            and array.__array_interface__["data"][0] == self.array.__array_interface__["data"][0]
+        )
 
 
 #: Triton's request flags (``pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_*``).

@@ -362,3 +362,57 @@ def test_a_bls_model_sync_and_async_equals_the_ensemble(repo: Path) -> None:
         ensemble = server.infer("pipe", inputs)["OUT"]
         np.testing.assert_array_equal(server.infer("chain", inputs)["OUT"], ensemble)
         np.testing.assert_array_equal(server.infer("async_chain", inputs)["OUT"], ensemble)
+
+
+def _swap_member(repo: Path, staging: Path, name: str, *, output_name: str, offset: float) -> None:
+    """Replace a model directory the OTA way: built aside, renamed into place (the old one renamed away)."""
+    built = staging / f"{name}-{offset}"
+    (built / "1").mkdir(parents=True)
+    config = MEMBER_CONFIG % {"name": name, "extra": ""}
+    (built / "config.pbtxt").write_text(config.replace('"OUTPUT0"', f'"{output_name}"'))
+    affine_model(built / "1" / "model.onnx", scale=1.0, offset=offset, output_name=output_name)
+    (repo / name).rename(staging / f"{name}-old-{offset}")
+    built.rename(repo / name)
+
+
+def test_a_member_reload_that_breaks_the_steps_makes_the_ensemble_unavailable_until_it_fits(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+
+    def pipe_row() -> tuple[ModelState, str]:
+        (row,) = [s for s in server.models() if s.name == "pipe"]
+        return row.state, row.reason
+
+    def shift_outputs() -> list[str]:
+        try:
+            return [t.name for t in server.model_config("shift").outputs]
+        except ModelNotReady:  # between the old directory's unload and the new one's load
+            return []
+
+    with Server(repo, model_control_mode="poll", watch_quiet_s=0.1) as server:
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 3)
+        _swap_member(repo, staging, "shift", output_name="RENAMED", offset=4.0)
+        deadline = time.monotonic() + 20
+        while "RENAMED" not in shift_outputs():
+            assert time.monotonic() < deadline, server.models()
+            time.sleep(0.05)
+        np.testing.assert_allclose(server.infer("shift", {"INPUT0": x()})["RENAMED"], x() + 4)
+        state, reason = pipe_row()
+        assert state is ModelState.UNAVAILABLE
+        assert "step 1 (model 'shift')" in reason and "'OUTPUT0'" in reason, reason
+        assert not server.is_ready("pipe")
+        with pytest.raises(ModelNotReady, match="no longer fits its steps.*'OUTPUT0'"):
+            server.infer("pipe", {"IN": x()})
+
+        _swap_member(repo, staging, "shift", output_name="OUTPUT0", offset=5.0)  # fits again
+        while not server.is_ready("pipe"):
+            assert time.monotonic() < deadline, server.models()
+            time.sleep(0.05)
+        assert pipe_row() == (ModelState.READY, "")
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 5)

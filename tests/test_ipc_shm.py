@@ -105,7 +105,14 @@ def test_sealed_region_is_mapped_without_copying_and_bounds_are_checked(region: 
         registry.resolve("edge-server-other", 0, 1, "t")
     with pytest.raises(ShmAlreadyRegistered):
         registry.register(region.name, segment_of(region), 16)
-    assert registry.status() == [{"name": region.name, "byte_size": 4096, "zero_copy": True}]
+    assert registry.status() == [
+        {
+            "name": region.name,
+            "byte_size": 4096,
+            "zero_copy": True,
+            "outputs": {"direct": 0, "copied": 0, "frontend": 0},
+        }
+    ]
     assert registry.unregister(None) == [region.name] and len(registry) == 0
     with pytest.raises(ShmNotRegistered):
         registry.unregister(region.name)

@@ -108,6 +108,18 @@ def test_shared_memory_outputs(tmp_path: Path, plan_repository: Path, example_re
             )
             np.testing.assert_allclose(out["logits"], _reference(example_repository, x), rtol=RTOL, atol=ATOL)
             assert np.shares_memory(out["logits"], region.array(np.uint8, (160,), offset=1 << 19))
+            # Written by the instance (DMA on a discrete GPU, pinned copy on Jetson), not the frontend.
+            (status,) = [r for r in client.shm_status() if r["name"] == region.name]
+            assert status["outputs"]["frontend"] == 0
+            assert status["outputs"]["direct"] + status["outputs"]["copied"] == 1
+            big = np.random.default_rng(3).random((16, 3, 64, 64), dtype=np.float32)
+            frame = client.create_shm_region(8 << 20)  # page-aligned spans: mapped for the GPU on Jetson
+            out = client.infer(
+                "cnn", {"input": frame.write(big)}, outputs={"logits": frame.output(offset=4 << 20)}
+            )
+            np.testing.assert_allclose(
+                out["logits"], _reference(example_repository, big), rtol=RTOL, atol=ATOL
+            )
     finally:
         daemon.stop()
 

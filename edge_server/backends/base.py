@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,16 +19,18 @@ import numpy as np
 
 from edge_server.config.model import ModelConfig
 from edge_server.errors import InstanceFailed, ModelExecutionError
-from edge_server.request import BatchItem, ModelAccess, Result, Timing
+from edge_server.request import BatchItem, ModelAccess, OutputBuffer, Result, Timing
 
 __all__ = [
     "Backend",
     "BatchItem",
     "InstanceSpec",
     "LoadContext",
+    "OutputBuffer",
     "Result",
     "TensorBackend",
     "Timing",
+    "fill_destinations",
     "scatter",
 ]
 
@@ -127,12 +129,35 @@ class TensorBackend(Backend):
     #: so (ONNX Runtime on the CPU does); GPU/DLA backends never do: a device call can block.
     allows_inline: bool = False
 
+    def run_into(
+        self,
+        inputs: dict[str, np.ndarray],
+        output_names: Sequence[str],
+        destinations: Mapping[str, OutputBuffer],
+    ) -> dict[str, np.ndarray]:
+        """:meth:`run` for one request whose client named shared memory for some outputs.
+
+        A backend whose runtime can write an output straight into its destination does so, marks it
+        ``filled = OutputBuffer.DIRECT`` and returns the view over it (ONNX Runtime's IOBinding,
+        TensorRT's tensor addresses); whatever it leaves is copied in after the run by
+        :func:`fill_destinations`.  The default writes nothing in place.
+        """
+        return self.run(inputs, output_names)
+
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         if len(batch) == 1:  # nothing to stack or split: the outputs are this request's own
             item = batch[0]
             t0 = time.perf_counter_ns()
-            outputs = self.run(item.inputs, item.requested_outputs)
-            timing.compute_infer_ns += time.perf_counter_ns() - t0
+            destinations = item.destinations
+            if destinations is None:
+                outputs = self.run(item.inputs, item.requested_outputs)
+                timing.compute_infer_ns += time.perf_counter_ns() - t0
+                return [outputs]
+            outputs = self.run_into(item.inputs, item.requested_outputs, destinations)
+            t1 = time.perf_counter_ns()
+            fill_destinations(outputs, destinations)
+            timing.compute_infer_ns += t1 - t0
+            timing.compute_output_ns += time.perf_counter_ns() - t1
             return [outputs]
         t0 = time.perf_counter_ns()
         stacked = {
@@ -143,11 +168,36 @@ class TensorBackend(Backend):
         outputs = self.run(stacked, wanted)
         t2 = time.perf_counter_ns()
         results = scatter(outputs, batch, batched=self.batched)
+        # A batch of several requests runs into the backend's own buffers; then each request's rows are
+        # copied into its own client's destinations (never one client's rows into another's region).
+        for item, result in zip(batch, results, strict=True):
+            if item.destinations is not None and not isinstance(result, Exception):
+                fill_destinations(result, item.destinations)
         t3 = time.perf_counter_ns()
         timing.compute_input_ns += t1 - t0
         timing.compute_infer_ns += t2 - t1
         timing.compute_output_ns += t3 - t2
         return results
+
+
+def fill_destinations(outputs: dict[str, np.ndarray], destinations: Mapping[str, OutputBuffer]) -> None:
+    """Copy each output that has a destination and is not in it yet into it, on the instance's thread.
+
+    The output is replaced by the view over the destination, so the frontend sees it in place and
+    sends only the header (its thread serves every client; the copy belongs on the instance's).  An
+    output that does not fit (or is a BYTES tensor) is left for the frontend, which reports the error
+    or serializes it.
+    """
+    for name, destination in destinations.items():
+        array = outputs.get(name)
+        if array is None or destination.filled:
+            continue
+        view = destination.view(array.dtype, array.shape)
+        if view is None:
+            continue
+        np.copyto(view, array, casting="no")
+        outputs[name] = view
+        destination.filled = OutputBuffer.COPIED
 
 
 def _union_outputs(batch: Sequence[BatchItem], all_outputs: tuple[str, ...]) -> Sequence[str]:

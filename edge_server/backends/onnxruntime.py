@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,9 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_server import dtypes
-from edge_server.backends.base import LoadContext, TensorBackend
+from edge_server.backends.base import LoadContext, OutputBuffer, TensorBackend
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
-from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError
+from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError, ShmOutOfBounds
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,7 @@ class OnnxRuntimeBackend(TensorBackend):
         self._string_inputs = frozenset(strings)
         self._string_outputs = frozenset(t.name for t in config.outputs if t.data_type == "TYPE_STRING")
         self._bf16 = any(t.data_type == "TYPE_BF16" for t in config.inputs + config.outputs)
+        self._bindable = _bindable_outputs(config)
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
 
     @staticmethod
@@ -307,5 +308,79 @@ class OnnxRuntimeBackend(TensorBackend):
             arrays.append(bits.view(_BF16).reshape(shape))
         return arrays
 
+    def run_into(
+        self,
+        inputs: dict[str, np.ndarray],
+        output_names: Sequence[str],
+        destinations: Mapping[str, OutputBuffer],
+    ) -> dict[str, np.ndarray]:
+        """Bind outputs whose shape is known before the run to the client's memory (IOBinding).
+
+        Only on the CPU provider (ONNX Runtime's CPU kernels then write into the bound buffer), only
+        for outputs of fixed config dims (the shape must be bound before the run) and never for a
+        destination that overlaps one of the request's own inputs (the model would read what it
+        writes).  The others come back as usual and are copied after the run.
+        """
+        if self.device != "cpu" or self._string_inputs or self._bf16:
+            return self.run(inputs, output_names)
+        rows = next(iter(inputs.values())).shape[0] if self.batched and inputs else 1
+        placed: dict[str, np.ndarray] = {}
+        for name in output_names:
+            destination, spec = destinations.get(name), self._bindable.get(name)
+            if destination is None or spec is None:
+                continue
+            dtype, dims = spec
+            shape = (rows, *dims) if self.batched else dims
+            view = destination.view(dtype, shape)
+            if view is None:  # the shape is known: refuse the short span before running anything
+                need = dtype.itemsize * int(np.prod(shape))
+                raise ShmOutOfBounds(
+                    f"output {name!r} ({dtype} {list(shape)}) needs {need} bytes but its shared-memory "
+                    f"reference holds {destination.array.nbytes}"
+                )
+            if view is not None and not any(np.may_share_memory(view, a) for a in inputs.values()):
+                placed[name] = view
+        if not placed:
+            return self.run(inputs, output_names)
+        binding = self._session.io_binding()
+        try:
+            for name, array in inputs.items():
+                binding.bind_cpu_input(name, np.ascontiguousarray(array))
+            for name in output_names:
+                view = placed.get(name)
+                if view is None:
+                    binding.bind_output(name, "cpu")
+                else:
+                    binding.bind_output(
+                        name, "cpu", 0, view.dtype.type, view.shape, view.__array_interface__["data"][0]
+                    )
+            self._session.run_with_iobinding(binding)
+            values = binding.get_outputs()
+        except Exception as exc:
+            raise ModelExecutionError(f"onnxruntime failed: {exc}") from exc
+        outputs: dict[str, np.ndarray] = {}
+        for name, value in zip(output_names, values, strict=True):
+            view = placed.get(name)
+            if view is None:
+                outputs[name] = value.numpy()
+            else:
+                outputs[name] = view
+                destinations[name].filled = OutputBuffer.DIRECT
+        return outputs
+
     def close(self) -> None:
         self._session = None  # type: ignore[assignment]
+
+
+def _bindable_outputs(config: ModelConfig) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The outputs that may be bound to a client's memory, with their dtype and dims.
+
+    Those whose shape is known before a run (fixed dims, no reshape) and whose dtype ONNX Runtime
+    writes as numpy has it.
+    """
+    found = {}
+    for spec in config.outputs:
+        if spec.reshape is not None or -1 in spec.dims or spec.data_type in ("TYPE_STRING", "TYPE_BF16"):
+            continue
+        found[spec.name] = (dtypes.to_numpy(spec.data_type), tuple(spec.dims))
+    return found

@@ -26,12 +26,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import edge_server
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
+from edge_server.backends.python_bls import serve_call
 from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, put, read, unpack_inline
 from edge_server.config.model import ModelConfig
 from edge_server.errors import (
@@ -140,6 +142,8 @@ class _Child:
             theirs.close()
         self.channel = Channel(mine)
         self._replies: queue.SimpleQueue[dict[str, Any] | None] | None = None
+        #: the model's BLS calls (``bls`` messages), read by :meth:`call` or by the reader thread
+        self.on_bls: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def pid(self) -> int:
@@ -159,8 +163,11 @@ class _Child:
             try:
                 while True:
                     message = self.channel.recv()
-                    if message.get("op") == "send":
+                    op = message.get("op")
+                    if op == "send":
                         on_send(message)
+                    elif op == "bls" and self.on_bls is not None:
+                        self.on_bls(message)
                     else:
                         replies.put(message)
             except (ChannelClosed, OSError):
@@ -177,7 +184,17 @@ class _Child:
     def call(self, message: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         self.channel.send(message)
         if self._replies is None:
-            return self.channel.recv(timeout)
+            # The model's BLS calls arrive here while it executes: serve them, wait on for the reply.
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("no reply within the timeout")
+                message = self.channel.recv(left)  # TimeoutError once ``left`` has passed
+                if message.get("op") == "bls" and self.on_bls is not None:
+                    self.on_bls(message)
+                    continue
+                return message
         try:
             reply = self._replies.get(timeout=timeout)
         except queue.Empty:
@@ -265,8 +282,10 @@ class IsolatedPythonBackend(Backend):
         self._requests = Arena.create(f"edge-{self._name}-requests")
         self._responses = Arena.create(f"edge-{self._name}-responses")
         self._child: _Child | None = None
+        self._models = ctx.models  # the data plane, for the model's BLS calls (see python_bls)
         try:
             self._child = _Child(self._name, (self._requests, self._responses))
+            self._child.on_bls = self._on_bls
             self._initialize(ctx)
             if ctx.config.decoupled:
                 self._child.start_reader(self._name, self._on_send, self._on_gone)
@@ -278,7 +297,7 @@ class IsolatedPythonBackend(Backend):
     def _initialize(self, ctx: LoadContext) -> None:
         assert self._child is not None
         timeout = init_timeout(ctx.config)
-        # Without the daemon's model access (live objects; BLS in a child is refused there, see the stub).
+        # Without the daemon's model access (live objects): the child's BLS calls come over the pipe.
         context = dataclasses.replace(ctx, models=None)
         message = {"op": "init", "context": pickle.dumps(context), "log_level": logging.getLogger().level}
         try:
@@ -296,6 +315,11 @@ class IsolatedPythonBackend(Backend):
             ) from None
         if "err" in reply:
             raise ConfigError(str(reply["err"][1]))
+
+    def _on_bls(self, message: dict[str, Any]) -> None:
+        """A BLS call from the model's process: through the data plane; the answer goes back later."""
+        if self._child is not None:
+            serve_call(message, self._models, self._child.channel)
 
     def _on_send(self, message: dict[str, Any]) -> None:
         """A streamed response from the model (reader thread): hand it to its request's stream."""

@@ -10,11 +10,15 @@ in the thread mode, errors included) and answers the daemon's messages one at a 
   responses arena (grown when needed), errors sent as ``[code, message]``.
 * ``fini``: ``finalize()``, answer, exit.
 
+BLS calls of the model (``InferenceRequest(...).exec()``) go to the daemon as ``bls`` messages and
+come back as ``blsr`` (see ``python_bls.py``); a reader thread takes them (and ``cancel``) off the
+pipe while ``execute`` runs, and queues everything else for the main loop.
+
 A decoupled model's responses leave as ``send`` messages (``k``: the request's token, ``o``: tensors
 inline, ``e``: an error, ``f``: final), from whichever thread the model sends on; the daemon answers a
 response for a cancelled request with ``cancel``, after which ``request.is_cancelled()`` is true and
-later responses are dropped here.  (A model that polls ``is_cancelled()`` inside ``execute`` sees a
-cancellation that came meanwhile once ``execute`` returned: this loop reads one message at a time.)
+later responses are dropped here.  A model that polls ``is_cancelled()`` inside ``execute`` sees a
+cancellation as soon as it arrives.
 
 The stub ignores SIGINT and SIGTERM (a terminal's Ctrl-C or systemd's stop reach the whole group; the
 daemon decides when its models finalize) and exits within a second when its daemon is gone (its
@@ -28,6 +32,7 @@ import faulthandler
 import logging
 import os
 import pickle
+import queue
 import signal
 import socket
 import sys
@@ -41,8 +46,9 @@ import numpy as np
 
 from edge_server.backends import python as python_backend
 from edge_server.backends.base import BatchItem, Timing
+from edge_server.backends.python_bls import PipeModels
 from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, pack_inline, put, read
-from edge_server.errors import EdgeServerError, Unsupported
+from edge_server.errors import EdgeServerError, ServerShuttingDown
 from edge_server.request import ResponseSink
 
 log = logging.getLogger("edge_server.backends.python_stub")
@@ -65,18 +71,6 @@ def _detach_signals(parent_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="orphan-check", daemon=True).start()
-
-
-class _NoModels:
-    """What BLS calls reach in a child: a clear refusal (the daemon's data plane is not here)."""
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise Unsupported(
-            "BLS calls (InferenceRequest.exec) are not available to a model with isolation 'process' "
-            "yet; use isolation 'thread' for a model that calls other models"
-        )
-
-    submit = stream = model_config = is_ready = load = unload = _refuse
 
 
 class _PipeSink(ResponseSink):
@@ -108,12 +102,39 @@ class _Stub:
         self._responses = responses
         self._backend: python_backend.PythonBackend | None = None
         self._streams: dict[int, _PipeSink] = {}  # decoupled: requests that may still send
+        self._models = PipeModels(channel)  # BLS calls, answered by the daemon over the pipe
+        self._inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+
+    def _read(self) -> None:
+        """The pipe's only reader: answers to BLS calls and cancellations at once, the rest in order.
+
+        A thread of its own, because a model waiting for a BLS answer inside ``execute`` holds the
+        main loop (and a cancellation reaches ``is_cancelled()`` while ``execute`` still runs).
+        """
+        try:
+            while True:
+                message = self._channel.recv()
+                op = message.get("op")
+                if op == "blsr":
+                    self._models.answer(message)
+                elif op == "cancel":
+                    sink = self._streams.get(message["k"])
+                    if sink is not None:
+                        sink.cancel()
+                else:
+                    self._inbox.put(message)
+        except ChannelClosed:  # the daemon closed our pipe (or died): nothing left to do
+            pass
+        except Exception:
+            log.error("%s", traceback.format_exc())
+        self._models.fail_all(ServerShuttingDown("the daemon closed this model's pipe"))
+        self._inbox.put(None)
 
     def serve(self) -> None:
+        threading.Thread(target=self._read, name="pipe-reader", daemon=True).start()
         while True:
-            try:
-                message = self._channel.recv()
-            except ChannelClosed:  # the daemon closed our pipe (or died): nothing left to do
+            message = self._inbox.get()
+            if message is None:
                 return
             op = message.get("op")
             if op == "fini":
@@ -122,11 +143,6 @@ class _Stub:
             try:
                 if op == "exec":
                     reply = self._execute(message["r"], message["n"])
-                elif op == "cancel":
-                    sink = self._streams.get(message["k"])
-                    if sink is not None:
-                        sink.cancel()
-                    continue  # no reply: the daemon does not wait for one
                 elif op == "init":
                     reply = self._init(message)
                 elif op == "complete":
@@ -143,7 +159,7 @@ class _Stub:
     def _init(self, message: dict[str, Any]) -> dict[str, Any]:
         logging.getLogger().setLevel(int(message.get("log_level") or logging.INFO))
         ctx = pickle.loads(message["context"])  # from the daemon that started this process
-        self._backend = python_backend.PythonBackend(dataclasses.replace(ctx, models=_NoModels()))
+        self._backend = python_backend.PythonBackend(dataclasses.replace(ctx, models=self._models))
         return {"ok": True}
 
     def _complete(self, message: dict[str, Any]) -> dict[str, Any]:

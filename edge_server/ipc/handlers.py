@@ -23,7 +23,7 @@ from edge_server.errors import (
 from edge_server.ipc import protocol
 from edge_server.ipc.handoff import FdHandoff
 from edge_server.ipc.shm import Region, ShmRegistry, check_name
-from edge_server.request import InferRequest, response_parameters
+from edge_server.request import InferRequest, OutputBuffer, response_parameters
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -39,6 +39,8 @@ class InferContext:
     rid: int | str | None
     order: list[str] | None  # requested output names in request order; None: as the model returns them
     shm_outputs: dict[str, tuple[Region, int, int]] = field(default_factory=dict)
+    #: the views of mapped output spans handed to the request (its instance may fill them)
+    destinations: dict[str, OutputBuffer] | None = None
 
 
 def decode_infer(
@@ -89,6 +91,7 @@ def decode_infer(
         )
     outputs = header.get("outputs")
     order, shm_outputs = (None, {}) if outputs is None else _decode_outputs(outputs, registry)
+    destinations = _destinations(shm_outputs) if shm_outputs else None
     request = InferRequest(
         model=model,
         inputs=inputs,
@@ -97,10 +100,35 @@ def decode_infer(
         priority=priority,
         timeout_us=timeout_us,
         request_id=str(rid) if rid is not None else "",
+        output_buffers=destinations,
     )
     if not _RARE_FIELDS.isdisjoint(header):
         _optional_fields(header, request)
-    return request, InferContext(rid, order, shm_outputs)
+    return request, InferContext(rid, order, shm_outputs, destinations)
+
+
+def _destinations(shm_outputs: Mapping[str, tuple[Region, int, int]]) -> dict[str, OutputBuffer] | None:
+    """Writable views of the (already bounds-checked) output spans in mapped regions.
+
+    Two outputs whose spans overlap get none: an instance writing both could not keep them apart, so
+    the frontend writes them in order, as it would without views.
+    """
+    found: dict[str, OutputBuffer] = {}
+    clash: set[str] = set()
+    last: tuple[str, int, str] | None = None  # (region, furthest end so far, its output)
+    for region_name, start, end, name in sorted(
+        (region.name, offset, offset + size, name) for name, (region, offset, size) in shm_outputs.items()
+    ):
+        if last is not None and last[0] == region_name and start < last[1]:
+            clash.update((name, last[2]))
+        if last is None or last[0] != region_name or end > last[1]:
+            last = (region_name, end, name)
+    for name, (region, offset, size) in shm_outputs.items():
+        if name not in clash:
+            destination = region.destination(offset, size)
+            if destination is not None:
+                found[name] = destination
+    return found or None
 
 
 _RARE_FIELDS = frozenset({"parameters", "sequence_id", "sequence_start", "sequence_end"})
@@ -223,7 +251,17 @@ def encode_result(
                     f"output {name!r} ({datatype} {shape}) needs {nbytes} bytes but its shared-memory "
                     f"reference holds {capacity}"
                 )
-            region.write(offset, data, f"output {name!r}")  # checks the segment's size again
+            destination = ctx.destinations.get(name) if ctx.destinations is not None else None
+            if (
+                destination is not None
+                and destination.filled
+                and isinstance(data, np.ndarray)
+                and destination.holds(data)
+            ):
+                region.count_output(destination.filled)  # the instance put it there: nothing to copy
+            else:
+                region.write(offset, data, f"output {name!r}")  # checks the segment's size again
+                region.count_output("frontend")
             desc["shm"] = {"region": region.name, "offset": offset, "byte_size": nbytes}
         descs.append(desc)
     header: dict[str, Any] = {"v": protocol.PROTOCOL_VERSION, "id": ctx.rid, "ok": True, "outputs": descs}

@@ -15,6 +15,12 @@ raises SIGBUS, which would kill the daemon.  So:
   in with ``pread`` and outputs written with ``pwrite``, which return short counts on a shrunk file
   instead of faulting.  One copy per input: the price of memory whose owner may shrink it.
 
+**Outputs are written where the client asked, once.**  For a mapped region the frontend hands the
+request a writable view of the span each output reference names (:meth:`Region.destination`, after
+the bounds check), and the model's instance writes the output there: the runtime itself where it can
+(ONNX Runtime's IOBinding, TensorRT's tensor addresses), else one copy on the instance's thread after
+the run.  A copied region gets ``pwrite`` from the frontend.  ``shm_status`` counts each way.
+
 A descriptor opened read-only serves inputs only.  Unregistering while a request still reads a mapped
 region unmaps it when the last array over it goes (``mmap.close`` refuses while views exist).
 """
@@ -26,6 +32,7 @@ import logging
 import mmap
 import os
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +48,7 @@ from edge_server.errors import (
     ShmUnavailable,
 )
 from edge_server.ipc import protocol
+from edge_server.request import OutputBuffer
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +89,25 @@ class Region(abc.ABC):
         # The fd lives as long as this object: in-flight requests hold the region (for their outputs)
         # after it is unregistered, so closing it earlier could let a reused number be read.
         self._close_fd = weakref.finalize(self, os.close, segment.fd)
+        # How outputs reached this region: written by the runtime, copied by the instance, by the frontend.
+        self._lock = threading.Lock()
+        self.outputs = {OutputBuffer.DIRECT: 0, OutputBuffer.COPIED: 0, "frontend": 0}
 
     @property
     def zero_copy(self) -> bool:
         return False
+
+    def destination(self, offset: int, byte_size: int) -> OutputBuffer | None:
+        """A writable view of a bounds-checked span, for the instance to write an output into.
+
+        None where outputs must be copied in by the frontend (a region that is not mapped).
+        """
+        return None
+
+    def count_output(self, how: str) -> None:
+        """Count one output that reached this region (``OutputBuffer.filled``, or "frontend")."""
+        with self._lock:  # replies are encoded on the instances' threads
+            self.outputs[how] += 1
 
     def check(self, offset: int, byte_size: int, where: str, *, output: bool = False) -> None:
         """Refuse bytes outside the registration (and outputs into a read-only segment)."""
@@ -120,6 +143,14 @@ class MappedRegion(Region):
     def read(self, offset: int, byte_size: int, where: str) -> memoryview:
         self.check(offset, byte_size, where)
         return memoryview(self.mm)[offset : offset + byte_size]
+
+    def destination(self, offset: int, byte_size: int) -> OutputBuffer | None:
+        if not self.segment.writable:
+            return None
+        try:
+            return OutputBuffer(np.frombuffer(self.mm, dtype=np.uint8, count=byte_size, offset=offset))
+        except ValueError:  # unmapped meanwhile (unregistered): the frontend's write reports it
+            return None
 
     def write(self, offset: int, data: np.ndarray | bytes, where: str) -> None:
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
@@ -234,7 +265,7 @@ class ShmRegistry:
         if name is not None and name not in self._regions:
             raise ShmNotRegistered(f"region {name!r} is not registered by this client")
         return [
-            {"name": r.name, "byte_size": r.byte_size, "zero_copy": r.zero_copy}
+            {"name": r.name, "byte_size": r.byte_size, "zero_copy": r.zero_copy, "outputs": dict(r.outputs)}
             for r in self._regions.values()
             if name is None or r.name == name
         ]

@@ -7,6 +7,12 @@ traffic to that member, and a member's hot reload is picked up by the next step 
 (steps name members, not loaded versions).  A step's completion callback (on the member's worker
 thread, outside every scheduler lock) stores its outputs and submits the steps they complete.
 
+A member's reload may change the tensors a step relies on (a renamed output, another dtype or
+shape).  The ensemble's readiness check hands :meth:`EnsembleScheduler.members_fit` the members'
+serving configs; when they are not the ones last checked, the graph is validated again against them,
+and while it does not fit the ensemble is unavailable with that validation error (it recovers by
+itself when a later reload makes the members fit again).
+
 ``max_inflight_requests`` (0: no limit) bounds how many requests walk the graph at once; the others
 wait here, in order.  The first failing step fails the request: its still-queued steps are cancelled
 and the error names the step.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import operator
 import threading
 import time
 from collections.abc import Hashable
@@ -27,16 +34,10 @@ import numpy as np
 
 from edge_server.config.model import ModelConfig
 from edge_server.errors import Cancelled, EdgeServerError, ServerShuttingDown
-from edge_server.pipeline.graph import EnsembleGraph, Step
-from edge_server.request import (
-    REQUEST_FLAG_SEQUENCE_END,
-    REQUEST_FLAG_SEQUENCE_START,
-    BatchItem,
-    InferRequest,
-    ModelAccess,
-    Result,
-    Timing,
-)
+from edge_server.pipeline.decoupled import DecoupledWalk
+from edge_server.pipeline.graph import EnsembleGraph, Step, build_graph
+from edge_server.pipeline.steps import step_request
+from edge_server.request import BatchItem, ModelAccess, Result, Timing
 from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.stats import ModelStats
 
@@ -96,6 +97,41 @@ class EnsembleScheduler:
         self._running = 0
         self._finished = 0  # requests that left the graph: the watchdog's progress counter
         self._accepting = True
+        # (the member configs last checked, why they do not fit or ""): replaced whole, read lock-free
+        self._fit: tuple[tuple[ModelConfig, ...] | None, str] = (None, "")
+
+    # -- members ----------------------------------------------------------------------------------
+
+    def members_fit(self, configs: dict[tuple[str, int | None], ModelConfig]) -> str:
+        """Why the steps do not fit the members' serving ``configs`` ("" when they do).
+
+        ``configs`` maps each of ``graph.members`` to the config of the version a step would reach
+        now.  Checked again only when one of them is another object than last time (a reload), so
+        the request path pays a tuple comparison.
+        """
+        key = tuple(configs[member] for member in self._graph.members)
+        checked, why = self._fit
+        if checked is not None and len(checked) == len(key) and all(map(operator.is_, checked, key)):
+            return why
+        try:
+            graph = build_graph(self._config, lambda name, version: configs[(name, version)])
+            if graph.decoupled != self._graph.decoupled:
+                was, now = (
+                    sorted(self._steps[i].describe() for i in g.decoupled) for g in (self._graph, graph)
+                )
+                raise EdgeServerError(
+                    f"the decoupled steps changed from {was} to {now} "
+                    "(reload the ensemble to change how it answers)"
+                )
+        except EdgeServerError as exc:
+            why = f"a member reload no longer fits its steps: {exc.message}"
+            log.error("ensemble %r is unavailable: %s", self._config.name, why)
+        else:
+            if checked is not None and self._fit[1]:
+                log.info("ensemble %r: its members fit its steps again", self._config.name)
+            why = ""
+        self._fit = (key, why)
+        return why
 
     # -- request side ---------------------------------------------------------------------------
 
@@ -131,6 +167,17 @@ class EnsembleScheduler:
         if not run.future.set_running_or_notify_cancel():  # cancelled while it waited for a slot
             self._release()
             return
+        if self._config.decoupled:
+            walk = DecoupledWalk(
+                self._graph,
+                self._models,
+                run.item,
+                priority=run.priority,
+                timeout_us=run.timeout_us,
+                finished=partial(self._walked, run),
+            )
+            walk.start(self._ensemble_inputs)
+            return
         ready = list(self._first)
         inputs = run.item.inputs
         for name in self._ensemble_inputs:  # an optional input left out still counts as settled
@@ -151,19 +198,7 @@ class EnsembleScheduler:
     def _submit_steps(self, run: _Run, steps: list[Step]) -> None:
         item = run.item
         for step in steps:
-            request = InferRequest(
-                model=step.model_name,
-                version=step.model_version,
-                inputs={name: run.tensors[t] for name, t in step.input_map.items() if t in run.tensors},
-                outputs=list(step.output_map),
-                priority=run.priority,
-                timeout_us=run.timeout_us,
-                request_id=item.request_id,
-                parameters=item.parameters,
-                correlation_id=item.correlation_id,
-                sequence_start=bool(item.flags & REQUEST_FLAG_SEQUENCE_START),
-                sequence_end=bool(item.flags & REQUEST_FLAG_SEQUENCE_END),
-            )
+            request = step_request(step, item, run.tensors, run.priority, run.timeout_us)
             try:
                 future = self._models.submit(request)
             except EdgeServerError as exc:
@@ -213,17 +248,29 @@ class EnsembleScheduler:
             pending = list(run.step_futures)
         for future in pending:  # the other branches' queued steps need not run any more
             future.cancel()
-        # The member's error class (its code) with the step named: the client can act on the code.
+        self._finish(run, self._step_error(step, error))
+
+    def _step_error(self, step: Step, error: EdgeServerError) -> EdgeServerError:
+        """The member's error class (its code) with the step named: the client can act on the code."""
         wrapped = copy.copy(error)
         wrapped.message = f"ensemble {self._config.name!r} {step.describe()}: {error.message}"
         wrapped.args = (wrapped.message,)
-        self._finish(run, wrapped)
+        return wrapped
+
+    def _walked(self, run: _Run, step: Step | None, error: EdgeServerError | None) -> None:
+        """A decoupled walk ended: its responses and final went to the stream, or it failed."""
+        if error is not None and step is not None:
+            error = self._step_error(step, error)
+        self._finish(run, error)
 
     def _finish(self, run: _Run, error: EdgeServerError | None) -> None:
         end = time.monotonic_ns()
         if error is None:
             wanted = run.item.requested_outputs
-            result: dict[str, np.ndarray] = {name: run.tensors[name] for name in wanted}
+            # A decoupled ensemble sent its responses to the stream already.
+            result: dict[str, np.ndarray] = (
+                {} if self._config.decoupled else {name: run.tensors[name] for name in wanted}
+            )
             run.future.set_result(result)
         else:
             run.future.set_exception(error)

@@ -43,6 +43,11 @@ class EnsembleGraph:
     #: ensemble tensor -> indices of the steps that consume it
     consumers: Mapping[str, tuple[int, ...]]
     max_inflight_requests: int  # 0: no limit
+    #: steps whose member is decoupled (zero or many responses): each response flows on alone
+    decoupled: frozenset[int] = frozenset()
+    #: which steps a path of the walk runs: key None for the request's own path, a decoupled step's
+    #: index for the path each of its responses starts (see :func:`decoupled_scopes`)
+    scopes: Mapping[int | None, frozenset[int]] | None = None
 
     @property
     def members(self) -> tuple[tuple[str, int | None], ...]:
@@ -110,8 +115,6 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
             member = member_config(step.model_name, step.model_version)
         except EdgeServerError as exc:
             raise _fail(config, f"{step.describe()}: {exc.message}") from None
-        if member.decoupled:
-            raise _fail(config, f"{step.describe()}: decoupled models cannot be ensemble steps here yet")
         members[step.index] = member
         if not step.output_map:
             raise _fail(config, f"{step.describe()}: output_map is empty; the step would produce nothing")
@@ -159,11 +162,67 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         if spec.name not in consumers:
             raise _fail(config, f"ensemble input {spec.name!r} is used by no step")
     order = _topological(config, steps)
+    decoupled = frozenset(step.index for step in steps if members[step.index].decoupled)
     return EnsembleGraph(
         steps=tuple(order),
         consumers={tensor: tuple(indices) for tensor, indices in consumers.items()},
         max_inflight_requests=max_inflight,
+        decoupled=decoupled,
+        scopes=decoupled_scopes(config, steps, decoupled) if decoupled else None,
     )
+
+
+def decoupled_scopes(
+    config: ModelConfig, steps: list[Step], decoupled: frozenset[int]
+) -> dict[int | None, frozenset[int]]:
+    """The steps each path of a walk through decoupled steps runs.
+
+    Every response of a decoupled step D starts a path of its own that runs D's descendants with a
+    copy of the tensors known when D ran, plus the response's outputs.  That copy is complete only if
+    every step is an ancestor of D (finished before D ran), D, or a descendant of D: a step beside D
+    could still be running when a response arrives.  So the decoupled steps must lie on one chain,
+    and the paths nest: the request's own path runs everything up to the first decoupled step, that
+    step's paths run everything after it up to the next one, and so on.
+    """
+    producer_of = {tensor: step.index for step in steps for tensor in step.output_map.values()}
+    parents = {
+        step.index: {producer_of[t] for t in step.input_map.values() if t in producer_of} for step in steps
+    }
+    children: dict[int, set[int]] = {step.index: set() for step in steps}
+    for index, before in parents.items():
+        for parent in before:
+            children[parent].add(index)
+
+    def reach(start: int, edges: Mapping[int, set[int]]) -> set[int]:
+        seen: set[int] = set()
+        todo = list(edges[start])
+        while todo:
+            index = todo.pop()
+            if index not in seen:
+                seen.add(index)
+                todo += edges[index]
+        return seen
+
+    below = {index: reach(index, children) for index in decoupled}
+    for index in decoupled:
+        related = reach(index, parents) | below[index] | {index}
+        beside = [step for step in steps if step.index not in related]
+        if beside:
+            raise _fail(
+                config,
+                f"{steps[index].describe()} is decoupled, so every other step must run before or after "
+                f"it (each of its responses continues alone); {beside[0].describe()} runs beside it",
+            )
+    scopes: dict[int | None, frozenset[int]] = {}
+    everything = {step.index for step in steps}
+    for start in (None, *sorted(decoupled)):
+        inside = everything if start is None else below[start]
+        nested = [d for d in decoupled if d in inside]
+        for d in nested:
+            if not any(d in below[other] for other in nested if other != d):  # the next one down
+                inside = inside - below[d]
+        scopes[start] = frozenset(inside)
+    return scopes
 
 
 def _check_match(

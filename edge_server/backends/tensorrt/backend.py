@@ -13,7 +13,7 @@ inference, and the scheduler's inline path is for CPU models that take microseco
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends.base import LoadContext, TensorBackend
+from edge_server.backends.base import LoadContext, OutputBuffer, TensorBackend
 from edge_server.backends.tensorrt import cache, engine, planning
 from edge_server.backends.tensorrt.config_check import complete_from_engine
 from edge_server.backends.tensorrt.placement import place
@@ -38,6 +38,10 @@ class _Buffer:
     sizer: planning.BufferSizer
     device: int = 0  # cudaMalloc'd, 0 when not needed (integrated GPU, host-mapped)
     host: int = 0  # cudaHostAlloc'd (mapped), 0 when not needed
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
 
 
 def require_capabilities() -> engine.Capabilities:
@@ -123,29 +127,64 @@ class TensorRTBackend(TensorBackend):
     # -- execution --------------------------------------------------------------------------------
 
     def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
+        return self._run(inputs, output_names, None)
+
+    def run_into(
+        self,
+        inputs: dict[str, np.ndarray],
+        output_names: Sequence[str],
+        destinations: Mapping[str, OutputBuffer],
+    ) -> dict[str, np.ndarray]:
+        """Outputs straight into the client's shared memory: see ``planning.output_staging``."""
+        return self._run(inputs, output_names, destinations)
+
+    def _run(
+        self,
+        inputs: dict[str, np.ndarray],
+        output_names: Sequence[str],
+        destinations: Mapping[str, OutputBuffer] | None,
+    ) -> dict[str, np.ndarray]:
         shapes = {name: tuple(array.shape) for name, array in inputs.items()}
         context = self._context(planning.choose_profile(self._description, shapes))
         integrated = planning.output_in_host_memory(self._traits)
         registered: list[int] = []
+        outputs: dict[str, tuple[tuple[int, ...], _Buffer | None]] = {}  # None: written into a span
+        placed: dict[str, tuple[np.ndarray, str]] = {}  # outputs bound to a client's span, and how
         try:
             for name, array in inputs.items():
                 array = np.ascontiguousarray(array, dtype=self._dtypes[name])
                 context.set_input_shape(name, shapes[name])
                 context.set_address(name, self._stage_input(name, array, registered))
-            outputs: dict[str, tuple[tuple[int, ...], _Buffer]] = {}
             for tensor in self._description.outputs:  # TensorRT needs every output bound
-                shape = context.output_shape(tensor.name)
-                size = planning.nbytes(shape, self._dtypes[tensor.name].itemsize)
-                buffer = self._buffer(tensor.name, size, device=not integrated, host=True)
-                address = self._cuda.device_pointer(buffer.host) if integrated else buffer.device
-                context.set_address(tensor.name, address)
-                outputs[tensor.name] = (shape, buffer)
+                name = tensor.name
+                shape = context.output_shape(name)
+                size = planning.nbytes(shape, self._dtypes[name].itemsize)
+                how = ""
+                if destinations is not None and name in destinations and name in output_names:
+                    view = self._destination(destinations[name], name, shape, inputs)
+                    if view is not None:
+                        how = planning.output_staging(self._traits, _address(view), size)
+                        placed[name] = (view, how)
+                if how == planning.MAP:
+                    span = placed[name][0]
+                    address = self._map(_address(span), size, registered)
+                    if address is not None:
+                        context.set_address(name, address)
+                        outputs[name] = (shape, None)
+                        continue
+                    placed[name] = (span, planning.PINNED_COPY)
+                own = self._buffer(name, size, device=not integrated, host=True)
+                address = self._cuda.device_pointer(own.host) if integrated else own.device
+                context.set_address(name, address)
+                outputs[name] = (shape, own)
             context.enqueue(self._stream)
             if not integrated:
                 for name in output_names:
-                    shape, buffer = outputs[name]
+                    shape, computed = outputs[name]
+                    assert computed is not None  # only integrated GPUs map outputs
                     size = planning.nbytes(shape, self._dtypes[name].itemsize)
-                    self._cuda.copy_to_host(buffer.host, buffer.device, size, self._stream)
+                    target = _address(placed[name][0]) if name in placed else computed.host
+                    self._cuda.copy_to_host(target, computed.device, size, self._stream)
             self._cuda.synchronize(self._stream)
         finally:
             for pointer in registered:
@@ -155,21 +194,55 @@ class TensorRTBackend(TensorBackend):
             shape, buffer = outputs[name]
             dtype = self._dtypes[name]
             size = planning.nbytes(shape, dtype.itemsize)
+            if name in placed:
+                view, how = placed[name]
+                if how == planning.PINNED_COPY:  # integrated, span not mappable: one host copy into it
+                    assert buffer is not None
+                    view.reshape(-1).view(np.uint8)[:] = engine.host_view(buffer.host, size)
+                assert destinations is not None
+                destinations[name].filled = (
+                    OutputBuffer.COPIED if how == planning.PINNED_COPY else OutputBuffer.DIRECT
+                )
+                result[name] = view
+                continue
+            assert buffer is not None
             # A copy: the pinned buffer is reused by the next batch while the caller still holds this one.
             result[name] = engine.host_view(buffer.host, size).view(dtype).reshape(shape).copy()
         return result
+
+    def _destination(
+        self, destination: OutputBuffer, name: str, shape: tuple[int, ...], inputs: dict[str, np.ndarray]
+    ) -> np.ndarray | None:
+        """The client's span as this output's array, or None where it cannot take it.
+
+        Refused: a span too small (the frontend reports it) and one that overlaps an input of the same
+        request (the engine would read what it writes; on a discrete GPU the inputs were copied to the
+        device already, but the rule stays one for both).
+        """
+        view = destination.view(self._dtypes[name], shape)
+        if view is None or any(np.may_share_memory(view, array) for array in inputs.values()):
+            return None
+        return view
+
+    def _map(self, host: int, size: int, registered: list[int]) -> int | None:
+        """Register a client's span for the GPU and return its device address; None if CUDA refuses."""
+        try:
+            self._cuda.register(host, size)
+        except ModelExecutionError as exc:  # e.g. pages another registration (an input) already covers
+            log.debug("host registration of an output span failed (%s); copying", exc.message)
+            return None
+        registered.append(host)
+        if self._traits.host_pointer_is_device_pointer:
+            return host
+        return self._cuda.device_pointer(host)
 
     def _stage_input(self, name: str, array: np.ndarray, registered: list[int]) -> int:
         """The device address the engine reads ``array`` from: mapped in place, or copied once."""
         address, size = array.ctypes.data, array.nbytes
         if planning.input_staging(self._traits, address, size) == planning.MAP:
-            try:
-                self._cuda.register(address, size)
-            except ModelExecutionError as exc:  # e.g. memory another registration already covers
-                log.debug("host registration of %r failed (%s); copying", name, exc.message)
-            else:
-                registered.append(address)
-                return self._cuda.device_pointer(address)
+            mapped = self._map(address, size, registered)
+            if mapped is not None:
+                return mapped
         integrated = planning.output_in_host_memory(self._traits)
         buffer = self._buffer(name, size, device=not integrated, host=True)
         engine.host_view(buffer.host, size)[:] = array.reshape(-1).view(np.uint8)

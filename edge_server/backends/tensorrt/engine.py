@@ -106,11 +106,17 @@ class Cuda:
             self.rt.cudaDeviceAttr.cudaDevAttrHostRegisterSupported,
             self.device,
         )
+        same_address = self.call(
+            self.rt.cudaDeviceGetAttribute,
+            self.rt.cudaDeviceAttr.cudaDevAttrCanUseHostPointerForRegisteredMem,
+            self.device,
+        )
         return DeviceTraits(
             integrated=bool(prop.integrated),
             can_map_host_memory=bool(prop.canMapHostMemory),
             host_register_supported=bool(register),
             page_size=mmap.PAGESIZE,
+            host_pointer_is_device_pointer=bool(same_address),
         )
 
     def create_stream(self) -> Any:

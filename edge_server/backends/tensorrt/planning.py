@@ -128,6 +128,9 @@ class DeviceTraits:
     can_map_host_memory: bool
     host_register_supported: bool
     page_size: int = 4096
+    #: cudaDevAttrCanUseHostPointerForRegisteredMem: registered host memory has the same address on
+    #: the device, so no cudaHostGetDevicePointer is needed
+    host_pointer_is_device_pointer: bool = False
 
 
 def input_staging(traits: DeviceTraits, address: int, size: int) -> str:
@@ -155,3 +158,24 @@ def output_in_host_memory(traits: DeviceTraits) -> bool:
     device memory and copied.
     """
     return traits.integrated and traits.can_map_host_memory
+
+
+# Where an output whose client named a span of its (mapped) shared memory is computed.
+DEVICE_COPY = "device_copy"  # in device memory, then one DMA copy (cudaMemcpyAsync) into the span
+
+
+def output_staging(traits: DeviceTraits, address: int, size: int) -> str:
+    """How an output reaches a destination in a client's shared memory at host ``address``.
+
+    * ``MAP``: on an integrated GPU, register the span (mapped) and let TensorRT write into it: no copy;
+      the same conditions as :func:`input_staging` (registration, page-aligned start, large enough).
+    * ``DEVICE_COPY``: on a discrete GPU the output is computed in device memory and DMA'd straight
+      into the span (no pinned staging buffer and no second host copy).
+    * ``PINNED_COPY``: on an integrated GPU where the span cannot be mapped, the output is written into
+      the instance's mapped pinned buffer and copied into the span once on the host.
+    """
+    if not traits.integrated:
+        return DEVICE_COPY
+    if input_staging(traits, address, size) == MAP:
+        return MAP
+    return PINNED_COPY

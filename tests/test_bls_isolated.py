@@ -1,0 +1,57 @@
+"""BLS from a Python model in its own process (``isolation: process``): calls cross the stub's pipe.
+
+The same Triton-style ``model.py`` files as the thread-mode BLS tests (sync ``exec`` and ``async def
+execute`` with ``async_exec``) give the ensemble's answer; a streamed call iterates a decoupled
+ensemble; a call the data plane refuses comes back as the callee's error.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_server import Server
+from edge_server.errors import EdgeServerError
+from tests.test_ensemble import ASYNC_CHAIN_MODEL, CHAIN_CONFIG, CHAIN_MODEL, x
+from tests.test_ensemble import repo as repo  # noqa: F401  (the fixture: scale, shift and pipe)
+from tests.test_ensemble_decoupled import add_counted, n
+
+ISOLATED = '\nparameters [ { key: "isolation", value: { string_value: "process" } } ]\n'
+
+
+def add_isolated(repo: Path, name: str, config: str, model: str) -> None:
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(config + ISOLATED)
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(model))
+
+
+def test_sync_and_async_bls_from_a_process_equal_the_ensemble(repo: Path) -> None:  # noqa: F811
+    for name, model in (("chain", CHAIN_MODEL), ("async_chain", ASYNC_CHAIN_MODEL)):
+        add_isolated(repo, name, CHAIN_CONFIG % {"name": name}, model)
+    with Server(repo) as server:
+        inputs = {"IN": x(3, first=0.5)}
+        ensemble = server.infer("pipe", inputs)["OUT"]
+        for name in ("chain", "async_chain"):
+            np.testing.assert_array_equal(server.infer(name, inputs)["OUT"], ensemble)
+        (stats,) = server.statistics("scale")  # the calls went through the data plane: counted
+        assert stats["inference_stats"]["success"]["count"] == 3
+
+
+def test_a_streamed_bls_call_from_a_process(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    add_counted(repo)
+    config = (repo / "collect" / "config.pbtxt").read_text()
+    (repo / "collect" / "config.pbtxt").write_text(config + ISOLATED)
+    with Server(repo) as server:
+        np.testing.assert_array_equal(server.infer("collect", n(3))["OUT"], [0, 10, 20, 30])
+
+
+def test_a_refused_bls_call_from_a_process_is_the_callees_error(repo: Path) -> None:  # noqa: F811
+    add_isolated(repo, "chain", CHAIN_CONFIG % {"name": "chain"}, CHAIN_MODEL.replace('"scale"', '"nope"'))
+    with Server(repo) as server:
+        with pytest.raises(EdgeServerError, match="unknown model 'nope'"):
+            server.infer("chain", {"IN": x(1)})
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x(1)})["OUT"], 2 * x(1) + 3)
