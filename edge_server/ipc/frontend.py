@@ -525,7 +525,13 @@ class IpcFrontend:
         nbytes = 0
         tracked = -1  # the last zero-copy frame: ZeroMQ frees a message's frames in order
         for index, frame in enumerate(frames):
-            size = frame.nbytes if hasattr(frame, "nbytes") else len(frame)
+            if type(frame) is bytes:
+                size = len(frame)
+            elif isinstance(frame, zmq.Frame):  # a received frame sent on has no tracker: not a mark
+                nbytes += len(frame)
+                continue
+            else:
+                size = memoryview(frame).nbytes
             nbytes += size
             if size >= _ZERO_COPY:
                 tracked = index
