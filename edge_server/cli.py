@@ -204,6 +204,7 @@ def _add_tools(commands: Any) -> None:
 
     for name in TOOLS:
         importlib.import_module(f"edge_server.tools.{name}").add_parser(commands)
+    importlib.import_module("edge_server.perf.command").add_parser(commands)  # perf: its own package
 
 
 _TARGET_HELP = (

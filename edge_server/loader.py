@@ -280,6 +280,6 @@ def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count
     cpu_instances = sum(1 for _, kind, _ in resolved if kind == "KIND_CPU")
     threads = max(1, cpu_count // max(cpu_instances, 1))
     return [
-        InstanceSpec(name=name, kind=kind, device_id=device, threads=threads)
+        InstanceSpec(name=name, kind=kind, device_id=device, threads=threads, cpu_count=cpu_count)
         for name, kind, device in resolved
     ]

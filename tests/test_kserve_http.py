@@ -350,3 +350,37 @@ def test_endless_headers_are_400_not_memory(kserve: KServeDaemon) -> None:
             pass  # answered and closed while we were still sending
         reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 400")
+
+
+def test_responses_on_one_connection_pipelined_continued_and_closed(kserve: KServeDaemon) -> None:
+    """Heads and bodies leave together (the frontend's one-write transport): pipelined requests on one
+    connection each get a whole response, ``Expect: 100-continue`` gets its interim answer first, and
+    an error that closes the connection still sends its response before the close."""
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=10) as sock:
+        sock.sendall(
+            b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n" * 3 + b"GET /v2 HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        reply = b""
+        while reply.count(b"HTTP/1.1 200") < 4 or not reply.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, reply
+            reply += chunk
+        assert reply.count(b"HTTP/1.1 200") == 4 and b'"name":"edge-server"' in reply
+        body = b'{"ready": true}'
+        sock.sendall(
+            b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(body)
+        reply = b""
+        while not reply.endswith(b"]"):
+            chunk = sock.recv(65536)
+            assert chunk, reply
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and b'"name":"digits"' in reply
+        sock.sendall(
+            b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n\r\n"
+        )
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 413") and reply.endswith(b"}")

@@ -4,6 +4,7 @@ segment, the access rule (a client of another uid), and the extension off by def
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -249,3 +250,24 @@ def test_the_extension_is_off_by_default(ipc_root: Path, ipc_repository: Path) -
             c.close()
     finally:
         assert stop_daemon(server.daemon) == 0
+
+
+def test_the_client_is_the_socket_not_a_forwarded_header(kserve: KServeDaemon, regions: list[object]) -> None:
+    """X-Forwarded-For does not change whose connection it is: the uid comes from the socket itself, and
+    is looked up once per connection (the same connection registers, uses and unregisters)."""
+    region(regions, "forwarded", 64)
+    body = json.dumps({"key": KEY_PREFIX + "forwarded", "offset": 0, "byte_size": 64})
+    conn = http.client.HTTPConnection("127.0.0.1", kserve.http_port, timeout=10)
+    try:
+        for path, payload in (
+            ("/v2/systemsharedmemory/region/fwd/register", body),
+            ("/v2/systemsharedmemory/region/fwd/status", ""),
+            ("/v2/systemsharedmemory/region/fwd/unregister", ""),
+        ):
+            method = "GET" if path.endswith("status") else "POST"
+            conn.request(method, path, payload, {"X-Forwarded-For": "203.0.113.9"})
+            response = conn.getresponse()
+            text = response.read()
+            assert response.status == 200, text
+    finally:
+        conn.close()

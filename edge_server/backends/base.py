@@ -43,6 +43,7 @@ class InstanceSpec:
     kind: str  # "KIND_CPU", "KIND_GPU", "KIND_DLA" (resolved, never KIND_AUTO)
     device_id: int = 0
     threads: int = 1  # intra-op threads this instance may use without oversubscribing the cores
+    cpu_count: int = 1  # the cores the loader split among the model's CPU instances
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class LoadContext:
 
 class Backend(abc.ABC):
     """One loaded instance of a model version.  Construction loads; :meth:`close` frees everything."""
+
+    #: an explicit opt-in: whether the scheduler may run a request on the caller's (frontend) thread
+    #: when it has measured the model as cheap for requests of that size.  Off unless a backend says
+    #: so (ONNX Runtime on the CPU and in-thread Python models do); GPU/DLA backends never do: a
+    #: device call can block.
+    allows_inline: bool = False
 
     #: device label for status and metrics: "cpu", "cuda:0", "dla:1"
     device: str = "cpu"
@@ -124,10 +131,6 @@ class TensorBackend(Backend):
     output_names: tuple[str, ...] = ()
     #: whether tensors carry a leading batch axis (max_batch_size > 0)
     batched: bool = True
-    #: an explicit opt-in: whether the scheduler may run a request on the caller's (frontend) thread
-    #: when it has measured the model as cheap for requests of that size.  Off unless a backend says
-    #: so (ONNX Runtime on the CPU does); GPU/DLA backends never do: a device call can block.
-    allows_inline: bool = False
 
     def run_into(
         self,

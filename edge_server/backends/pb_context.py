@@ -81,6 +81,17 @@ def running(context: ModelContext) -> Iterator[None]:
         _current.context = previous
 
 
+def mark(context: ModelContext | None) -> ModelContext | None:
+    """Set this thread's mark and return the previous one: :func:`running` without a generator.
+
+    The Python backend's execute() pays this on every request (a generator-based context manager
+    costs several times more); restore with ``mark(previous)`` in a ``finally``.
+    """
+    previous = getattr(_current, "context", None)
+    _current.context = context
+    return previous
+
+
 def current() -> ModelContext | None:
     return getattr(_current, "context", None)
 

@@ -262,15 +262,23 @@ class PythonBackend(Backend):
             except Exception as exc:
                 pb_context.unregister_module(self._module_name)
                 raise ConfigError(f"{ctx.model_path}: initialize() failed: {exc!r}") from exc
+        # A cheap model may run on the caller's thread (the scheduler measures it first): a thread
+        # hand-off costs more than a small model.py.  Not a decoupled model (its responses may outlive
+        # execute()) nor an ``async def execute`` (its event loop cannot run on a frontend's loop).
+        execute = getattr(self._model, "execute", None)
+        self.allows_inline = not ctx.config.decoupled and not inspect.iscoroutinefunction(execute)
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         requests = [self._request(item) for item in batch]
         t0 = time.perf_counter_ns()
         try:
-            with pb_context.running(self._executing):
+            previous = pb_context.mark(self._executing)  # pb_context.running(), minus a generator
+            try:
                 responses = self._model.execute(requests)
                 if inspect.iscoroutine(responses):  # ``async def execute``: run it, as Triton does
                     responses = self._event_loop().run_until_complete(responses)
+            finally:
+                pb_context.mark(previous)
         except Exception as exc:
             if isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
                 error = model_error(self._config.name, exc)

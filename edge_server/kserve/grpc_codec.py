@@ -9,7 +9,7 @@ memory, so that indices stay aligned as tritonclient reads them).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,11 +53,15 @@ def parameters(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def decode(
-    service: KServeService, request: service_pb2.ModelInferRequest, peer: Peer
+    service: KServeService,
+    request: service_pb2.ModelInferRequest,
+    peer: Peer,
+    raw_contents: Sequence[bytes | memoryview] | None = None,
 ) -> tuple[InferRequest, list[OutputWant] | None]:
+    """``raw_contents``: the request's ``raw_input_contents`` when they were kept out of it (grpc_wire)."""
     if not 0 < len(request.inputs) <= MAX_TENSORS or len(request.outputs) > MAX_TENSORS:
         raise InvalidArgument(f"a request needs 1-{MAX_TENSORS} inputs and at most {MAX_TENSORS} outputs")
-    raw = request.raw_input_contents
+    raw = request.raw_input_contents if raw_contents is None else raw_contents
     next_raw = 0
     inputs: dict[str, np.ndarray] = {}
     for tensor in request.inputs:

@@ -30,6 +30,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edge_server.errors import AddressInUse, EdgeServerError, InvalidArgument, Unsupported
 from edge_server.kserve import grpc_codec
+from edge_server.kserve.grpc_wire import WireRequest, parse_infer_request
 from edge_server.kserve.service import KServeService, OutputWant, error_status
 from edge_server.kserve.shm import Peer
 from edge_server.request import InferRequest, ResponseSink
@@ -201,16 +202,16 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return self._call(context, work)
 
-    def ModelInfer(self, request: Any, context: Any) -> Any:
+    def ModelInfer(self, request: WireRequest, context: Any) -> Any:
         return self._call(context, lambda: self._infer(request, context))
 
-    def _infer(self, request: Any, context: Any) -> Any:
+    def _infer(self, request: WireRequest, context: Any) -> Any:
         peer = _peer(context, self.frontend.port)
-        infer, wants = grpc_codec.decode(self.service, request, peer)
+        infer, wants = grpc_codec.decode(self.service, request.message, peer, request.raw)
         outputs = self.service.infer_blocking(infer)
         return grpc_codec.encode(self.service, infer, wants, outputs, peer)
 
-    def ModelStreamInfer(self, request_iterator: Iterator[Any], context: Any) -> Iterator[Any]:
+    def ModelStreamInfer(self, request_iterator: Iterator[WireRequest], context: Any) -> Iterator[Any]:
         responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
         slots = threading.BoundedSemaphore(MAX_STREAM_IN_FLIGHT)
         lock = threading.Lock()
@@ -226,9 +227,10 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if done:
                 responses.put(None)
 
-        def start(request: Any) -> None:
+        def start(wire: WireRequest) -> None:
+            request = wire.message
             try:
-                infer, wants = grpc_codec.decode(self.service, request, peer)
+                infer, wants = grpc_codec.decode(self.service, request, peer, wire.raw)
                 empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
                 sink = _StreamSink(self.service, responses, infer, wants, peer, empty_final, finished)
                 with lock:
@@ -336,6 +338,53 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return self._call(context, work)
 
 
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """The server's options: message bounds, no port sharing.
+
+    Flow-control and latency options (``grpc.http2.lookahead_bytes`` 16 MiB, ``grpc.http2.bdp_probe``
+    off, ``grpc.optimization_target`` latency) changed nothing measurable on a bare grpcio server
+    (bench/bench_kserve_floor.py), tiny or 1080p, so grpc's defaults stay.
+    """
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class _Handlers:
+    """Stands in for the server while the generated code registers the service: keeps the handlers."""
+
+    def __init__(self) -> None:
+        self.name = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.name, self.handlers = name, handlers
+
+
+def _add_servicer(servicer: _Servicer, server: grpc.Server) -> None:
+    """The generated registration, with ``ModelInfer``/``ModelStreamInfer`` requests parsed by grpc_wire."""
+    captured = _Handlers()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, captured)
+    handlers = dict(captured.handlers)
+    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
+        servicer.ModelInfer,
+        request_deserializer=parse_infer_request,
+        response_serializer=service_pb2.ModelInferResponse.SerializeToString,
+    )
+    handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        servicer.ModelStreamInfer,
+        request_deserializer=parse_infer_request,
+        response_serializer=service_pb2.ModelStreamInferResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(captured.name, handlers),))
+    server.add_registered_method_handlers(captured.name, handlers)
+
+
 class GrpcFrontend:
     """Runs the servicer on grpcio's threaded server; ``port`` 0 picks a free one."""
 
@@ -360,13 +409,9 @@ class GrpcFrontend:
         """Bind (a failure raises here) and serve."""
         server = grpc.server(
             ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="edge-grpc"),
-            options=[
-                ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-            ],
+            options=server_options(self.max_message_bytes),
         )
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self.service, self), server)
+        _add_servicer(_Servicer(self.service, self), server)
         address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         try:
             port = server.add_insecure_port(address)

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from edge_server.backends.base import Backend, BatchItem, Result, TensorBackend, Timing
+from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig, QueuePolicy
 from edge_server.errors import (
     EdgeServerError,
@@ -173,7 +173,7 @@ class ModelScheduler:
         self._busy_ns: collections.defaultdict[Backend, int] = collections.defaultdict(int)  # restarts too
         # Inline execution is an explicit opt-in of each backend (TensorRT opts out: never on a frontend).
         self._inline_capable = not self._settings.batching and all(
-            isinstance(backend, TensorBackend) and backend.allows_inline for _, backend in instances
+            backend.allows_inline for _, backend in instances
         )
         self._compute_ema_ns = float("inf")  # moving average of one request's execution
         self._bytes_ema = 0.0  # moving average of the input bytes of the requests measured

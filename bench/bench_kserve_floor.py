@@ -1,0 +1,269 @@
+"""The floor under our KServe frontends: bare grpcio and bare uvicorn servers answering the same calls.
+
+    .venv/bin/python bench/bench_kserve_floor.py --quick     # ~30 seconds
+    .venv/bin/python bench/bench_kserve_floor.py             # more calls, more rounds
+
+What a KServe frontend written in CPython can reach at best on this machine: each bare server runs in a
+process of its own, answers ``ModelInfer`` with a canned response of the right shape and does nothing
+else (no validation, no data plane, no model), and is called by the same ``tritonclient`` calls as
+edge-server's own frontends, which run beside them in the same run (the ``tiny_py``/``frame_py``
+``model.py`` models of bench/triton_models.py; ``frame_py`` also reduces the frame to its means, which
+the bare servers skip, so its row holds that compute too).
+
+* ``bare grpcio``: ``grpc.server`` with a thread pool, Triton's generated ``GRPCInferenceService``
+  servicer, default options; ``bare grpcio, our options``: the options edge-server's frontend sets
+  (message bounds).
+* ``bare uvicorn``: a bare ASGI app under uvicorn (httptools, uvloop when present) that reads the body,
+  parses the JSON header of the binary tensor extension and answers a binary output.
+
+Payloads: ``tiny`` (1x16 FP32 in and out) and ``frame`` (1080x1920x3 UINT8 in, 3 x FP32 out).  Cases
+alternate round by round; medians over every call of every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS = {"tiny": ("INPUT", "OUTPUT", "FP32"), "frame": ("frame", "means", "UINT8")}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- the bare servers (run as `bench_kserve_floor.py --serve KIND PORT`) ------------------------------
+
+
+def _canned(model: str) -> tuple[str, str, list[int], bytes]:
+    if model.startswith("frame"):
+        return "means", "FP32", [3], np.zeros(3, np.float32).tobytes()
+    return "OUTPUT", "FP32", [1, 16], np.zeros(16, np.float32).tobytes()
+
+
+def serve_grpc(port: int, tuned: bool) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from edge_server.kserve.grpc_frontend import server_options
+
+    class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ServerLive(self, request: Any, context: Any) -> Any:
+            return service_pb2.ServerLiveResponse(live=True)
+
+        def ModelInfer(self, request: Any, context: Any) -> Any:
+            name, datatype, shape, raw = _canned(request.model_name)
+            response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+            response.outputs.add(name=name, datatype=datatype, shape=shape)
+            response.raw_output_contents.append(raw)
+            return response
+
+    options = server_options(64 << 20) if tuned else [("grpc.max_receive_message_length", 64 << 20)]
+    server = grpc.server(ThreadPoolExecutor(max_workers=16), options=options)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
+def serve_uvicorn(port: int) -> None:
+    import uvicorn
+
+    from edge_server.kserve.http import _http_impl, _loop_impl
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        headers = dict(scope["headers"])
+        length = int(headers.get(b"inference-header-content-length", len(body)))
+        header = json.loads(body[:length]) if body else {}
+        model = scope["path"].split("/")[3] if scope["path"].startswith("/v2/models/") else ""
+        if not model:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        name, datatype, shape, raw = _canned(model)
+        params = {"binary_data_size": len(raw)}
+        out = {"name": name, "datatype": datatype, "shape": shape, "parameters": params}
+        text = json.dumps({"model_name": model, "id": header.get("id", ""), "outputs": [out]}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/octet-stream"),
+                    (b"inference-header-content-length", str(len(text)).encode()),
+                    (b"content-length", str(len(text) + len(raw)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": text + raw})
+
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=_http_impl(),
+        loop=_loop_impl(),
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        date_header=False,
+    )
+
+
+# -- the client side ------------------------------------------------------------------------------
+
+
+def wait_ready(http_port: int | None, grpc_port: int | None, timeout: float = 60.0) -> None:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if http_port is not None:
+                httpclient.InferenceServerClient(f"127.0.0.1:{http_port}").is_server_live()
+            if grpc_port is not None:
+                grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_live()
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def calls(
+    stack: ExitStack, http_port: int | None, grpc_port: int | None, model: str, workload: str, x: np.ndarray
+) -> dict[str, Callable[[], Any]]:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    name, out, datatype = WORKLOADS[workload]
+    made: dict[str, Callable[[], Any]] = {}
+    if http_port is not None:
+        hc = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+        stack.callback(hc.close)
+        hin = httpclient.InferInput(name, list(x.shape), datatype)
+        hin.set_data_from_numpy(x, binary_data=True)
+        hout = [httpclient.InferRequestedOutput(out, binary_data=True)]
+        made["HTTP"] = lambda: hc.infer(model, [hin], outputs=hout)
+    if grpc_port is not None:
+        gc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        stack.callback(gc.close)
+        gin = grpcclient.InferInput(name, list(x.shape), datatype)
+        gin.set_data_from_numpy(x)
+        made["gRPC"] = lambda: gc.infer(model, [gin])
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="few calls, two rounds (~30 seconds)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--no-edge", action="store_true", help="the bare servers only")
+    parser.add_argument("--serve", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        kind, port = args.serve[0], int(args.serve[1])
+        if kind == "uvicorn":
+            serve_uvicorn(port)
+        else:
+            serve_grpc(port, tuned=kind == "grpc-tuned")
+        return 0
+
+    from bench.triton_models import build_repository, sample_inputs
+    from tests.daemon import Daemon
+
+    rounds = args.rounds or (2 if args.quick else 4)
+    counts = {"tiny": 300, "frame": 10} if args.quick else {"tiny": 2000, "frame": 40}
+    inputs = sample_inputs()
+    servers: dict[str, tuple[int | None, int | None, str]] = {}  # label -> http port, grpc port, model suffix
+    with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp, ExitStack() as stack:
+        for label, kind, is_http in (
+            ("bare grpcio", "grpc", False),
+            ("bare grpcio, our options", "grpc-tuned", False),
+            ("bare uvicorn", "uvicorn", True),
+        ):
+            port = free_port()
+            proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], cwd=ROOT)
+            stack.callback(proc.wait, 10)
+            stack.callback(proc.terminate)
+            servers[label] = (port, None, "") if is_http else (None, port, "")
+        if not args.no_edge:
+            root = Path(tmp)
+            repo = build_repository(root / "repo")
+            http_port, grpc_port = free_port(), free_port()
+            daemon = Daemon(
+                repo, f"ipc://{root}/edge.sock", root / "daemon.log",
+                "--allow-http", "true", "--http-port", str(http_port),
+                "--allow-grpc", "true", "--grpc-port", str(grpc_port),
+            )  # fmt: skip
+            stack.callback(daemon.stop)
+            daemon.start(timeout=180)
+            servers["edge-server model.py"] = (http_port, grpc_port, "_py")
+        for http_port, grpc_port, _ in servers.values():
+            wait_ready(http_port, grpc_port)
+        cases: dict[tuple[str, str, str], Callable[[], Any]] = {}
+        for label, (http_port, grpc_port, suffix) in servers.items():
+            for workload in WORKLOADS:
+                made = calls(stack, http_port, grpc_port, workload + suffix, workload, inputs[workload])
+                for transport, call in made.items():
+                    cases[(workload, transport, label)] = call
+        samples: dict[tuple[str, str, str], list[float]] = {key: [] for key in cases}
+        for r in range(rounds):
+            for key, call in cases.items():
+                for _ in range(3):
+                    call()
+                times = samples[key]
+                for _ in range(counts[key[0]]):
+                    start = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - start)
+            print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+
+    labels = list(servers)
+    print(f"\npython {sys.version.split()[0]}, {rounds} rounds, medians over every call, µs\n")
+    print("| payload | transport | " + " | ".join(labels) + " |")
+    print("|---|---|" + "---|" * len(labels))
+    for workload in WORKLOADS:
+        for transport in ("HTTP", "gRPC"):
+            cells = []
+            for label in labels:
+                times = samples.get((workload, transport, label))
+                cells.append(f"{statistics.median(times) * 1e6:,.0f}" if times else "—")
+            print(f"| {workload} | {transport} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

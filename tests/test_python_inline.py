@@ -1,0 +1,111 @@
+"""Cheap in-thread Python models run on the caller's thread, like cheap CPU ONNX models; others never."""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_server import Server
+from edge_server.backends.python_process import IsolatedPythonBackend
+from edge_server.request import InferRequest
+
+CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+{extra}
+input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ 2 ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_STRING, dims: [ 1 ] }} ]
+"""
+
+# OUT names the thread that ran execute().
+SYNC = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    {kw}def execute(self, requests):
+        out = pb_utils.Tensor("OUT", np.array([threading.current_thread().name.encode()], object))
+        return [pb_utils.InferenceResponse([out]) for _ in requests]
+"""
+
+DECOUPLED = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            name = threading.current_thread().name.encode()
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([name], object))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def _model(repo: Path, name: str, source: str, extra: str = "") -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(source))
+    (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, extra=extra))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    _model(tmp_path, "plain", SYNC.format(kw=""))
+    _model(tmp_path, "coro", SYNC.format(kw="async "))
+    _model(tmp_path, "stream", DECOUPLED, "model_transaction_policy { decoupled: true }")
+    _model(
+        tmp_path,
+        "isolated",
+        SYNC.format(kw=""),
+        'parameters { key: "isolation" value: { string_value: "process" } }',
+    )
+    with Server(tmp_path) as srv:
+        yield srv
+
+
+def _threads(server: Server, model: str, count: int = 60) -> list[str]:
+    x = np.ones(2, np.float32)
+    names = []
+    for _ in range(count):
+        outcome = server.dataplane.dispatch(InferRequest(model=model, inputs={"IN": x}))
+        out = outcome.result() if isinstance(outcome, Future) else outcome
+        names.append(out["OUT"][0].decode())
+    return names
+
+
+def test_cheap_python_model_runs_inline_once_measured(server: Server) -> None:
+    names = _threads(server, "plain")
+    me = threading.current_thread().name
+    assert names[0] != me  # the first run is measured on the instance's worker
+    assert names[-5:] == [me] * 5, names
+    stats = server.statistics("plain")[0]
+    assert stats["inference_stats"]["success"]["count"] == len(names)
+
+
+def test_async_python_model_stays_off_the_callers_thread(server: Server) -> None:
+    me = threading.current_thread().name
+    assert me not in _threads(server, "coro", 30)
+
+
+def test_isolated_python_model_is_not_lent_to_the_caller(server: Server) -> None:
+    assert _threads(server, "isolated", 3) == ["MainThread"] * 3  # the child process's own thread
+    assert not IsolatedPythonBackend.allows_inline  # a round trip to the child is no cheap model
+
+
+def test_decoupled_python_model_stays_off_the_callers_thread(server: Server) -> None:
+    me = threading.current_thread().name
+    for _ in range(30):
+        (response,) = list(server.stream("stream", {"IN": np.ones(2, np.float32)}))
+        assert response["OUT"][0].decode() != me
