@@ -161,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: requests one client may have in flight (queued, running, open streams); more are refused",
     )
     serve.add_argument(
+        "--max-client-regions",
+        type=positive,
+        default=256,
+        help="IPC: shared-memory regions one client may register (the descriptor budget bounds all of them)",
+    )
+    serve.add_argument(
         "--max-requests",
         type=positive,
         default=8192,
@@ -316,6 +322,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_client_reply_bytes=args.max_client_reply_bytes,
         max_client_requests=args.max_client_requests,
         max_requests=args.max_requests,
+        max_client_regions=args.max_client_regions,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
         load_timeout=args.model_load_timeout_secs,

@@ -43,6 +43,7 @@ class DaemonOptions:
     max_client_reply_bytes: int = 256 << 20  # IPC: replies waiting for a client that does not read
     max_client_requests: int = 1024  # IPC: requests in flight for one client
     max_requests: int = 8192  # IPC: requests in flight for all clients together
+    max_client_regions: int = 256  # IPC: shared-memory regions one client may register
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     load_timeout: float = 600.0  # a model load running longer is abandoned (a stuck initialize())
@@ -132,6 +133,7 @@ class Daemon:
                     max_reply_bytes=options.max_client_reply_bytes,
                     max_client_requests=options.max_client_requests,
                     max_requests=options.max_requests,
+                    max_client_regions=options.max_client_regions,
                 )
                 frontend.start()
                 supervisor.add_frontend("IPC frontend", frontend)
