@@ -86,6 +86,17 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def positive(text: str) -> int:
+    """A limit: a whole number of at least 1 (0 would refuse everything)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-server", description=__doc__)
     parser.add_argument("--version", action="version", version=f"edge-server {__version__}")
@@ -131,6 +142,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GROUP",
         help="IPC: members may load/unload models (besides the daemon's own user and group)",
+    )
+    serve.add_argument(
+        "--model-load-timeout-secs",
+        type=float,
+        default=600.0,
+        help="a model load (instances created and warmed up) taking longer fails and is abandoned",
+    )
+    serve.add_argument(
+        "--max-client-reply-bytes",
+        type=positive,
+        default=256 << 20,
+        help="IPC: a client with more bytes of replies waiting for it (it does not read) is disconnected",
+    )
+    serve.add_argument(
+        "--max-client-requests",
+        type=positive,
+        default=1024,
+        help="IPC: requests one client may have in flight (queued, running, open streams); more are refused",
+    )
+    serve.add_argument(
+        "--max-client-regions",
+        type=positive,
+        default=256,
+        help="IPC: shared-memory regions one client may register (the descriptor budget bounds all of them)",
+    )
+    serve.add_argument(
+        "--max-requests",
+        type=positive,
+        default=8192,
+        help="IPC: requests all clients together may have in flight; more are refused",
     )
     serve.add_argument(
         "--max-header-bytes",
@@ -288,8 +329,13 @@ def _serve(args: argparse.Namespace) -> int:
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
         max_header_bytes=args.max_header_bytes,
+        max_client_reply_bytes=args.max_client_reply_bytes,
+        max_client_requests=args.max_client_requests,
+        max_requests=args.max_requests,
+        max_client_regions=args.max_client_regions,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
+        load_timeout=args.model_load_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
         strict_readiness=args.strict_readiness,
         exit_on_error=args.exit_on_error,

@@ -4,8 +4,10 @@ ZeroMQ sockets are not thread-safe, so a single frontend thread receives, decode
 the data plane and sends every reply.  Requests complete on scheduler threads; their done-callback
 encodes the reply there (including the copy of an output into the client's shared memory) and queues
 it, then wakes the frontend thread through an eventfd it polls beside the socket.  Sends are
-non-blocking: a client that stops reading loses replies (logged) instead of stalling everyone, and a
-vanished client is noticed (ZMQ_ROUTER_MANDATORY) and its state released.  Load and unload may take
+non-blocking: a client that stops reading is disconnected once the replies waiting for it pass
+``max_reply_bytes`` (or loses replies past ZeroMQ's 10,000-message queue), instead of stalling everyone
+or pinning the daemon's memory, and a vanished client is noticed (ZMQ_ROUTER_MANDATORY) and its state
+released.  Load and unload may take
 seconds, so they run on a one-thread control executor, never on the frontend thread.
 """
 
@@ -35,10 +37,13 @@ from edge_server.errors import (
     PermissionDenied,
     ServerShuttingDown,
     ShmUnavailable,
+    TooManyRequests,
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
-from edge_server.ipc.peers import PeerTable
+from edge_server.ipc.peers import Peer, PeerTable, connection_of, same_connection
+from edge_server.ipc.shm import MAX_REGIONS_PER_CLIENT
+from edge_server.memory import trim_heap
 from edge_server.request import ResponseSink
 
 if TYPE_CHECKING:
@@ -47,12 +52,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HWM = 10_000
+#: Default of ``--max-client-reply-bytes``: replies queued for one client that does not read them.
+DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
+#: Defaults of ``--max-client-requests`` and ``--max-requests``: requests in flight (queued or running,
+#: and open streams) for one client and for all clients together; a request over either is refused.
+DEFAULT_MAX_CLIENT_REQUESTS = 1024
+DEFAULT_MAX_REQUESTS = 8192
+_CONTROL_WORKERS = 4
+_ZERO_COPY = zmq.COPY_THRESHOLD  # frames this large are sent zero-copy, so tracking them is free
 #: Connections the kernel queues for accept: all of them may arrive after the cap is reached.
 _BACKLOG = 64
 # Plain ints: pyzmq's enum flags cost a microsecond per operation on the hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = zmqio.NOBLOCK
+_SNDMORE = int(zmq.SNDMORE)
 _PING = protocol.pack({"v": protocol.PROTOCOL_VERSION, "id": None, "op": protocol.PING})
 
 
@@ -63,7 +77,8 @@ class IpcFrontend:
     drops the connection of a peer that sends a single frame over twice that (ZMQ_MAXMSGSIZE), so a
     hostile client cannot make the daemon allocate without bound; the ``live`` reply tells clients the
     limit, so that ours refuse such requests before sending them.  ``shm_prefix`` is the only name
-    prefix clients may register shared memory under.
+    prefix clients may register shared memory under.  ``max_reply_bytes``: a client with more bytes
+    of replies waiting for it than this (it sends requests and does not read) is disconnected.
     """
 
     def __init__(
@@ -77,6 +92,10 @@ class IpcFrontend:
         max_connections: int | None = None,
         operator_gid: int | None = None,
         drain_timeout: float = 5.0,
+        max_reply_bytes: int = DEFAULT_MAX_CLIENT_REPLY_BYTES,
+        max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+        max_client_regions: int = MAX_REGIONS_PER_CLIENT,
     ) -> None:
         self.server = server
         self._dataplane = server.dataplane
@@ -85,7 +104,11 @@ class IpcFrontend:
         self.max_message_bytes = max_message_bytes
         self.max_header_bytes = min(max_header_bytes, max_message_bytes)
         self.drain_timeout = drain_timeout
-        self._peers = PeerTable(probe_interval=probe_interval)
+        self.max_reply_bytes = max_reply_bytes
+        self.max_client_requests = max_client_requests
+        self.max_requests = max_requests
+        self.slow_clients = 0  # disconnected for not reading their replies
+        self._peers = PeerTable(probe_interval=probe_interval, max_client_regions=max_client_regions)
         self._handoff: FdHandoff | None = None
         self._replies: collections.deque[tuple[bytes, list[Any], Future | _IpcStream | None]] = (
             collections.deque()
@@ -96,7 +119,10 @@ class IpcFrontend:
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
-        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-ipc-control")
+        # Several: control is locked per model, and one model's slow load must not queue the others'.
+        self._control = ThreadPoolExecutor(
+            max_workers=_CONTROL_WORKERS, thread_name_prefix="edge-ipc-control"
+        )
         self._stopping = False
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
         self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
@@ -186,6 +212,8 @@ class IpcFrontend:
             "regions": self._peers.region_count(),
             "released_clients": self._peers.dropped,
             "dropped_replies": self.dropped_replies,
+            "slow_clients": self.slow_clients,
+            "reply_backlog_bytes": self._peers.total_backlog(),
             "max_message_bytes": self.max_message_bytes,
         }
 
@@ -365,6 +393,8 @@ class IpcFrontend:
             if type(op) is not str:
                 op = protocol.field(header, "op", str)
             peer = self._peers.get(identity)
+            if peer.connection is None:
+                peer.connection = connection_of(head)
             if op == "infer":
                 self._infer(peer, identity, rid, header, frames[2:])
                 return
@@ -419,21 +449,33 @@ class IpcFrontend:
             + f"; uid {uid} is neither (inference stays open to every client)"
         )
 
-    def _infer(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+    def _admit(self, peer: Peer) -> None:
+        """Refuse a request over the client's or the daemon's in-flight limit, before it is decoded."""
         if self._stopping or self._refusing:
             raise ServerShuttingDown("the daemon is shutting down")
+        if len(peer.in_flight) + len(peer.streams) >= self.max_client_requests:
+            raise TooManyRequests(
+                f"this client has {self.max_client_requests} requests in flight, its limit "
+                "(--max-client-requests); wait for replies before sending more"
+            )
+        if self._peers.requests >= self.max_requests:
+            raise TooManyRequests(
+                f"the daemon has {self.max_requests} requests in flight, its limit (--max-requests)"
+            )
+
+    def _infer(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+        self._admit(peer)
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
         outcome = self._dataplane.dispatch(request)
         if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
             assert self._sock is not None
-            self._send(self._sock, identity, handlers.encode_result(ctx, outcome, self._pack))
+            self._send(self._sock, identity, handlers.encode_result(ctx, outcome, self._pack), peer)
             return
-        peer.in_flight.add(outcome)
+        self._peers.track(peer, outcome)
         outcome.add_done_callback(partial(self._infer_done, identity, ctx))
 
-    def _stream(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
-        if self._stopping or self._refusing:
-            raise ServerShuttingDown("the daemon is shutting down")
+    def _stream(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+        self._admit(peer)
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
         if ctx.shm_outputs:
             raise InvalidArgument("the responses of a stream travel inline; leave out 'shm' in 'outputs'")
@@ -442,7 +484,7 @@ class IpcFrontend:
         sink = _IpcStream(self, identity, ctx)
         self._dataplane.stream(request, sink)
         # Even if it already finished: its final reply is taken off below on this thread, after this.
-        peer.streams[rid] = sink
+        self._peers.track(peer, (rid, sink))
 
     def _infer_done(self, identity: bytes, ctx: handlers.InferContext, future: Future) -> None:
         """Runs on the scheduler thread that finished the request: encode here, send on the frontend."""
@@ -473,22 +515,23 @@ class IpcFrontend:
 
     def _send_replies(self, sock: zmq.Socket) -> None:
         replies = self._replies
+        find = self._peers.find
         while replies:
             identity, frames, done = replies.popleft()
+            peer = find(identity)
             if done is not None:
-                peer = self._peers.find(identity)
                 if peer is None:
                     continue  # dropped while the request ran
-                if isinstance(done, _IpcStream):  # the final response of a stream
-                    peer.streams.pop(done.ctx.rid, None)
-                else:
-                    peer.in_flight.discard(done)
+                self._peers.settle(peer, done, done.ctx.rid if isinstance(done, _IpcStream) else None)
             if frames:
-                self._send(sock, identity, frames)
+                self._send(sock, identity, frames, peer)
 
-    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any]) -> None:
+    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any], peer: Peer | None = None) -> None:
         try:
-            zmqio.send_frames(sock, [identity, *frames], _NOBLOCK)
+            if peer is None:
+                zmqio.send_frames(sock, [identity, *frames], _NOBLOCK)
+            else:
+                self._send_counted(sock, peer, frames)
         except zmq.Again:
             self.dropped_replies += 1
             log.warning("client %s is not reading its replies; one reply dropped", identity.hex())
@@ -496,6 +539,68 @@ class IpcFrontend:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self._peers.drop(identity, "disconnected")
+
+    def _send_counted(self, sock: zmq.Socket, peer: Peer, frames: list[Any]) -> None:
+        """Send a reply and count its bytes against ``peer``'s backlog (see ``peers.ReplyBacklog``)."""
+        nbytes = 0
+        tracked = -1  # the last zero-copy frame: ZeroMQ frees a message's frames in order
+        for index, frame in enumerate(frames):
+            if type(frame) is bytes:
+                size = len(frame)
+            elif isinstance(frame, zmq.Frame):  # a received frame sent on has no tracker: not a mark
+                nbytes += len(frame)
+                continue
+            else:
+                size = memoryview(frame).nbytes
+            nbytes += size
+            if size >= _ZERO_COPY:
+                tracked = index
+        backlog = peer.backlog
+        if tracked < 0 and not backlog.wants_mark(nbytes):
+            zmqio.send_frames(sock, [peer.identity, *frames], _NOBLOCK)
+            backlog.sent_reply(nbytes, None)
+            return
+        if tracked < 0:  # a small reply that marks the backlog: its header goes zero-copy, tracked
+            tracked = 0
+            frames = [zmq.Frame(frames[0], copy=False, track=True), *frames[1:]]
+        send = zmqio.send_one
+        send(sock, peer.identity, _NOBLOCK | _SNDMORE)
+        last = len(frames) - 1
+        tracker: zmq.MessageTracker | None = None
+        for index, frame in enumerate(frames):
+            flags = 0 if index == last else _SNDMORE
+            if index == tracked:
+                tracker = send(sock, frame, flags, track=True)
+            else:
+                send(sock, frame, flags)
+        backlog.sent_reply(nbytes, tracker)
+        if backlog.sent - backlog.freed > self.max_reply_bytes:
+            pending = backlog.pending()
+            if pending > self.max_reply_bytes:
+                self._disconnect_slow(peer, pending)
+
+    def _disconnect_slow(self, peer: Peer, pending: int) -> None:
+        """Shut down the connection of a client that does not read; ZeroMQ then frees its replies."""
+        self.slow_clients += 1
+        log.warning(
+            "client %s is not reading its replies: %d bytes wait for it, over --max-client-reply-bytes "
+            "(%d); disconnecting it",
+            peer.identity.hex(),
+            pending,
+            self.max_reply_bytes,
+        )
+        if peer.connection is not None and same_connection(peer.connection):
+            refuse_connection(peer.connection[0])
+        self._peers.drop(peer.identity, "disconnected for not reading its replies")
+        # The replies are freed by ZeroMQ's I/O thread and pyzmq's collector a moment later; the pages
+        # of the outputs go back to the system once they are.
+        timer = threading.Timer(_TRIM_DELAY_S, trim_heap)
+        timer.daemon = True
+        timer.start()
+
+
+#: After a slow client is disconnected, when to hand the memory of its replies back to the system.
+_TRIM_DELAY_S = 1.0
 
 
 class _IpcStream(ResponseSink):
