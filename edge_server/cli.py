@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from edge_server import __version__, dtypes
+from edge_server.backends.base import ONNXRUNTIME_THREAD_POLICIES
 from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
@@ -129,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "on-load"],
         default="none",
         help="on-load: rebuild TensorRT plans built for another TensorRT/device from the ONNX beside them",
+    )
+    serve.add_argument(
+        "--onnxruntime-thread-policy",
+        choices=list(ONNXRUNTIME_THREAD_POLICIES),
+        default="auto",
+        help="auto: ONNX Runtime's default threads for the only CPU ONNX Runtime instance on the box, "
+        "else the cores split among them with spinning off; default/split: always that",
     )
     serve.add_argument(
         "--repository-quiet-secs",
@@ -344,6 +352,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         latency_summaries=summary_options(args.metrics_config),
         engine_build=args.engine_build,
+        onnxruntime_thread_policy=args.onnxruntime_thread_policy,
         kserve=kserve_options(args),
     )
     return Daemon(options).run()

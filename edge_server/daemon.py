@@ -57,6 +57,7 @@ class DaemonOptions:
     metrics_address: str = "127.0.0.1"
     metrics_port: int = 8002
     latency_summaries: SummaryOptions | None = None  # --metrics-config summary_latencies=true
+    onnxruntime_thread_policy: str = "auto"  # auto: ONNX Runtime's defaults only for a model alone on the box
 
 
 def operator_gid(group: str | None) -> int | None:
@@ -97,6 +98,7 @@ class Daemon:
             engine_build=options.engine_build,
             load_timeout=options.load_timeout,
             latency_summaries=options.latency_summaries,
+            onnxruntime_thread_policy=options.onnxruntime_thread_policy,
         )
         supervisor.attach(server)
         frontend = None

@@ -111,6 +111,8 @@ class ModelManager:
         self._loading_members: set[str] = set()  # members an explicit ensemble load is bringing up
         # --metrics-config summary_latencies=true: versions keep latency quantiles (set by Server)
         self.latency_summaries: SummaryOptions | None = None
+        # --onnxruntime-thread-policy (set by Server): auto, default or split; see _stale_threads
+        self.onnxruntime_thread_policy = "auto"
 
     def attach(self, access: ModelAccess) -> None:
         """Give the models loaded from now on their way to other models (ensembles, BLS calls)."""
@@ -279,7 +281,9 @@ class ModelManager:
                 if previous is not None:
                     self._overrides[name] = previous
                 raise
-            return [s for s in self.index() if s.name == name]
+        if name not in self._loading_members:  # an ensemble's member: the ensemble's load does it
+            self._rebuild_alone_no_more()
+        return [s for s in self.index() if s.name == name]
 
     def _overridden(self, source: ModelSource) -> ModelSource:
         override = self._overrides.get(source.name)
@@ -313,11 +317,14 @@ class ModelManager:
             self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
             self._publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
 
-    def rescan(self, names: Iterable[str] | None = None, *, retry_failed: bool = True) -> None:
+    def rescan(
+        self, names: Iterable[str] | None = None, *, retry_failed: bool = True, rebuild_threads: bool = True
+    ) -> None:
         """Reload what changed on disk among ``names`` (default: every model); unload removed models.
 
         Failures are logged and kept in the index; they never stop the rescan of the other models.
         ``retry_failed=False`` (the watcher) skips versions whose exact content already failed.
+        ``rebuild_threads``: afterwards, rebuild models that ONNX Runtime's defaults no longer suit.
         """
         with self._changing(None):
             self._check_open()
@@ -356,6 +363,8 @@ class ModelManager:
                 # A member that arrived may be what an ensemble loaded earlier was missing.
                 failed_ensembles += self._unavailable_ensembles(exclude=set(ordered))
             self._retry_ensembles(failed_ensembles)
+        if rebuild_threads:
+            self._rebuild_alone_no_more()
 
     def _unavailable_ensembles(self, *, exclude: set[str]) -> list[ModelSource]:
         with self._status_lock:
@@ -572,7 +581,11 @@ class ModelManager:
         name = source.name
         signature = source.version_signature(version)
         content_hash = config_hash + source.version_hash(version)
-        if existing is not None and existing.content_hash == content_hash:
+        if (
+            existing is not None
+            and existing.content_hash == content_hash
+            and not self._alone_no_more(existing)
+        ):
             return existing
         known = self._failed.get((name, version))
         if known is not None and known[0] == content_hash and not retry_failed:
@@ -590,6 +603,8 @@ class ModelManager:
                 cpu_count=self._cpu_count,
                 access=self._access,
                 rebuilder=self.engine_rebuilder,
+                sharing=self._cpu_onnxruntime_instances(exclude=(name, version)),
+                thread_policy=self.onnxruntime_thread_policy,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
             reason = exc.message if isinstance(exc, EdgeServerError) else repr(exc)
@@ -623,6 +638,48 @@ class ModelManager:
             extra={"model": name, "version": version},
         )
         return loaded
+
+    def _cpu_onnxruntime_instances(self, *, exclude: tuple[str, int] | None = None) -> int:
+        """CPU ONNX Runtime sessions of every serving version but ``exclude`` (the one being replaced)."""
+        return sum(
+            loaded.cpu_onnxruntime_instances
+            for name, versions in self._serving.items()
+            for version, loaded in versions.items()
+            if (name, version) != exclude
+        )
+
+    def _alone_no_more(self, loaded: LoadedVersion) -> bool:
+        """Whether ``loaded`` has ONNX Runtime's default threads from ``auto`` and others loaded since.
+
+        Its spinning workers would steal the newcomers' cores, and a session cannot change its threads:
+        it is built again, as a hot reload does (the old one serves until the new one is ready).
+        """
+        settings = loaded.thread_settings
+        if settings is None or not settings["rule"].startswith("auto: the only"):
+            return False
+        return self._cpu_onnxruntime_instances(exclude=(loaded.name, loaded.version)) > 0
+
+    def _rebuild_alone_no_more(self) -> None:
+        """Reload the versions :meth:`_alone_no_more` names (after a load or a rescan brought others)."""
+        stale = sorted(
+            {
+                v.name
+                for versions in self._serving.values()
+                for v in versions.values()
+                if self._alone_no_more(v)
+            }
+        )
+        if not stale or self._closed:
+            return
+        log.info(
+            "%s: built with ONNX Runtime's default threads as the only CPU ONNX Runtime model; other "
+            "models loaded since, so rebuilding with the cores split (--onnxruntime-thread-policy auto)",
+            ", ".join(stale),
+        )
+        try:
+            self.rescan(stale, rebuild_threads=False)  # once: a reload that fails keeps the old one serving
+        except EdgeServerError as exc:  # shutting down meanwhile; per-model failures are logged by rescan
+            log.warning("rebuilding %s with split threads: %s", ", ".join(stale), exc.message)
 
     def _load_in_thread(self, source: ModelSource, version: int, *args: Any, **kwargs: Any) -> LoadedVersion:
         """``load_version`` on a thread of its own, given up after ``load_timeout`` or at close().

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
@@ -50,6 +51,13 @@ class LoadedVersion:
     #: an ensemble's members (name, version or None: latest); it is ready only while they are
     members: tuple[tuple[str, int | None], ...] = ()
     note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
+    #: ONNX Runtime: the thread settings its first instance was built with (status shows them)
+    thread_settings: dict[str, Any] | None = None
+
+    @property
+    def cpu_onnxruntime_instances(self) -> int:
+        """How many CPU ONNX Runtime sessions this version runs (the thread rule counts them)."""
+        return self.devices.count("cpu") if self.config.backend == "onnxruntime" else 0
 
     def retire(self, deadline: float, *, finish_sequences: bool = False) -> None:
         """Let queued and running requests finish (until ``deadline``, monotonic), then free everything.
@@ -104,10 +112,14 @@ def load_version(
     cpu_count: int | None = None,
     access: ModelAccess | None = None,
     rebuilder: EngineRebuilder | None = None,
+    sharing: int = 0,
+    thread_policy: str = "auto",
 ) -> LoadedVersion:
     """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable.
 
     ``access`` reaches other models (a Python model's BLS calls); None where nothing can be called.
+    ``sharing``: CPU ONNX Runtime instances of the other loaded versions, which an ONNX Runtime model's
+    CPU instances share the cores with; ``thread_policy``: ``--onnxruntime-thread-policy``.
     """
     if config.backend == "ensemble":
         return _load_ensemble(source, version, config, content_hash=content_hash, access=access)
@@ -126,7 +138,13 @@ def load_version(
     _check_io(config)
     config = config.replace(instance_groups=named_instance_groups(config))
     warn_missing_gpus(config, gpu_ids())
-    specs = instance_specs(config, backend_cls, cpu_count=cpu_count or os.cpu_count() or 1)
+    specs = instance_specs(
+        config,
+        backend_cls,
+        cpu_count=cpu_count or os.cpu_count() or 1,
+        sharing=sharing if config.backend == "onnxruntime" else 0,
+        thread_policy=thread_policy,
+    )
     instances: list[tuple[str, Backend]] = []
     try:
         for spec in specs:
@@ -180,6 +198,7 @@ def load_version(
         devices=tuple(backend.device for _, backend in instances),
         validator=RequestValidator(config),
         note=choice.note,
+        thread_settings=next((b.thread_settings for _, b in instances if b.thread_settings), None),
     )
 
 
@@ -252,8 +271,17 @@ def named_instance_groups(config: ModelConfig) -> tuple[InstanceGroup, ...]:
     )
 
 
-def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count: int) -> list[InstanceSpec]:
+def instance_specs(
+    config: ModelConfig,
+    backend_cls: type[Backend],
+    *,
+    cpu_count: int,
+    sharing: int = 0,
+    thread_policy: str = "auto",
+) -> list[InstanceSpec]:
     """Resolve ``instance_group`` into concrete instances; CPU threads are split among CPU instances.
+
+    ``sharing``: CPU instances of other models that share the cores (the ONNX Runtime thread rule).
 
     Instance ``c`` of a group is named ``<group name>_<c>``, as Triton names them (a group spread over
     several GPUs or DLA cores gives each device's copy the same name, as in Triton).
@@ -278,8 +306,17 @@ def instance_specs(config: ModelConfig, backend_cls: type[Backend], *, cpu_count
             else:
                 resolved.append((name, "KIND_CPU", 0))
     cpu_instances = sum(1 for _, kind, _ in resolved if kind == "KIND_CPU")
-    threads = max(1, cpu_count // max(cpu_instances, 1))
+    box = cpu_instances + sharing
+    threads = max(1, cpu_count // max(box, 1))
     return [
-        InstanceSpec(name=name, kind=kind, device_id=device, threads=threads, cpu_count=cpu_count)
+        InstanceSpec(
+            name=name,
+            kind=kind,
+            device_id=device,
+            threads=threads,
+            cpu_count=cpu_count,
+            box_instances=box,
+            thread_policy=thread_policy,
+        )
         for name, kind, device in resolved
     ]

@@ -33,5 +33,7 @@ def model_report(manager: ModelManager) -> list[dict[str, Any]]:
                 busy_s={name: ns / 1e9 for name, ns in loaded.scheduler.instance_busy_ns().items()},
                 last_inference_ms=stats["last_inference"],
             )
+            if loaded.thread_settings is not None:
+                row["threads"] = loaded.thread_settings
         rows.append(row)
     return rows

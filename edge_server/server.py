@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from edge_server.access import LocalAccess
+from edge_server.backends.base import ONNXRUNTIME_THREAD_POLICIES
 from edge_server.backends.tensorrt.rebuild import ENGINE_BUILD_MODES, EngineRebuilder
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
@@ -74,6 +75,7 @@ class Server:
         engine_build: str = "none",
         load_timeout: float = DEFAULT_LOAD_TIMEOUT_S,
         latency_summaries: SummaryOptions | None = None,
+        onnxruntime_thread_policy: str = "auto",
     ) -> None:
         """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
 
@@ -81,10 +83,16 @@ class Server:
         ``engine_build="on-load"`` rebuilds TensorRT plans that cannot serve here (another TensorRT
         version or device, or missing) from the ONNX beside them, in the background, while the ONNX serves.
         ``latency_summaries``: every version keeps latency quantiles for Triton's summary metrics.
+        ``onnxruntime_thread_policy``: auto, default or split (README, "Dynamic batching and instances").
         """
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
                 f"model_control_mode must be one of {list(CONTROL_MODES)}, got {model_control_mode!r}"
+            )
+        if onnxruntime_thread_policy not in ONNXRUNTIME_THREAD_POLICIES:
+            raise InvalidArgument(
+                f"onnxruntime_thread_policy must be one of {list(ONNXRUNTIME_THREAD_POLICIES)}, "
+                f"got {onnxruntime_thread_policy!r}"
             )
         repository = Path(model_repository) if model_repository is not None else default_repository()
         if not repository.is_dir():
@@ -98,6 +106,7 @@ class Server:
         for listener in listeners:
             self._manager.add_listener(listener)
         self._manager.latency_summaries = latency_summaries
+        self._manager.onnxruntime_thread_policy = onnxruntime_thread_policy
         self._dataplane = DataPlane(self._manager)
         # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
         # draining, strict readiness) and the daemon's part of status().  None in-process.

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,16 @@ class InstanceSpec:
     device_id: int = 0
     threads: int = 1  # intra-op threads this instance may use without oversubscribing the cores
     cpu_count: int = 1  # the cores the loader split among the model's CPU instances
+    #: CPU instances sharing those cores: this model's, plus (ONNX Runtime) every other loaded
+    #: version's CPU ONNX Runtime instances; 0 where the loader did not count (tools, tests)
+    box_instances: int = 0
+    #: the daemon's ``--onnxruntime-thread-policy`` (auto, default, split)
+    thread_policy: str = "auto"
+
+
+#: ``--onnxruntime-thread-policy``: ``auto`` gives ONNX Runtime's default threads to the only CPU ONNX
+#: Runtime instance on the box and splits the cores otherwise; ``default`` and ``split`` force one.
+ONNXRUNTIME_THREAD_POLICIES = ("auto", "default", "split")
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,9 @@ class Backend(abc.ABC):
 
     #: device label for status and metrics: "cpu", "cuda:0", "dla:1"
     device: str = "cpu"
+
+    #: the thread settings the instance was built with, for status (ONNX Runtime); None elsewhere
+    thread_settings: dict[str, Any] | None = None
 
     @classmethod
     def gpu_available(cls) -> bool:

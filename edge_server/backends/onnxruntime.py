@@ -2,9 +2,9 @@
 
 Execution providers are picked from what this onnxruntime build offers and what the instance group and
 ``optimization.execution_accelerators`` ask for (TensorRT EP, then CUDA EP, then CPU), as Triton's
-onnxruntime backend does.  Thread counts are set per instance so that N instances share the cores
-instead of each spawning a pool as large as the machine; a model with one CPU instance keeps ONNX Runtime's
-own thread settings (see :func:`thread_policy`).
+onnxruntime backend does.  Thread counts are set per instance so that the CPU ONNX Runtime instances of
+every loaded model share the cores instead of each spawning a pool as large as the machine; the only one
+on the box keeps ONNX Runtime's own thread settings (see :func:`thread_policy`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_server import dtypes
-from edge_server.backends.base import InstanceSpec, LoadContext, OutputBuffer, TensorBackend
+from edge_server.backends.base import (
+    ONNXRUNTIME_THREAD_POLICIES,
+    InstanceSpec,
+    LoadContext,
+    OutputBuffer,
+    TensorBackend,
+)
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError, ShmOutOfBounds
 
@@ -39,31 +45,52 @@ _Graph = tuple[str, str, list[int]]
 THREAD_POLICIES = ("default", "split")
 
 
-def thread_policy(params: dict[str, str], instance: InstanceSpec, *, source: str) -> str:
-    """Which thread rule an instance's session follows (the rule README's ONNX Runtime section states).
+def thread_policy(params: dict[str, str], instance: InstanceSpec, *, source: str) -> tuple[str, str]:
+    """Which thread rule an instance's session follows, and why (README's ONNX Runtime section).
 
     ``default``: ONNX Runtime's own settings (one intra-op thread per core, workers spinning briefly
     between runs), the fastest for one model with one instance: spinning saves the wake-up of every
     worker on every run, 15-20% of a 9 ms CNN call on a 2-core box.  ``split``: the cores divided
-    among the model's CPU instances and spinning off, so that several instances, or other processes
-    (a camera pipeline), keep their cores.  A model with one CPU instance gets ``default``, one with
-    several gets ``split``; ``parameters { key: "thread_policy" }`` overrides that.
+    among every CPU ONNX Runtime instance on the box and spinning off, so that several instances or
+    models, and the rest of a camera pipeline, keep their cores (spinning workers of two sessions
+    steal each other's cores: 2-5x slower on a loaded 2-core box).  Per-model
+    ``parameters { key: "thread_policy" }`` wins, then the daemon's ``--onnxruntime-thread-policy``;
+    its ``auto`` gives ``default`` only to the one CPU ONNX Runtime instance on the box at load time.
     """
     policy = params.get("thread_policy")
-    if policy is None:
-        return "default" if instance.threads >= instance.cpu_count else "split"
-    if policy not in THREAD_POLICIES:
+    if policy is not None:
+        if policy not in THREAD_POLICIES:
+            raise ConfigError(
+                f"{source}: parameters thread_policy is {policy!r}; expected one of {list(THREAD_POLICIES)}"
+            )
+        return policy, "the model's thread_policy parameter"
+    daemon = instance.thread_policy
+    if daemon not in ONNXRUNTIME_THREAD_POLICIES:
         raise ConfigError(
-            f"{source}: parameters thread_policy is {policy!r}; expected one of {list(THREAD_POLICIES)}"
+            f"onnxruntime thread policy is {daemon!r}; expected one of {list(ONNXRUNTIME_THREAD_POLICIES)}"
         )
-    return policy
+    if daemon != "auto":
+        return daemon, "--onnxruntime-thread-policy"
+    # 0: nobody counted (a tool loading one model): the model's own instances, as the loader split them.
+    sharing = instance.box_instances or (instance.cpu_count // max(instance.threads, 1))
+    if sharing <= 1:
+        return "default", "auto: the only CPU ONNX Runtime instance"
+    return "split", f"auto: {sharing} CPU ONNX Runtime instances share {instance.cpu_count} cores"
 
 
 def session_options(params: dict[str, str], instance: InstanceSpec, *, source: str) -> ort.SessionOptions:
     """SessionOptions for one instance: the thread policy, then Triton's explicit parameters win."""
+    return _session_options(params, instance, source=source)[0]
+
+
+def _session_options(
+    params: dict[str, str], instance: InstanceSpec, *, source: str
+) -> tuple[ort.SessionOptions, dict[str, Any]]:
+    """SessionOptions and what they say about threads (ORT cannot read them back from a session)."""
     options = ort.SessionOptions()
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if thread_policy(params, instance, source=source) == "split":
+    policy, why = thread_policy(params, instance, source=source)
+    if policy == "split":
         options.intra_op_num_threads = instance.threads
         options.inter_op_num_threads = 1
         spinning = "0"
@@ -78,10 +105,21 @@ def session_options(params: dict[str, str], instance: InstanceSpec, *, source: s
         raise ConfigError(
             f"{source}: parameters intra/inter_op_thread_count must be integers: {exc}"
         ) from exc
-    options.add_session_config_entry(
-        "session.intra_op.allow_spinning", params.get("session.intra_op.allow_spinning", spinning)
+    spinning = params.get("session.intra_op.allow_spinning", spinning)
+    options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+    explicit = sorted(
+        k
+        for k in ("intra_op_thread_count", "inter_op_thread_count", "session.intra_op.allow_spinning")
+        if k in params
     )
-    return options
+    settings = {
+        "policy": policy,
+        "rule": why + (f"; explicit {', '.join(explicit)}" if explicit else ""),
+        "intra_op_threads": options.intra_op_num_threads,  # 0: ONNX Runtime's, one per core
+        "inter_op_threads": options.inter_op_num_threads,
+        "spinning": spinning != "0",
+    }
+    return options, settings
 
 
 def _graph_tensors(args: Sequence[Any]) -> list[tuple[str, str, list[int]]]:
@@ -234,7 +272,7 @@ class OnnxRuntimeBackend(TensorBackend):
 
     def __init__(self, ctx: LoadContext) -> None:
         config = ctx.config
-        options = session_options(config.parameters, ctx.instance, source=config.source)
+        options, threads = _session_options(config.parameters, ctx.instance, source=config.source)
         options.log_severity_level = 3
         providers = self._providers(ctx)
         try:
@@ -244,6 +282,7 @@ class OnnxRuntimeBackend(TensorBackend):
         used = self._session.get_providers()[0]
         self.device = "cpu" if used == "CPUExecutionProvider" else f"cuda:{ctx.instance.device_id}"
         self.allows_inline = self.device == "cpu"
+        self.thread_settings = threads
         self.output_names = tuple(t.name for t in config.outputs) + config.state_outputs()
         self.batched = config.max_batch_size > 0
         strings = [t.name for t in config.inputs if t.data_type == "TYPE_STRING"]
