@@ -15,7 +15,8 @@ when it has no server); and the real daemon (IPC and HTTP) on a temporary reposi
   the box), and with dynamic batching (max batch 8, 2 ms delay).
 
 The daemon runs with ``--onnxruntime-thread-policy default``: every model here is measured on its own,
-as if alone on the box (under ``auto`` the four loaded here would all split the cores).
+as if alone on the box (``--thread-policy auto`` shows the rule itself: the four models loaded here
+share the box, so every one gets split threads, ``cnn`` included).
 
 Single-stream cases alternate in blocks within a round; the 8-client throughput cases (8 threads, each
 with its own connection) alternate round by round.  Medians over rounds; ratios are of the medians.
@@ -221,6 +222,12 @@ def main() -> int:
     parser.add_argument("--cnn-requests", type=int, default=100, help="single-stream CNN requests per round")
     parser.add_argument("--seconds", type=float, default=6.0, help="per 8-client case and round")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--thread-policy",
+        choices=["auto", "default", "split"],
+        default="default",
+        help="the daemon's --onnxruntime-thread-policy (auto: the models here share the box, so split)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.runs, args.requests, args.cnn_requests, args.seconds = 1, 400, 30, 2.0
@@ -237,7 +244,7 @@ def main() -> int:
             "--http-port",
             str(http_port),
             "--onnxruntime-thread-policy",
-            "default",  # each model measured as if alone on the box; cnn_split says split itself
+            args.thread_policy,  # default: each model as if alone on the box; cnn_split says split itself
         )
         procs = {
             "echo": [sys.executable, "-c", ECHO, f"ipc://{root}/echo.sock"],
