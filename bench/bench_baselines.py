@@ -377,13 +377,13 @@ def report(results: dict[str, list[float]], args: argparse.Namespace) -> None:
         ),
         ("minimal zmq+ORT server, CNN 224", f"{m['min_cnn'] / 1000:.2f} ms", "", ""),
         (
-            "edge-server IPC, CNN 224 (ORT defaults: auto, model alone)",
+            f"edge-server IPC, CNN 224 (--onnxruntime-thread-policy {args.thread_policy})",
             f"{m['es_cnn'] / 1000:.2f} ms",
             f"{m['es_cnn'] / m['min_cnn']:.2f}x minimal",
             _target(m["es_cnn"] <= m["min_cnn"], "<= 1x"),
         ),
         (
-            "edge-server IPC, CNN 224 (split: auto, models sharing)",
+            "edge-server IPC, CNN 224 (thread_policy split)",
             f"{m['es_cnn_split'] / 1000:.2f} ms",
             f"{m['es_cnn_split'] / m['min_cnn']:.2f}x minimal",
             "",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_server.backends.base import AUTO_ALONE_RULE
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
@@ -655,7 +656,7 @@ class ModelManager:
         it is built again, as a hot reload does (the old one serves until the new one is ready).
         """
         settings = loaded.thread_settings
-        if settings is None or not settings["rule"].startswith("auto: the only"):
+        if settings is None or settings["rule"] != AUTO_ALONE_RULE:
             return False
         return self._cpu_onnxruntime_instances(exclude=(loaded.name, loaded.version)) > 0
 

@@ -55,6 +55,8 @@ class InstanceSpec:
 #: ``--onnxruntime-thread-policy``: ``auto`` gives ONNX Runtime's default threads to the only CPU ONNX
 #: Runtime instance on the box and splits the cores otherwise; ``default`` and ``split`` force one.
 ONNXRUNTIME_THREAD_POLICIES = ("auto", "default", "split")
+#: the ``rule`` of thread settings that ``auto`` chose because the instance was alone on the box
+AUTO_ALONE_RULE = "auto: the only CPU ONNX Runtime instance"
 
 
 @dataclass(frozen=True)

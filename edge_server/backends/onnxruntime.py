@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 from edge_server import dtypes
 from edge_server.backends.base import (
+    AUTO_ALONE_RULE,
     ONNXRUNTIME_THREAD_POLICIES,
     InstanceSpec,
     LoadContext,
@@ -74,7 +75,7 @@ def thread_policy(params: dict[str, str], instance: InstanceSpec, *, source: str
     # 0: nobody counted (a tool loading one model): the model's own instances, as the loader split them.
     sharing = instance.box_instances or (instance.cpu_count // max(instance.threads, 1))
     if sharing <= 1:
-        return "default", "auto: the only CPU ONNX Runtime instance"
+        return "default", AUTO_ALONE_RULE
     return "split", f"auto: {sharing} CPU ONNX Runtime instances share {instance.cpu_count} cores"
 
 
