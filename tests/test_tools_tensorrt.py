@@ -128,3 +128,25 @@ def test_doctor_table_on_a_recorded_jetson_tree(capsys: pytest.CaptureFixture[st
     assert "Jetson AGX Orin 64GB, JetPack 6.0 (L4T 36.3.0)" in out
     assert "MAXN (id 0, from status file)" in out
     assert "PASS  cpu (onnxruntime)" in out
+
+
+def test_also_gpu_config_places_the_gpu_and_every_dla_core(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--also-gpu goes with --dla-core"):
+        build_engine.batch_range(_args(also_gpu=True))
+    assert build_engine.batch_range(_args(also_gpu=True, dla_core=0)) == (1, 1, 1)
+    description = load_description(DATA / "tensorrt" / "cnn_fp16_two_profiles.json")
+    config = build_engine.completed_config("cnn", description)
+    path = tmp_path / "config.pbtxt"
+    path.write_text(build_engine.config_text(config, 0, gpu_too=True, dla_cores=2))
+    parsed, warnings = load_config_file(path, default_name="cnn")
+    assert warnings == []
+    assert [
+        (g.kind, [(d.kind, d.device_id) for d in g.secondary_devices]) for g in parsed.instance_groups
+    ] == [
+        ("KIND_GPU", []),
+        ("KIND_GPU", [("KIND_NVDLA", 0)]),
+        ("KIND_GPU", [("KIND_NVDLA", 1)]),
+    ]
+    path.write_text(build_engine.config_text(config, None))
+    (group,) = load_config_file(path, default_name="cnn")[0].instance_groups
+    assert group.kind == "KIND_GPU" and group.secondary_devices == ()

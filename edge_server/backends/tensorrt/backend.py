@@ -24,7 +24,7 @@ from edge_server import dtypes
 from edge_server.backends.base import LoadContext, OutputBuffer, TensorBackend
 from edge_server.backends.tensorrt import cache, engine, planning
 from edge_server.backends.tensorrt.config_check import complete_from_engine
-from edge_server.backends.tensorrt.placement import place
+from edge_server.backends.tensorrt.placement import place, plan_for
 from edge_server.config.model import ModelConfig
 from edge_server.errors import BackendUnavailable, ModelExecutionError
 
@@ -71,7 +71,8 @@ class TensorRTBackend(TensorBackend):
 
     def __init__(self, ctx: LoadContext) -> None:
         caps = require_capabilities()
-        record = cache.read_record(ctx.model_path)
+        plan = plan_for(ctx.instance, ctx.model_path)  # a DLA instance's own plan, where there is one
+        record = cache.read_record(plan)
         placement = place(
             ctx.instance,
             gpu_count=caps.gpus,
@@ -84,13 +85,22 @@ class TensorRTBackend(TensorBackend):
         self.batched = ctx.config.max_batch_size > 0
         self._cuda = engine.Cuda(placement.gpu)
         self._traits = self._cuda.traits()
-        self._engine = engine.TrtEngine(ctx.model_path, dla_core=placement.dla_core)
-        self._description = self._engine.describe()
+        self._engine = engine.TrtEngine(plan, dla_core=placement.dla_core)
+        self.plan = plan
+        try:
+            self._description = self._engine.describe()
+            if plan != ctx.model_path:  # the config was completed from the model's plan: check this one
+                complete_from_engine(ctx.config.replace(source=str(plan)), self._description)
+        except BaseException:
+            self._engine.close()
+            raise
         self._dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in self._description.tensors}
         self._contexts: dict[int, engine.TrtContext] = {}
         self._buffers: dict[str, _Buffer] = {}
         self._stream = self._cuda.create_stream()
-        log.info("%s: TensorRT %s engine on %s", ctx.instance.name, self._engine.version, self.device)
+        log.info(
+            "%s: TensorRT %s engine %s on %s", ctx.instance.name, self._engine.version, plan.name, self.device
+        )
 
     # -- buffers ----------------------------------------------------------------------------------
 
