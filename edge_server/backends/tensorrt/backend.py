@@ -234,10 +234,10 @@ class TensorRTBackend(TensorBackend):
             return None
         return view
 
-    def _map(self, host: int, size: int, registered: list[int]) -> int | None:
+    def _map(self, host: int, size: int, registered: list[int], *, read_only: bool = False) -> int | None:
         """Register a client's span for the GPU and return its device address; None if CUDA refuses."""
         try:
-            self._cuda.register(host, size)
+            self._cuda.register(host, size, read_only=read_only)
         except ModelExecutionError as exc:  # e.g. pages another registration (an input) already covers
             log.debug("host registration of an output span failed (%s); copying", exc.message)
             return None
@@ -249,8 +249,9 @@ class TensorRTBackend(TensorBackend):
     def _stage_input(self, name: str, array: np.ndarray, registered: list[int]) -> int:
         """The device address the engine reads ``array`` from: mapped in place, or copied once."""
         address, size = array.ctypes.data, array.nbytes
-        if planning.input_staging(self._traits, address, size) == planning.MAP:
-            mapped = self._map(address, size, registered)
+        read_only = not array.flags.writeable  # e.g. a client's sealed frame, mapped read-only
+        if planning.input_staging(self._traits, address, size, read_only=read_only) == planning.MAP:
+            mapped = self._map(address, size, registered, read_only=read_only)
             if mapped is not None:
                 return mapped
         integrated = planning.output_in_host_memory(self._traits)

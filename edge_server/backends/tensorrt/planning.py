@@ -131,15 +131,21 @@ class DeviceTraits:
     #: cudaDevAttrCanUseHostPointerForRegisteredMem: registered host memory has the same address on
     #: the device, so no cudaHostGetDevicePointer is needed
     host_pointer_is_device_pointer: bool = False
+    #: cudaDevAttrHostRegisterReadOnlySupported: read-only pages (a client's sealed frame, mapped
+    #: read-only) can be registered with cudaHostRegisterReadOnly; without it they are copied
+    host_register_read_only: bool = False
 
 
-def input_staging(traits: DeviceTraits, address: int, size: int) -> str:
+def input_staging(traits: DeviceTraits, address: int, size: int, *, read_only: bool = False) -> str:
     """Whether a host input (e.g. a frame in a client's shared memory) is mapped in place or copied.
 
     Mapping pays on an integrated GPU only (on a discrete GPU mapped memory is read over PCIe on every
     access); it needs host registration, a page-aligned start (cudaHostRegister's requirement on Tegra),
-    and a size large enough to be worth the registration.
+    and a size large enough to be worth the registration.  Read-only memory (a sealed frame mapped
+    read-only) also needs the device to support read-only registration.
     """
+    if read_only and not traits.host_register_read_only:
+        return PINNED_COPY
     if (
         traits.integrated
         and traits.can_map_host_memory
