@@ -150,3 +150,42 @@ def test_also_gpu_config_places_the_gpu_and_every_dla_core(tmp_path: Path) -> No
     path.write_text(build_engine.config_text(config, None))
     (group,) = load_config_file(path, default_name="cnn")[0].instance_groups
     assert group.kind == "KIND_GPU" and group.secondary_devices == ()
+
+
+class _CalibratorBase:
+    """Test double of ``trt.IInt8EntropyCalibrator2`` (no TensorRT here): a plain base class."""
+
+    def __init__(self) -> None:
+        pass
+
+
+FAKE_TRT = argparse.Namespace(IInt8EntropyCalibrator2=_CalibratorBase)  # test double of the tensorrt module
+
+
+def test_int8_from_a_calibration_cache_alone(tmp_path: Path) -> None:
+    table = tmp_path / "det.cache"
+    table.write_bytes(b"TRT-8601-EntropyCalibration2\ninput: 3c010a14\n")
+    options = builder.BuildOptions(int8=True, calibration_cache=table)
+    assert builder.checked_options(options, print) == options
+    calibrator = builder.calibrator_for(FAKE_TRT, network=None, options=options)
+    assert isinstance(calibrator, _CalibratorBase)
+    assert calibrator.read_calibration_cache() == table.read_bytes()
+    assert calibrator.get_batch(["input"]) is None  # never asks for images
+    calibrator.write_calibration_cache(b"other")
+    assert table.read_bytes().startswith(b"TRT-8601")  # the cache it came from is kept
+    missing = builder.BuildOptions(int8=True, calibration_cache=tmp_path / "nope.cache")
+    with pytest.raises(ConfigError, match="nope.cache does not exist"):
+        builder.checked_options(missing, print)
+
+
+def test_dla_build_without_a_precision_is_fp16() -> None:
+    lines: list[str] = []
+    options = builder.checked_options(builder.BuildOptions(dla_core=0), lines.append)
+    assert options.fp16 and not options.int8
+    assert lines == ["the DLA runs FP16 or INT8 only: building FP16 (pass --fp16 or --int8 to choose)"]
+    lines.clear()
+    int8 = builder.BuildOptions(dla_core=1, int8=True, calibration_images=Path("calib"))
+    assert builder.checked_options(int8, lines.append) == int8 and lines == []
+    assert (
+        builder.checked_options(builder.BuildOptions(), lines.append) == builder.BuildOptions()
+    )  # GPU: FP32
