@@ -31,13 +31,17 @@ JETSON = planning.DeviceTraits(
 CAPS = engine.Capabilities(tensorrt="10.3.0", gpus=1, gpu_name="test-double GPU", dla_cores=2, traits=JETSON)
 
 
-def _description(max_batch: int, source: str) -> EngineDescription:
+def _description(max_batch: int, source: str, width: int = 4) -> EngineDescription:
     return EngineDescription(
         (
             TensorDescription(
-                "x", "INPUT", "TYPE_FP32", (-1, 4), (ProfileRange((1, 4), (max_batch, 4), (max_batch, 4)),)
+                "x",
+                "INPUT",
+                "TYPE_FP32",
+                (-1, width),
+                (ProfileRange((1, width), (max_batch, width), (max_batch, width)),),
             ),
-            TensorDescription("y", "OUTPUT", "TYPE_FP32", (-1, 4)),
+            TensorDescription("y", "OUTPUT", "TYPE_FP32", (-1, width)),
         ),
         1,
         source=source,
@@ -47,16 +51,18 @@ def _description(max_batch: int, source: str) -> EngineDescription:
 class RecordingContext:
     """Test double of ``engine.TrtContext``: y = 2 x, read from and written to the bound addresses."""
 
-    def __init__(self, profile: int) -> None:
+    def __init__(self, profile: int, rows: list[tuple[int, ...]]) -> None:
         self.profile = profile
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.addresses: dict[str, int] = {}
+        self.rows = rows
 
     def select_profile(self, stream: Any) -> None:
         pass
 
     def set_input_shape(self, name: str, shape: tuple[int, ...]) -> None:
         self.shapes[name] = shape
+        self.rows.append(shape)
 
     def output_shape(self, name: str) -> tuple[int, ...]:
         return self.shapes["x"]
@@ -74,22 +80,29 @@ class RecordingContext:
 
 
 class RecordingEngine:
-    """Test double of ``engine.TrtEngine``: records (plan name, DLA core); the DLA plan takes batch 1."""
+    """Test double of ``engine.TrtEngine``: records (plan name, DLA core) and the shapes it ran; the DLA
+    plan takes batch 1, the GPU plan up to ``gpu_max_batch``."""
 
     version = "test-double"
     opened: list[tuple[str, int | None]] = []
-    dla_max_batch = 1
+    engines: list[RecordingEngine] = []
+    gpu_max_batch = 1
+    dla_width = 4
 
     def __init__(self, plan: Path, *, dla_core: int | None = None) -> None:
         RecordingEngine.opened.append((plan.name, dla_core))
+        RecordingEngine.engines.append(self)
         self.plan = plan
+        self.dla = plan.name.endswith(".dla.plan")
+        self.rows: list[tuple[int, ...]] = []  # input shapes this engine's contexts were given
 
     def describe(self) -> EngineDescription:
-        dla = self.plan.name.endswith(".dla.plan")
-        return _description(RecordingEngine.dla_max_batch if dla else 1, str(self.plan))
+        if self.dla:
+            return _description(1, str(self.plan), RecordingEngine.dla_width)
+        return _description(RecordingEngine.gpu_max_batch, str(self.plan))
 
     def create_context(self, profile: int) -> RecordingContext:
-        return RecordingContext(profile)
+        return RecordingContext(profile, self.rows)
 
     def close(self) -> None:
         pass
@@ -111,7 +124,9 @@ instance_group [
 def hardware(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hardware layer replaced by the doubles (see the module docstring)."""
     RecordingEngine.opened = []
-    RecordingEngine.dla_max_batch = 1
+    RecordingEngine.engines = []
+    RecordingEngine.gpu_max_batch = 1
+    RecordingEngine.dla_width = 4
     monkeypatch.setattr(engine, "probe", lambda: CAPS)
     monkeypatch.setattr(engine, "Cuda", lambda device: HostCuda(JETSON))
     monkeypatch.setattr(engine, "TrtEngine", RecordingEngine)
@@ -151,23 +166,35 @@ def test_dla_instances_without_a_dla_plan_say_how_to_build_one(hardware: None, t
     assert "--also-gpu" in status.reason
 
 
-def test_a_dla_plan_that_does_not_fit_the_config_is_a_load_error(hardware: None, tmp_path: Path) -> None:
+def test_batch_one_dla_plans_serve_a_batching_model_row_by_row(hardware: None, tmp_path: Path) -> None:
+    """The GPU plan batches up to 4, the DLA plan takes 1 row: DLA instances run a batch in pieces.
+
+    Only the DLA instances here (the config is still completed from model.plan), so that every request
+    goes through the pieces; the mixed queue is the test above.
+    """
     repo = _repository(tmp_path)
     config = repo / "det" / "config.pbtxt"
-    config.write_text(config.read_text().replace("max_batch_size: 1", "max_batch_size: 4"))
-    RecordingEngine.dla_max_batch = 1
-    # the GPU plan accepts 4 here, the DLA plan only 1: the DLA instance refuses to load
-    real_describe = RecordingEngine.describe
-    RecordingEngine.describe = lambda self: _description(  # type: ignore[method-assign]
-        1 if self.plan.name.endswith(".dla.plan") else 4, str(self.plan)
-    )
-    try:
-        with Server(repo) as server:
-            (status,) = server.models()
-    finally:
-        RecordingEngine.describe = real_describe  # type: ignore[method-assign]
+    text = config.read_text().replace("max_batch_size: 1", "max_batch_size: 4")
+    config.write_text(text.replace("  { count: 1, kind: KIND_GPU },\n", ""))
+    RecordingEngine.gpu_max_batch = 4
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with Server(repo) as server:
+        (status,) = server.models()
+        assert status.state == ModelState.READY, status.reason
+        for _ in range(4):
+            np.testing.assert_array_equal(server.infer("det", {"x": x})["y"], 2 * x)
+    dla = [engine_ for engine_ in RecordingEngine.engines if engine_.dla]
+    assert len(dla) == 2 and sum(len(e.rows) for e in dla) == 4 * 3  # three pieces of one row a request
+    assert {shape for e in dla for shape in e.rows} == {(1, 4)}
+
+
+def test_a_dla_plan_that_does_not_match_the_config_is_a_load_error(hardware: None, tmp_path: Path) -> None:
+    repo = _repository(tmp_path)
+    RecordingEngine.dla_width = 5
+    with Server(repo) as server:
+        (status,) = server.models()
     assert status.state == ModelState.UNAVAILABLE
-    assert "model.dla.plan" in status.reason and "max_batch_size 4 exceeds" in status.reason
+    assert "model.dla.plan: input 'x' has dims [4] but the engine has [5]" in status.reason
 
 
 def test_plan_for_each_device(tmp_path: Path) -> None:
@@ -183,3 +210,12 @@ def test_plan_for_each_device(tmp_path: Path) -> None:
 def test_gpu_instance_on_a_dla_only_plan_names_the_fix() -> None:
     with pytest.raises(ConfigError, match="--also-gpu"):
         place(InstanceSpec("m_0", "KIND_GPU"), gpu_count=1, dla_cores=2, engine_dla_core=0, engine_known=True)
+
+
+def test_batch_chunks() -> None:
+    one = _description(1, "dla")
+    assert planning.batch_chunks(one, 1) == [(0, 1)]
+    assert planning.batch_chunks(one, 3) == [(0, 1), (1, 2), (2, 3)]
+    four = _description(4, "gpu")
+    assert planning.batch_chunks(four, 4) == [(0, 4)]
+    assert planning.batch_chunks(four, 6) == [(0, 4), (4, 6)]

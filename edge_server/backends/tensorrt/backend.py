@@ -44,6 +44,10 @@ def _address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
 
 
+def _rows(inputs: dict[str, np.ndarray]) -> int:
+    return min((len(array) for array in inputs.values() if array.ndim), default=0)
+
+
 def require_capabilities() -> engine.Capabilities:
     caps = engine.probe()
     if not caps.usable:
@@ -90,7 +94,12 @@ class TensorRTBackend(TensorBackend):
         try:
             self._description = self._engine.describe()
             if plan != ctx.model_path:  # the config was completed from the model's plan: check this one
-                complete_from_engine(ctx.config.replace(source=str(plan)), self._description)
+                # A plan taking fewer rows than max_batch_size runs larger batches in pieces (_run).
+                top = planning.max_batch_from_profiles(self._description)
+                rows = min(ctx.config.max_batch_size, top) if top else ctx.config.max_batch_size
+                complete_from_engine(
+                    ctx.config.replace(source=str(plan), max_batch_size=rows), self._description
+                )
         except BaseException:
             self._engine.close()
             raise
@@ -154,6 +163,13 @@ class TensorRTBackend(TensorBackend):
         output_names: Sequence[str],
         destinations: Mapping[str, OutputBuffer] | None,
     ) -> dict[str, np.ndarray]:
+        chunks = planning.batch_chunks(self._description, _rows(inputs)) if self.batched else []
+        if len(chunks) > 1:  # more rows than the plan takes at once (a DLA plan): run them in pieces
+            parts = [
+                self._run({k: v[start:stop] for k, v in inputs.items()}, output_names, None)
+                for start, stop in chunks
+            ]
+            return {name: np.concatenate([part[name] for part in parts]) for name in output_names}
         shapes = {name: tuple(array.shape) for name, array in inputs.items()}
         context = self._context(planning.choose_profile(self._description, shapes))
         integrated = planning.output_in_host_memory(self._traits)

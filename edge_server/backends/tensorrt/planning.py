@@ -74,6 +74,19 @@ def max_batch_from_profiles(description: EngineDescription) -> int:
     return limit or 0
 
 
+def batch_chunks(description: EngineDescription, rows: int) -> list[tuple[int, int]]:
+    """The (start, stop) row ranges an instance runs a batch of ``rows`` in.
+
+    The whole batch where the engine's profiles hold it; else pieces of the engine's largest batch.
+    That is how a DLA instance (its plan has a static batch, usually 1) serves a model whose GPU plan
+    batches up to ``max_batch_size``: the queue is one, the DLA runs its share row by row.
+    """
+    top = max_batch_from_profiles(description)
+    if top == 0 or rows <= top:
+        return [(0, rows)]
+    return [(start, min(start + top, rows)) for start in range(0, rows, top)]
+
+
 def nbytes(shape: Shape, itemsize: int) -> int:
     if any(d < 0 for d in shape):
         raise ConfigError(f"shape {list(shape)} is not resolved")
