@@ -133,7 +133,11 @@ def test_doctor_table_on_a_recorded_jetson_tree(capsys: pytest.CaptureFixture[st
 def test_also_gpu_config_places_the_gpu_and_every_dla_core(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--also-gpu goes with --dla-core"):
         build_engine.batch_range(_args(also_gpu=True))
-    assert build_engine.batch_range(_args(also_gpu=True, dla_core=0)) == (1, 1, 1)
+    assert build_engine.batch_range(_args(also_gpu=True, dla_core=0)) == (1, 8, 8)  # the GPU plan's range
+    assert build_engine.dla_batch((1, 8, 8)) == (1, 1, 1)
+    assert build_engine.batch_range(_args(also_gpu=True, dla_core=0, min_batch=4, max_batch=4)) == (4, 4, 4)
+    with pytest.raises(ConfigError, match="cannot serve a queue that batches other sizes"):
+        build_engine.batch_range(_args(also_gpu=True, dla_core=0, min_batch=2, max_batch=8))
     description = load_description(DATA / "tensorrt" / "cnn_fp16_two_profiles.json")
     config = build_engine.completed_config("cnn", description)
     path = tmp_path / "config.pbtxt"

@@ -46,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
         "--also-gpu",
         action="store_true",
         help="with --dla-core: also build a GPU plan, so one model runs instances on the GPU and on every "
-        "DLA core (model.plan for the GPU, model.dla.plan for the DLA)",
+        "DLA core (model.plan for the GPU over the batch range, model.dla.plan for the DLA at --min-batch)",
     )
     parser.add_argument("--min-batch", type=int, default=1)
     parser.add_argument("--opt-batch", type=int, default=None, help="default: --max-batch")
@@ -56,24 +56,42 @@ def add_parser(subparsers: Any) -> None:
 
 
 def batch_range(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(min, opt, max) batch sizes; DLA builds get one fixed size."""
+    """(min, opt, max) batch sizes; DLA builds get one fixed size.
+
+    With ``--also-gpu`` this is the GPU plan's range (default up to 8) and the DLA plan is built for
+    ``--min-batch`` alone (:func:`dla_batch`).
+    """
+    also_gpu = bool(getattr(args, "also_gpu", False))
+    if also_gpu and args.dla_core is None:
+        raise ConfigError("--also-gpu goes with --dla-core (it adds a GPU plan to a DLA build)")
     low = args.min_batch
-    high = args.max_batch if args.max_batch is not None else (low if args.dla_core is not None else 8)
+    dla_only = args.dla_core is not None and not also_gpu
+    high = args.max_batch if args.max_batch is not None else (low if dla_only else 8)
     opt = args.opt_batch if args.opt_batch is not None else high
     if not 1 <= low <= opt <= high:
         raise ConfigError(f"batch sizes must satisfy 1 <= min <= opt <= max; got {low}, {opt}, {high}")
-    if args.dla_core is not None and not low == opt == high:
+    if dla_only and not low == opt == high:
         raise ConfigError(
             f"the DLA needs static shapes (min = opt = max); got batch {low}/{opt}/{high}: pass one size, "
-            "e.g. --min-batch 1 --max-batch 1"
+            "e.g. --min-batch 1 --max-batch 1 (or add --also-gpu: a GPU plan for the range, a DLA plan "
+            "for batch 1)"
         )
-    if getattr(args, "also_gpu", False) and args.dla_core is None:
-        raise ConfigError("--also-gpu goes with --dla-core (it adds a GPU plan to a DLA build)")
+    if also_gpu and 1 < low < high:
+        raise ConfigError(
+            f"--also-gpu with batch {low}..{high}: a DLA plan with a fixed batch of {low} cannot serve a "
+            "queue that batches other sizes; use --min-batch 1 (the DLA runs larger batches row by row) "
+            f"or one size (--min-batch {low} --max-batch {low})"
+        )
     if args.int8 and args.calib_images is None and args.calib_cache is None:
         raise ConfigError(
             "--int8 needs --calib-images (and optionally --calib-cache) or an existing --calib-cache"
         )
     return low, opt, high
+
+
+def dla_batch(batch: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The DLA plan's static batch: the range's minimum (min = opt = max)."""
+    return batch[0], batch[0], batch[0]
 
 
 def locate(args: argparse.Namespace) -> tuple[Path, str]:
@@ -213,12 +231,13 @@ def run(args: argparse.Namespace) -> int:
     repository, name = locate(args)
     caps = require_capabilities()  # says exactly what is missing: TensorRT, cuda-python, a GPU
     also_gpu = bool(getattr(args, "also_gpu", False))
-    plan, record, description, seconds, version_text = _build_plan(args, caps, args.dla_core, batch)
+    dla_range = dla_batch(batch) if args.dla_core is not None else batch
+    plan, record, description, seconds, version_text = _build_plan(args, caps, args.dla_core, dla_range)
     # The ONNX goes along: where the plan cannot run (another TensorRT, no GPU) the version serves it.
     files = {"model.onnx": args.model.read_bytes()}
     if also_gpu:
-        # The DLA plan is model.dla.plan; the GPU plan, built for the same (static) batch so that the
-        # config's max_batch_size fits both, is the model's plan.
+        # The DLA plan is model.dla.plan; the GPU plan, for the whole batch range, is the model's plan
+        # (the config's max_batch_size comes from it; DLA instances run larger batches row by row).
         files |= {"model.dla.plan": plan, "model.dla.plan.json": record}
         plan, record, description, more, _ = _build_plan(args, caps, None, batch)
         seconds += more
