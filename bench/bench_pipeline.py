@@ -50,7 +50,7 @@ VARIANTS = ("batching on", "batching, no delay", "batching off")
 CROP_BATCH = 32  # the classifier's max_batch_size where it batches
 
 
-def repositories(root: Path) -> dict[str, Path]:
+def repositories(root: Path, thread_policy: str | None = None) -> dict[str, Path]:
     """The pipeline three times: the classifier as shipped (dynamic batching, 500 us queue delay),
     with dynamic batching but no queue delay, and without dynamic batching."""
     if not (ROOT / "models" / "detector" / "1" / "model.onnx").exists():
@@ -60,6 +60,14 @@ def repositories(root: Path) -> dict[str, Path]:
         repo = root / f"repo{i}"
         for name in PIPELINE:
             shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("samples"))
+        if thread_policy is not None:
+            for name in ("detector", "digits"):
+                path = repo / name / "config.pbtxt"
+                path.write_text(
+                    path.read_text()
+                    + 'parameters [ { key: "thread_policy" '
+                    + f'value: {{ string_value: "{thread_policy}" }} }} ]\n'
+                )
         config = repo / "digits" / "config.pbtxt"
         text = config.read_text()
         head = text[: text.index("dynamic_batching")]
@@ -137,12 +145,43 @@ class PlainLoop:
         return boxes, digits
 
 
-def floor_fps(loop: PlainLoop, frames: list[np.ndarray], seconds: float) -> float:
+def floor_fps(loop: PlainLoop, frames: list[np.ndarray], seconds: float) -> tuple[float, float, float]:
+    """Frames per second, and per frame: CPU milliseconds and voluntary context switches of the
+    process (the loop's thread plus ONNX Runtime's pool)."""
+    before = process_counters(os.getpid())
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         loop(frames[count % len(frames)])
         count += 1
-    return count / (time.perf_counter() - start)
+    after = process_counters(os.getpid())
+    return (
+        count / (time.perf_counter() - start),
+        (after[0] - before[0]) / count * 1e3,
+        (after[1] - before[1]) / count,
+    )
+
+
+def process_counters(pid: int) -> tuple[float, int]:
+    """(CPU seconds, voluntary context switches) of every thread of process ``pid`` so far.
+
+    ``/proc/PID/status`` counts only the main thread's switches; each thread has its own under
+    ``task/``.  Threads that ended meanwhile drop out of the sum, which is why the daemons here
+    keep theirs for their whole life.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15)
+    switches = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        switches += int(line.split()[1])
+        except FileNotFoundError:  # the thread ended between listing and reading
+            pass
+    return cpu, switches
 
 
 # -- cameras through the daemon ---------------------------------------------------------------------
@@ -179,10 +218,11 @@ def digits_counts(address: str) -> tuple[int, int, int]:
 
 
 def daemon_fps(
-    address: str, frames: list[np.ndarray], cameras: int, seconds: float
-) -> tuple[float, float, float]:
-    """Frames per second over all cameras, the classifier's mean crops per batch meanwhile, and its
-    execution time per crop in microseconds (what batching can save: at most this per crop)."""
+    address: str, pid: int, frames: list[np.ndarray], cameras: int, seconds: float
+) -> tuple[float, float, float, float, float]:
+    """Frames per second over all cameras, the classifier's mean crops per batch meanwhile, its
+    execution time per crop in microseconds (what batching can save: at most this per crop), and the
+    daemon's CPU milliseconds and voluntary context switches per frame."""
     counts: list[int] = []
     stop_at = [0.0]
     gates = (threading.Barrier(cameras + 1), threading.Barrier(cameras + 1))
@@ -194,18 +234,23 @@ def daemon_fps(
         thread.start()
     gates[0].wait()  # every camera connected and warm
     before = digits_counts(address)
+    counters = process_counters(pid)
     begin = time.perf_counter()
     stop_at[0] = begin + seconds
     gates[1].wait()
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - begin
+    cpu, switches = (b - a for a, b in zip(counters, process_counters(pid), strict=True))
     after = digits_counts(address)
     crops = max(after[0] - before[0], 1)
+    frames_done = max(sum(counts), 1)
     return (
         sum(counts) / elapsed,
         crops / max(after[1] - before[1], 1),
         (after[2] - before[2]) / crops / 1e3,
+        cpu / frames_done * 1e3,
+        switches / frames_done,
     )
 
 
@@ -216,6 +261,12 @@ def main() -> int:
     parser.add_argument("--cameras", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--short", action="store_true", help="1 run of 1 s per case")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--thread-policy",
+        choices=("default", "split"),
+        default=None,
+        help="the ONNX models' thread_policy parameter (default: as shipped, no parameter)",
+    )
     args = parser.parse_args()
     if args.short:
         args.runs, args.seconds = 1, 1.0
@@ -226,17 +277,24 @@ def main() -> int:
         root = Path(tmp)
         daemons = {
             variant: Daemon(repo, f"ipc://{repo}.sock", Path(f"{repo}.log"))
-            for variant, repo in repositories(root).items()
+            for variant, repo in repositories(root, args.thread_policy).items()
         }
         try:
             for daemon in daemons.values():
                 daemon.start()
             for _ in range(args.runs):
-                results.setdefault("floor", []).append(floor_fps(loop, frames, args.seconds))
+                fps, cpu, switches = floor_fps(loop, frames, args.seconds)
+                results.setdefault("floor", []).append(fps)
+                results.setdefault("floor cpu ms", []).append(cpu)
+                results.setdefault("floor switches", []).append(switches)
                 for cameras in args.cameras:
                     for variant, daemon in daemons.items():
-                        fps, per_batch, us = daemon_fps(daemon.address, frames, cameras, args.seconds)
+                        fps, per_batch, us, cpu, switches = daemon_fps(
+                            daemon.address, daemon.pid, frames, cameras, args.seconds
+                        )
                         results.setdefault(f"{variant} x{cameras}", []).append(fps)
+                        results.setdefault(f"{variant} x{cameras} cpu ms", []).append(cpu)
+                        results.setdefault(f"{variant} x{cameras} switches", []).append(switches)
                         results.setdefault(f"{variant} x{cameras} crops/batch", []).append(per_batch)
                         results.setdefault(f"{variant} x{cameras} us/crop", []).append(us)
         finally:
@@ -252,14 +310,22 @@ def report(results: dict[str, list[float]], args: argparse.Namespace) -> None:
     med = {key: statistics.median(values) for key, values in results.items()}
     floor = med["floor"]
     print(f"\nmedian of {args.runs} run(s), {args.seconds:g} s per case; cpu count {os.cpu_count()}")
-    print(f"plain in-process loop over ONNX Runtime (the floor): {floor:.1f} frames/s\n")
+    print(
+        f"plain in-process loop over ONNX Runtime (the floor): {floor:.1f} frames/s, "
+        f"{med['floor cpu ms']:.2f} ms CPU and {med['floor switches']:.1f} voluntary context switches "
+        "per frame\n"
+    )
     header = f"{'classifier':<20} {'cameras':>7} {'frames/s':>9} {'x floor':>8} {'crops/batch':>12}"
-    print(header + f" {'classifier us/crop':>19}")
+    print(header + f" {'classifier us/crop':>19} {'daemon cpu ms/frame':>20} {'switches/frame':>15}")
     for variant in VARIANTS:
         for cameras in args.cameras:
             key = f"{variant} x{cameras}"
             fps, per_batch, us = med[key], med[f"{key} crops/batch"], med[f"{key} us/crop"]
-            print(f"{variant:<20} {cameras:>7} {fps:9.1f} {fps / floor:8.2f} {per_batch:12.2f} {us:19.1f}")
+            cpu, switches = med[f"{key} cpu ms"], med[f"{key} switches"]
+            print(
+                f"{variant:<20} {cameras:>7} {fps:9.1f} {fps / floor:8.2f} {per_batch:12.2f} {us:19.1f}"
+                f" {cpu:20.2f} {switches:15.1f}"
+            )
 
 
 if __name__ == "__main__":
