@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bench_reload": (["--reloads", "10", "--warmup", "1"], []),
     "bench_http_stacks": (["--short"], []),
     "bench_shm_outputs": (["--short"], []),
+    "bench_soak": (["--quick"], []),
 }
 
 

@@ -132,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: members may load/unload models (besides the daemon's own user and group)",
     )
     serve.add_argument(
+        "--model-load-timeout-secs",
+        type=float,
+        default=600.0,
+        help="a model load (instances created and warmed up) taking longer fails and is abandoned",
+    )
+    serve.add_argument(
+        "--max-client-reply-bytes",
+        type=int,
+        default=256 << 20,
+        help="IPC: a client with more bytes of replies waiting for it (it does not read) is disconnected",
+    )
+    serve.add_argument(
         "--max-header-bytes",
         type=int,
         default=DEFAULT_MAX_HEADER_BYTES,
@@ -278,8 +290,10 @@ def _serve(args: argparse.Namespace) -> int:
         ipc_address="" if args.no_ipc else args.ipc,
         max_message_bytes=args.max_message_bytes,
         max_header_bytes=args.max_header_bytes,
+        max_client_reply_bytes=args.max_client_reply_bytes,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
+        load_timeout=args.model_load_timeout_secs,
         watch_quiet_s=args.repository_quiet_secs,
         strict_readiness=args.strict_readiness,
         exit_on_error=args.exit_on_error,

@@ -40,8 +40,10 @@ class DaemonOptions:
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_client_reply_bytes: int = 256 << 20  # IPC: replies waiting for a client that does not read
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
+    load_timeout: float = 600.0  # a model load running longer is abandoned (a stuck initialize())
     watch_quiet_s: float = 0.5
     strict_readiness: bool = True  # Triton's default: ready only when every model that should load is
     exit_on_error: bool = True  # Triton's default: a model that fails at start-up stops the daemon
@@ -88,6 +90,7 @@ class Daemon:
             watch_quiet_s=options.watch_quiet_s,
             listeners=(supervisor.on_model_state, loads),
             engine_build=options.engine_build,
+            load_timeout=options.load_timeout,
         )
         supervisor.attach(server)
         frontend = None
@@ -124,6 +127,7 @@ class Daemon:
                     max_header_bytes=options.max_header_bytes,
                     operator_gid=operator_gid(options.operator_group),
                     drain_timeout=options.drain_timeout,
+                    max_reply_bytes=options.max_client_reply_bytes,
                 )
                 frontend.start()
                 supervisor.add_frontend("IPC frontend", frontend)

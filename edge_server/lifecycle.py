@@ -1,9 +1,15 @@
 """Model lifecycle: which versions serve, and how they are replaced without failing a request.
 
-Control operations (load, unload, rescan) run one at a time under ``_control``; the request path reads
-the routing table without any lock (it is replaced whole, never mutated, so a reader sees either the
-old table or the new one).  A new version is loaded and warmed up *beside* the serving one, published
-by swapping the table, and only then is the old version drained and unloaded.  Because the swap comes
+Control operations (load, unload, rescan) run one at a time *per model*, under that model's lock, so
+that one model's slow or stuck load never holds up another's; the routing table and the other shared
+tables are replaced whole under a short ``_tables`` lock.  The request path reads the routing table
+without any lock (it is replaced whole, never mutated, so a reader sees either the old table or the
+new one).  A load runs on a thread of its own and is abandoned after ``load_timeout`` (a Python
+model's ``initialize()`` that never returns): the version is UNAVAILABLE with that reason, the last
+good version keeps serving, and whatever the abandoned thread loads later is closed.
+
+A new version is loaded and warmed up *beside* the serving one, published by swapping the table, and
+only then is the old version drained and unloaded.  Because the swap comes
 before the drain, a request that routed to the old version just before the swap and finds it closed
 (``SchedulerClosed``) is re-routed by the data plane to the new one; requests already queued on the old
 version run there before it stops.
@@ -25,8 +31,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig
@@ -63,14 +71,30 @@ Listener = Callable[[VersionStatus], None]
 _Key = tuple[str, int | None]
 
 
+#: Default of ``--model-load-timeout-secs``: a load (instances created, warmed up) taking longer is
+#: abandoned.
+DEFAULT_LOAD_TIMEOUT_S = 600.0
+
+
 class ModelManager:
     def __init__(
-        self, repository: Path, *, drain_timeout: float = 30.0, cpu_count: int | None = None
+        self,
+        repository: Path,
+        *,
+        drain_timeout: float = 30.0,
+        cpu_count: int | None = None,
+        load_timeout: float = DEFAULT_LOAD_TIMEOUT_S,
     ) -> None:
         self.repository = repository
         self._drain_timeout = drain_timeout
         self._cpu_count = cpu_count
-        self._control = threading.RLock()
+        self.load_timeout = load_timeout
+        # Lock order: a model's lock, then (for an ensemble) its members' locks, then _tables; _tables
+        # is held only for table swaps, never across a load, a drain or a listener call.
+        self._locks_lock = threading.Lock()
+        self._model_locks: dict[str, threading.RLock] = {}
+        self._tables = threading.RLock()
+        self._closing = threading.Event()
         self._serving: dict[str, dict[int, LoadedVersion]] = {}  # replaced whole, never mutated
         # Retiring sequence-model versions whose live sequences finish there (replaced whole, too).
         self._sequence_holders: dict[str, tuple[LoadedVersion, ...]] = {}
@@ -146,15 +170,16 @@ class ModelManager:
 
     def _hold_sequences(self, versions: list[LoadedVersion], *, held: bool) -> None:
         """Let (or stop letting) the live sequences of retiring ``versions`` be routed to them."""
-        table = dict(self._sequence_holders)
-        for loaded in versions:
-            if loaded.config.sequence_batching is None:
-                continue
-            others = tuple(v for v in table.get(loaded.name, ()) if v is not loaded)
-            table[loaded.name] = (*others, loaded) if held else others
-            if not table[loaded.name]:
-                del table[loaded.name]
-        self._sequence_holders = table
+        with self._tables:
+            table = dict(self._sequence_holders)
+            for loaded in versions:
+                if loaded.config.sequence_batching is None:
+                    continue
+                others = tuple(v for v in table.get(loaded.name, ()) if v is not loaded)
+                table[loaded.name] = (*others, loaded) if held else others
+                if not table[loaded.name]:
+                    del table[loaded.name]
+            self._sequence_holders = table
 
     # -- index ----------------------------------------------------------------------------------
 
@@ -231,7 +256,7 @@ class ModelManager:
         is loaded again without one; a load that fails keeps the previous choice.
         """
         check_model_name(name)
-        with self._changing():
+        with self._changing(name):
             self._check_open()
             self._unloaded.discard(name)
             source = scan_model(self.repository, name)
@@ -278,7 +303,7 @@ class ModelManager:
     def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
         check_model_name(name)
-        with self._changing():
+        with self._changing(name):
             if name not in self._serving and not any(s.name == name for s in self.index()):
                 raise ModelNotFound(f"unknown model {name!r}")
             self._unload(name)
@@ -291,7 +316,7 @@ class ModelManager:
         Failures are logged and kept in the index; they never stop the rescan of the other models.
         ``retry_failed=False`` (the watcher) skips versions whose exact content already failed.
         """
-        with self._changing():
+        with self._changing(None):
             self._check_open()
             if names is None:
                 on_disk: dict[str, ModelSource | None] = dict(scan(self.repository))
@@ -302,19 +327,24 @@ class ModelManager:
                 wanted = set(names)
                 on_disk = {name: scan_model(self.repository, name) for name in wanted}
             # Ensembles after the models they call, so that their steps validate against them.
-            ordered = sorted(wanted - self._unloaded, key=lambda n: (is_ensemble(on_disk.get(n)), n))
+            ordered = sorted(wanted - set(self._unloaded), key=lambda n: (is_ensemble(on_disk.get(n)), n))
             failed_ensembles: list[ModelSource] = []
             for name in ordered:
                 source = on_disk.get(name)
                 try:
-                    if source is None:
-                        if name in self._serving:
-                            log.info("model %s was removed from the repository; unloading", name)
-                            self._unload(name)
-                        self._publish(name, [])
-                        self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
-                    else:
-                        self._sync(self._overridden(source), retry_failed=retry_failed)
+                    with self._model_lock(name):
+                        self._check_open()
+                        if name in self._unloaded:
+                            continue  # unloaded through the API meanwhile
+                        if source is None:
+                            if name in self._serving:
+                                log.info("model %s was removed from the repository; unloading", name)
+                                self._unload(name)
+                            self._publish(name, [])
+                            with self._tables:
+                                self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
+                        else:
+                            self._sync(self._overridden(source), retry_failed=retry_failed)
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
                     if is_ensemble(source):
@@ -332,7 +362,7 @@ class ModelManager:
                 if status.state is ModelState.UNAVAILABLE and key[0] not in self._serving
             }
         found = []
-        for name in sorted(names - exclude - self._unloaded):
+        for name in sorted(names - exclude - set(self._unloaded)):
             source = scan_model(self.repository, name)
             if source is not None and is_ensemble(source):
                 found.append(source)
@@ -344,7 +374,9 @@ class ModelManager:
             still: list[ModelSource] = []
             for source in failed:
                 try:
-                    self._sync(source, retry_failed=True)
+                    with self._model_lock(source.name):
+                        self._check_open()
+                        self._sync(source, retry_failed=True)
                 except EdgeServerError:
                     still.append(source)
             if len(still) == len(failed):
@@ -357,24 +389,31 @@ class ModelManager:
         Every version drains (queued and running requests finish) until ``deadline`` (monotonic;
         default: now + the drain timeout), one deadline for all; what is still queued then fails with
         UNAVAILABLE.  A control operation stuck in user code (a hanging ``initialize``) does not hold
-        this up past the deadline: the models are retired without its lock.
+        this up: loads in progress are abandoned, and what they bring up later is closed.
         """
         if deadline is None:
             deadline = time.monotonic() + self._drain_timeout
-        locked = self._control.acquire(timeout=max(0.0, deadline - time.monotonic()))
-        try:
+        self._closing.set()
+        with self._tables:
             self._closed = True
             retiring = [loaded for versions in self._serving.values() for loaded in versions.values()]
             self._serving = {}
-            self._retire(retiring, deadline=deadline)
-        finally:
-            if locked:
-                self._control.release()
+        self._retire(retiring, deadline=deadline)
+
+    def _model_lock(self, name: str) -> threading.RLock:
+        with self._locks_lock:
+            lock = self._model_locks.get(name)
+            if lock is None:
+                lock = self._model_locks[name] = threading.RLock()
+            return lock
 
     @contextlib.contextmanager
-    def _changing(self) -> Iterator[None]:
-        """One control operation at a time; afterwards, settle the heap if versions came or went."""
-        with self._control:
+    def _changing(self, name: str | None) -> Iterator[None]:
+        """One control operation at a time on ``name``; afterwards, settle the heap if versions changed.
+
+        ``name`` None: the caller takes each model's lock itself (a rescan, model by model).
+        """
+        with self._model_lock(name) if name is not None else contextlib.nullcontext():
             try:
                 yield
             finally:
@@ -387,10 +426,11 @@ class ModelManager:
             raise ServerShuttingDown("the server is shutting down")
 
     def _unload(self, name: str) -> None:
-        old = self._serving.get(name, {})
-        table = dict(self._serving)
-        table.pop(name, None)
-        self._serving = table
+        with self._tables:
+            old = self._serving.get(name, {})
+            table = dict(self._serving)
+            table.pop(name, None)
+            self._serving = table
         self._retire(list(old.values()))
 
     def _retire(
@@ -478,12 +518,23 @@ class ModelManager:
             ready = dict(current)  # nothing on disk loads: what served before keeps serving
         retiring = [v for key, v in current.items() if ready.get(key) is not v]
         self._hold_sequences(retiring, held=True)  # before the switch: a live sequence never misses it
-        table = dict(self._serving)
-        if ready:
-            table[name] = ready
-        else:
-            table.pop(name, None)
-        self._serving = table  # the atomic switch: new requests go to the new versions from here on
+        with self._tables:
+            if self._closed:  # close() retired what served; what this load brought up goes too
+                fresh = [v for key, v in ready.items() if current.get(key) is not v]
+                closing = True
+            else:
+                closing = False
+                table = dict(self._serving)
+                if ready:
+                    table[name] = ready
+                else:
+                    table.pop(name, None)
+                self._serving = table  # the atomic switch: new requests go to the new versions from here on
+        if closing:
+            self._hold_sequences(retiring, held=False)
+            for loaded in fresh:
+                loaded.retire(time.monotonic())
+            raise ServerShuttingDown("the server is shutting down")
         rows = [
             VersionStatus(name, v, ModelState.UNAVAILABLE, r) for v, r in failed.items() if v not in ready
         ]
@@ -498,7 +549,8 @@ class ModelManager:
             VersionStatus(name, v.version, ModelState.UNLOADING) for v in retiring if v.version not in ready
         ]
         self._publish(name, rows)
-        self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
+        with self._tables:
+            self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
         self._retire(retiring, finish_sequences=True)
         if not ready:
             raise ModelNotReady(f"model {name!r}: no version could be loaded ({_summary(failed)})")
@@ -527,7 +579,7 @@ class ModelManager:
         log.info("%s v%d loading", name, version, extra={"model": name, "version": version})
         began = time.monotonic()
         try:
-            loaded = load_version(
+            loaded = self._load_in_thread(
                 source,
                 version,
                 config,
@@ -541,7 +593,8 @@ class ModelManager:
             if source.version_signature(version) != signature:
                 reason += " (the files changed while loading; loading again when they settle)"
             else:
-                self._failed[(name, version)] = (content_hash, reason)
+                with self._tables:
+                    self._failed[(name, version)] = (content_hash, reason)
             fields = {"model": name, "version": version}
             if isinstance(exc, EdgeServerError):
                 log.error("%s v%d failed to load: %s", name, version, reason, extra=fields)
@@ -554,7 +607,8 @@ class ModelManager:
             reason = "the files changed while loading; loading again when they settle"
             log.warning("%s v%d: %s", name, version, reason)
             return reason
-        self._failed.pop((name, version), None)
+        with self._tables:
+            self._failed.pop((name, version), None)
         log.info(
             "%s v%d ready on %s in %.2f s",
             name,
@@ -565,6 +619,44 @@ class ModelManager:
         )
         return loaded
 
+    def _load_in_thread(self, source: ModelSource, version: int, *args: Any, **kwargs: Any) -> LoadedVersion:
+        """``load_version`` on a thread of its own, given up after ``load_timeout`` or at close().
+
+        Python cannot stop a thread, so a load that does not finish in time (user code stuck in
+        ``initialize()``) is abandoned: its thread runs on, and closes what it loaded if it ever ends.
+        """
+        future: Future[LoadedVersion] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(load_version(source, version, *args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        thread = threading.Thread(target=run, name=f"edge-load-{source.name}-{version}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.load_timeout
+        while not future.done():
+            if self._closing.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+                future.add_done_callback(_close_abandoned)
+                raise ServerShuttingDown("the server is shutting down")
+            if time.monotonic() >= deadline and not future.done():
+                future.add_done_callback(_close_abandoned)
+                log.error(
+                    "%s v%d did not finish loading within %g s (--model-load-timeout-secs); its load "
+                    "thread %s is abandoned (a Python model's initialize() may be stuck)",
+                    source.name,
+                    version,
+                    self.load_timeout,
+                    thread.name,
+                )
+                raise ModelNotReady(
+                    f"{source.name} v{version} did not finish loading within {self.load_timeout:g} s "
+                    "(--model-load-timeout-secs); its initialize() may be stuck, and its thread was "
+                    "abandoned"
+                )
+        return future.result()
+
     def _fail_model(self, name: str, current: dict[int, LoadedVersion], exc: EdgeServerError) -> None:
         log.error("model %s: %s", name, exc.message)
         rows = [
@@ -573,6 +665,15 @@ class ModelManager:
         ]
         rows.append(VersionStatus(name, None, ModelState.UNAVAILABLE, exc.message))
         self._publish(name, rows)
+
+
+def _close_abandoned(future: Future[LoadedVersion]) -> None:
+    """An abandoned load that ended after all: free what it brought up (it never took traffic)."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    loaded = future.result()
+    log.warning("%s v%d: an abandoned load finished late; closing it", loaded.name, loaded.version)
+    loaded.retire(time.monotonic())
 
 
 def _summary(failed: dict[int, str]) -> str:

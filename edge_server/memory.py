@@ -55,6 +55,16 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def trim_heap() -> None:
+    """Hand freed heap pages back to the system (``malloc_trim``), without a garbage collection.
+
+    For large buffers freed outside a model change, e.g. the replies of a client that was
+    disconnected for not reading them: glibc keeps them in its arenas otherwise.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def limit_malloc_arenas(arenas: int = DAEMON_MALLOC_ARENAS) -> None:
     """Cap glibc's malloc arenas for this process, unless ``MALLOC_ARENA_MAX`` already says how many.
 

@@ -24,7 +24,7 @@ from edge_server.backends.tensorrt.rebuild import ENGINE_BUILD_MODES, EngineRebu
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
-from edge_server.lifecycle import Listener, ModelManager, VersionStatus
+from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, Listener, ModelManager, VersionStatus
 from edge_server.request import InferRequest, RequestOptions
 from edge_server.streaming import AsyncResponseIterator, ResponseIterator
 from edge_server.watcher import RepositoryWatcher
@@ -71,6 +71,7 @@ class Server:
         watch_quiet_s: float = 0.5,
         listeners: Iterable[Listener] = (),
         engine_build: str = "none",
+        load_timeout: float = DEFAULT_LOAD_TIMEOUT_S,
     ) -> None:
         """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
 
@@ -87,7 +88,10 @@ class Server:
             raise InvalidArgument(f"model repository {repository} is not a directory")
         self.repository = repository
         self.control_mode = model_control_mode
-        self._manager = ModelManager(repository, drain_timeout=drain_timeout, cpu_count=cpu_count)
+        # load_timeout: a load (a Python model's initialize() included) running longer is abandoned.
+        self._manager = ModelManager(
+            repository, drain_timeout=drain_timeout, cpu_count=cpu_count, load_timeout=load_timeout
+        )
         for listener in listeners:
             self._manager.add_listener(listener)
         self._dataplane = DataPlane(self._manager)

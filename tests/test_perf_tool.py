@@ -136,8 +136,14 @@ def test_counts_agree_with_the_daemon(
         assert window["requests"] > 0 and window["server_requests"] > 0
     server = level["server"]
     compute = server["compute_input_us"] + server["compute_infer_us"] + server["compute_output_us"]
-    assert 0 < compute < level["latency_us"]["avg"]
-    assert server["queue_us"] + compute < level["latency_us"]["avg"]
+    assert compute > 0
+    # over the whole level (the same requests on both sides) each request's time in the daemon lies
+    # inside its time at the client, so the averages keep that order whatever the machine's load
+    total = check["server"]
+    in_daemon = (
+        total["queue_us"] + total["compute_input_us"] + total["compute_infer_us"] + total["compute_output_us"]
+    )
+    assert 0 < in_daemon < check["client_avg_us"]
     assert level["throughput"] == pytest.approx(2 * level["request_throughput"])
     assert "check" in out and "Concurrency" in out
     assert "not stable within 2 windows" in err  # 3 windows are needed: reported, never hidden

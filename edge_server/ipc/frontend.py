@@ -4,8 +4,10 @@ ZeroMQ sockets are not thread-safe, so a single frontend thread receives, decode
 the data plane and sends every reply.  Requests complete on scheduler threads; their done-callback
 encodes the reply there (including the copy of an output into the client's shared memory) and queues
 it, then wakes the frontend thread through an eventfd it polls beside the socket.  Sends are
-non-blocking: a client that stops reading loses replies (logged) instead of stalling everyone, and a
-vanished client is noticed (ZMQ_ROUTER_MANDATORY) and its state released.  Load and unload may take
+non-blocking: a client that stops reading is disconnected once the replies waiting for it pass
+``max_reply_bytes`` (or loses replies past ZeroMQ's 10,000-message queue), instead of stalling everyone
+or pinning the daemon's memory, and a vanished client is noticed (ZMQ_ROUTER_MANDATORY) and its state
+released.  Load and unload may take
 seconds, so they run on a one-thread control executor, never on the frontend thread.
 """
 
@@ -38,7 +40,8 @@ from edge_server.errors import (
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
-from edge_server.ipc.peers import PeerTable
+from edge_server.ipc.peers import Peer, PeerTable, connection_of, same_connection
+from edge_server.memory import trim_heap
 from edge_server.request import ResponseSink
 
 if TYPE_CHECKING:
@@ -47,12 +50,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HWM = 10_000
+#: Default of ``--max-client-reply-bytes``: replies queued for one client that does not read them.
+DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
+_CONTROL_WORKERS = 4
+_ZERO_COPY = zmq.COPY_THRESHOLD  # frames this large are sent zero-copy, so tracking them is free
 #: Connections the kernel queues for accept: all of them may arrive after the cap is reached.
 _BACKLOG = 64
 # Plain ints: pyzmq's enum flags cost a microsecond per operation on the hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = zmqio.NOBLOCK
+_SNDMORE = int(zmq.SNDMORE)
 _PING = protocol.pack({"v": protocol.PROTOCOL_VERSION, "id": None, "op": protocol.PING})
 
 
@@ -63,7 +71,8 @@ class IpcFrontend:
     drops the connection of a peer that sends a single frame over twice that (ZMQ_MAXMSGSIZE), so a
     hostile client cannot make the daemon allocate without bound; the ``live`` reply tells clients the
     limit, so that ours refuse such requests before sending them.  ``shm_prefix`` is the only name
-    prefix clients may register shared memory under.
+    prefix clients may register shared memory under.  ``max_reply_bytes``: a client with more bytes
+    of replies waiting for it than this (it sends requests and does not read) is disconnected.
     """
 
     def __init__(
@@ -77,6 +86,7 @@ class IpcFrontend:
         max_connections: int | None = None,
         operator_gid: int | None = None,
         drain_timeout: float = 5.0,
+        max_reply_bytes: int = DEFAULT_MAX_CLIENT_REPLY_BYTES,
     ) -> None:
         self.server = server
         self._dataplane = server.dataplane
@@ -85,6 +95,8 @@ class IpcFrontend:
         self.max_message_bytes = max_message_bytes
         self.max_header_bytes = min(max_header_bytes, max_message_bytes)
         self.drain_timeout = drain_timeout
+        self.max_reply_bytes = max_reply_bytes
+        self.slow_clients = 0  # disconnected for not reading their replies
         self._peers = PeerTable(probe_interval=probe_interval)
         self._handoff: FdHandoff | None = None
         self._replies: collections.deque[tuple[bytes, list[Any], Future | _IpcStream | None]] = (
@@ -96,7 +108,10 @@ class IpcFrontend:
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
-        self._control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-ipc-control")
+        # Several: control is locked per model, and one model's slow load must not queue the others'.
+        self._control = ThreadPoolExecutor(
+            max_workers=_CONTROL_WORKERS, thread_name_prefix="edge-ipc-control"
+        )
         self._stopping = False
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
         self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
@@ -186,6 +201,8 @@ class IpcFrontend:
             "regions": self._peers.region_count(),
             "released_clients": self._peers.dropped,
             "dropped_replies": self.dropped_replies,
+            "slow_clients": self.slow_clients,
+            "reply_backlog_bytes": self._peers.total_backlog(),
             "max_message_bytes": self.max_message_bytes,
         }
 
@@ -365,6 +382,8 @@ class IpcFrontend:
             if type(op) is not str:
                 op = protocol.field(header, "op", str)
             peer = self._peers.get(identity)
+            if peer.connection is None:
+                peer.connection = connection_of(head)
             if op == "infer":
                 self._infer(peer, identity, rid, header, frames[2:])
                 return
@@ -426,7 +445,7 @@ class IpcFrontend:
         outcome = self._dataplane.dispatch(request)
         if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
             assert self._sock is not None
-            self._send(self._sock, identity, handlers.encode_result(ctx, outcome, self._pack))
+            self._send(self._sock, identity, handlers.encode_result(ctx, outcome, self._pack), peer)
             return
         peer.in_flight.add(outcome)
         outcome.add_done_callback(partial(self._infer_done, identity, ctx))
@@ -473,10 +492,11 @@ class IpcFrontend:
 
     def _send_replies(self, sock: zmq.Socket) -> None:
         replies = self._replies
+        find = self._peers.find
         while replies:
             identity, frames, done = replies.popleft()
+            peer = find(identity)
             if done is not None:
-                peer = self._peers.find(identity)
                 if peer is None:
                     continue  # dropped while the request ran
                 if isinstance(done, _IpcStream):  # the final response of a stream
@@ -484,11 +504,14 @@ class IpcFrontend:
                 else:
                     peer.in_flight.discard(done)
             if frames:
-                self._send(sock, identity, frames)
+                self._send(sock, identity, frames, peer)
 
-    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any]) -> None:
+    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[Any], peer: Peer | None = None) -> None:
         try:
-            zmqio.send_frames(sock, [identity, *frames], _NOBLOCK)
+            if peer is None:
+                zmqio.send_frames(sock, [identity, *frames], _NOBLOCK)
+            else:
+                self._send_counted(sock, peer, frames)
         except zmq.Again:
             self.dropped_replies += 1
             log.warning("client %s is not reading its replies; one reply dropped", identity.hex())
@@ -496,6 +519,68 @@ class IpcFrontend:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             self._peers.drop(identity, "disconnected")
+
+    def _send_counted(self, sock: zmq.Socket, peer: Peer, frames: list[Any]) -> None:
+        """Send a reply and count its bytes against ``peer``'s backlog (see ``peers.ReplyBacklog``)."""
+        nbytes = 0
+        tracked = -1  # the last zero-copy frame: ZeroMQ frees a message's frames in order
+        for index, frame in enumerate(frames):
+            if type(frame) is bytes:
+                size = len(frame)
+            elif isinstance(frame, zmq.Frame):  # a received frame sent on has no tracker: not a mark
+                nbytes += len(frame)
+                continue
+            else:
+                size = memoryview(frame).nbytes
+            nbytes += size
+            if size >= _ZERO_COPY:
+                tracked = index
+        backlog = peer.backlog
+        if tracked < 0 and not backlog.wants_mark(nbytes):
+            zmqio.send_frames(sock, [peer.identity, *frames], _NOBLOCK)
+            backlog.sent_reply(nbytes, None)
+            return
+        if tracked < 0:  # a small reply that marks the backlog: its header goes zero-copy, tracked
+            tracked = 0
+            frames = [zmq.Frame(frames[0], copy=False, track=True), *frames[1:]]
+        send = zmqio.send_one
+        send(sock, peer.identity, _NOBLOCK | _SNDMORE)
+        last = len(frames) - 1
+        tracker: zmq.MessageTracker | None = None
+        for index, frame in enumerate(frames):
+            flags = 0 if index == last else _SNDMORE
+            if index == tracked:
+                tracker = send(sock, frame, flags, track=True)
+            else:
+                send(sock, frame, flags)
+        backlog.sent_reply(nbytes, tracker)
+        if backlog.sent - backlog.freed > self.max_reply_bytes:
+            pending = backlog.pending()
+            if pending > self.max_reply_bytes:
+                self._disconnect_slow(peer, pending)
+
+    def _disconnect_slow(self, peer: Peer, pending: int) -> None:
+        """Shut down the connection of a client that does not read; ZeroMQ then frees its replies."""
+        self.slow_clients += 1
+        log.warning(
+            "client %s is not reading its replies: %d bytes wait for it, over --max-client-reply-bytes "
+            "(%d); disconnecting it",
+            peer.identity.hex(),
+            pending,
+            self.max_reply_bytes,
+        )
+        if peer.connection is not None and same_connection(peer.connection):
+            refuse_connection(peer.connection[0])
+        self._peers.drop(peer.identity, "disconnected for not reading its replies")
+        # The replies are freed by ZeroMQ's I/O thread and pyzmq's collector a moment later; the pages
+        # of the outputs go back to the system once they are.
+        timer = threading.Timer(_TRIM_DELAY_S, trim_heap)
+        timer.daemon = True
+        timer.start()
+
+
+#: After a slow client is disconnected, when to hand the memory of its replies back to the system.
+_TRIM_DELAY_S = 1.0
 
 
 class _IpcStream(ResponseSink):

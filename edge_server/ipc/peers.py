@@ -11,15 +11,23 @@ ending in :meth:`PeerTable.drop` (unmap every region of that client, cancel its 
   ignore it).  A live client, even an idle one, keeps its regions; a dead one is dropped.
 
 Clients that hold nothing are simply forgotten when idle.  All of it runs on the frontend thread.
+
+Each peer also counts the bytes of replies handed to ZeroMQ that it has not taken yet
+(:class:`ReplyBacklog`): the frontend disconnects a client whose backlog passes
+``--max-client-reply-bytes``, so that one that asks and never reads cannot pin the daemon's memory.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+import zmq
 
 from edge_server.ipc.shm import ShmRegistry
 from edge_server.request import ResponseSink
@@ -31,6 +39,55 @@ log = logging.getLogger(__name__)
 DISCONNECT_PROBE_DELAY = 0.2
 
 
+#: Untracked (copied, small) reply bytes after which the next reply carries a tracked marker frame.
+MARK_EVERY_BYTES = 1 << 20
+
+
+class ReplyBacklog:
+    """Bytes of replies sent to one client that ZeroMQ still holds (queued, not yet written to it).
+
+    ZeroMQ says when a zero-copy frame is freed (pyzmq's ``MessageTracker``), and it writes one
+    connection's messages in order; so a tracked frame that is freed means every reply sent before it
+    is gone too.  Replies with a frame of at least ZeroMQ's copy threshold are sent zero-copy and
+    tracked anyway; among small replies (copied by ZeroMQ) one in every :data:`MARK_EVERY_BYTES` gets
+    a tracked header.  The backlog is then exact to within that, at the cost of one tracker per MiB.
+    """
+
+    __slots__ = ("_marks", "sent", "freed", "_since_mark")
+
+    def __init__(self) -> None:
+        self._marks: collections.deque[tuple[zmq.MessageTracker, int]] = collections.deque()
+        self.sent = 0  # bytes of replies handed to ZeroMQ
+        self.freed = 0  # of which ZeroMQ has freed at least this many
+        self._since_mark = 0
+
+    def wants_mark(self, nbytes: int) -> bool:
+        """Whether the next reply (of ``nbytes``) should carry a tracked frame although it is small."""
+        return self._since_mark + nbytes >= MARK_EVERY_BYTES
+
+    def sent_reply(self, nbytes: int, tracker: zmq.MessageTracker | None) -> None:
+        self.sent += nbytes
+        if tracker is None:
+            self._since_mark += nbytes
+        else:
+            self._since_mark = 0
+            self._marks.append((tracker, self.sent))
+
+    def pending(self) -> int:
+        """Bytes still held for this client (at most :data:`MARK_EVERY_BYTES` over the truth)."""
+        marks = self._marks
+        while marks and marks[0][0].done:
+            self.freed = marks.popleft()[1]
+        if not marks:
+            self.freed = self.sent - self._since_mark
+        return self.sent - self.freed
+
+    def __bool__(self) -> bool:
+        """Whether a tracked reply is still held (small untracked rest: not enough to keep a peer)."""
+        self.pending()
+        return bool(self._marks)
+
+
 @dataclass(eq=False)
 class Peer:
     identity: bytes
@@ -38,10 +95,14 @@ class Peer:
     last_seen: float
     in_flight: set[Future] = field(default_factory=set)
     streams: dict[Any, ResponseSink] = field(default_factory=dict)  # open streams by request id
+    backlog: ReplyBacklog = field(default_factory=ReplyBacklog)
+    #: its connection (ZMQ_SRCFD and the socket's inode, to be sure the number was not reused);
+    #: None: not asked yet, (-1, -1): libzmq did not say
+    connection: tuple[int, int] | None = None
 
     @property
     def holds_state(self) -> bool:
-        return bool(self.in_flight) or bool(self.streams) or len(self.registry) > 0
+        return bool(self.in_flight) or bool(self.streams) or len(self.registry) > 0 or bool(self.backlog)
 
 
 class PeerTable:
@@ -131,6 +192,28 @@ class PeerTable:
                 due.append(identity)
         return due
 
+    def total_backlog(self) -> int:
+        return sum(p.backlog.pending() for p in list(self._peers.values()))
+
     def close(self) -> None:
         for identity in list(self._peers):
             self.drop(identity, "released at shutdown")
+
+
+def connection_of(frame: zmq.Frame) -> tuple[int, int]:
+    """(descriptor, inode) of the connection ``frame`` came on; (-1, -1) where libzmq does not say."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+        return fd, os.fstat(fd).st_ino
+    except (OSError, zmq.ZMQError):
+        return -1, -1
+
+
+def same_connection(connection: tuple[int, int]) -> bool:
+    """Whether descriptor ``connection[0]`` is still the socket it was (numbers are reused)."""
+    if connection[0] < 0:
+        return False
+    try:
+        return os.fstat(connection[0]).st_ino == connection[1]
+    except OSError:
+        return False

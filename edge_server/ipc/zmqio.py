@@ -34,6 +34,11 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
     _send(sock, frames[-1], flags, copy=False)
 
 
+def send_one(sock: zmq.Socket, frame: Any, flags: int = 0, *, track: bool = False) -> Any:
+    """Send one frame without copying large ones; with ``track``, return its ``MessageTracker``."""
+    return _send(sock, frame, flags, copy=False, track=track)
+
+
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     """Receive one whole message as ``zmq.Frame`` objects (zero-copy)."""
     frame = sock.recv(flags, copy=False)

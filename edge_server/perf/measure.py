@@ -91,6 +91,7 @@ class LevelResult:
     server_total: Snapshot
     error: str = ""
     late: int = 0
+    client_avg_us: float = 0.0  # over every answered request of the level, as server_total counts them
     reported: list[Window] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -170,6 +171,8 @@ def measure_level(
     finally:
         load.stop()
     after = _settled(target, before, recorder.answered)
+    records = recorder.records()
+    client_avg_us = float((records[:, 1] - records[:, 0]).mean()) / 1000.0 if len(records) else 0.0
     return LevelResult(
         level=level,
         batch_size=batch_size,
@@ -180,6 +183,7 @@ def measure_level(
         server_total=after - before,
         error=recorder.error,
         late=int(getattr(load, "late", 0)),
+        client_avg_us=client_avg_us,
     )
 
 

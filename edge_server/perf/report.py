@@ -207,6 +207,7 @@ def write_json(options: PerfOptions, results: Sequence[LevelResult], target: str
                     "sent": result.sent,
                     "answered": result.answered,
                     "server": result.server_total.summary(),
+                    "client_avg_us": result.client_avg_us,
                 },
                 "windows": [
                     {
