@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -60,14 +61,12 @@ def repositories(root: Path, thread_policy: str | None = None) -> dict[str, Path
         repo = root / f"repo{i}"
         for name in PIPELINE:
             shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("samples"))
-        if thread_policy is not None:
+        if thread_policy is not None:  # in place of the shipped setting, before dynamic_batching
             for name in ("detector", "digits"):
                 path = repo / name / "config.pbtxt"
-                path.write_text(
-                    path.read_text()
-                    + 'parameters [ { key: "thread_policy" '
-                    + f'value: {{ string_value: "{thread_policy}" }} }} ]\n'
-                )
+                text = re.sub(r'parameters \[ \{ key: "thread_policy".*\]\n', "", path.read_text())
+                value = f'{{ string_value: "{thread_policy}" }}'
+                path.write_text(f'parameters [ {{ key: "thread_policy" value: {value} }} ]\n' + text)
         config = repo / "digits" / "config.pbtxt"
         text = config.read_text()
         head = text[: text.index("dynamic_batching")]
