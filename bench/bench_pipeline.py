@@ -264,7 +264,7 @@ def main() -> int:
         "--thread-policy",
         choices=("default", "split"),
         default=None,
-        help="the ONNX models' thread_policy parameter (default: as shipped, no parameter)",
+        help="the ONNX models' thread_policy, in place of their shipped thread settings",
     )
     args = parser.parse_args()
     if args.short:
