@@ -85,6 +85,17 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def positive(text: str) -> int:
+    """A limit: a whole number of at least 1 (0 would refuse everything)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-server", description=__doc__)
     parser.add_argument("--version", action="version", version=f"edge-server {__version__}")
@@ -139,9 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-client-reply-bytes",
-        type=int,
+        type=positive,
         default=256 << 20,
         help="IPC: a client with more bytes of replies waiting for it (it does not read) is disconnected",
+    )
+    serve.add_argument(
+        "--max-client-requests",
+        type=positive,
+        default=1024,
+        help="IPC: requests one client may have in flight (queued, running, open streams); more are refused",
+    )
+    serve.add_argument(
+        "--max-requests",
+        type=positive,
+        default=8192,
+        help="IPC: requests all clients together may have in flight; more are refused",
     )
     serve.add_argument(
         "--max-header-bytes",
@@ -291,6 +314,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         max_header_bytes=args.max_header_bytes,
         max_client_reply_bytes=args.max_client_reply_bytes,
+        max_client_requests=args.max_client_requests,
+        max_requests=args.max_requests,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
         load_timeout=args.model_load_timeout_secs,

@@ -41,6 +41,8 @@ class DaemonOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_client_reply_bytes: int = 256 << 20  # IPC: replies waiting for a client that does not read
+    max_client_requests: int = 1024  # IPC: requests in flight for one client
+    max_requests: int = 8192  # IPC: requests in flight for all clients together
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     load_timeout: float = 600.0  # a model load running longer is abandoned (a stuck initialize())
@@ -128,6 +130,8 @@ class Daemon:
                     operator_gid=operator_gid(options.operator_group),
                     drain_timeout=options.drain_timeout,
                     max_reply_bytes=options.max_client_reply_bytes,
+                    max_client_requests=options.max_client_requests,
+                    max_requests=options.max_requests,
                 )
                 frontend.start()
                 supervisor.add_frontend("IPC frontend", frontend)

@@ -47,6 +47,13 @@ class QueueFull(EdgeServerError):
     http_status = 503
 
 
+class TooManyRequests(EdgeServerError):
+    """A client, or all clients together, already have as many requests in flight as allowed."""
+
+    code = "TOO_MANY_REQUESTS"
+    http_status = 429
+
+
 class RequestTimeout(EdgeServerError):
     """The request waited in the queue past its timeout."""
 

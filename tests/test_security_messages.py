@@ -149,3 +149,57 @@ def test_descriptor_exhaustion_is_refused_cleanly_never_an_abort(
             sock.close(0)
         ctx.term()
         assert stop_daemon(proc) == 0, proc.log()
+
+
+def test_requests_in_flight_are_limited_per_client_and_in_total(
+    tmp_path: pytest.TempPathFactory, no_leaked_processes: None
+) -> None:
+    """A client may not queue without bound: over --max-client-requests its next request is refused
+    TOO_MANY_REQUESTS (others are still served), and over --max-requests every client's is."""
+    from edge_server.errors import EdgeServerError
+    from tests.daemon import build_repository, start_daemon, stop_daemon
+
+    proc = start_daemon(
+        tmp_path, build_repository(tmp_path), "lim.sock", "--max-client-requests", "3", "--max-requests", "5"
+    )
+    gate = proc.gate
+    assert gate is not None
+    x = np.zeros(4, np.float32)
+    try:
+        with Client(proc.address, timeout=30) as first, Client(proc.address, timeout=30) as second:
+            held = [first.submit("gate", {"INPUT0": x}) for _ in range(3)]
+            gate.wait_started()  # one runs, two wait in the gate model's queue
+            with pytest.raises(EdgeServerError) as refused:
+                first.infer("identity", {"INPUT0": x})
+            assert refused.value.code == "TOO_MANY_REQUESTS"
+            assert "--max-client-requests" in refused.value.message
+            np.testing.assert_array_equal(second.infer("identity", {"INPUT0": x})["OUTPUT0"], x)
+            held += [second.submit("gate", {"INPUT0": x}) for _ in range(2)]  # 5 in flight in all
+            with pytest.raises(EdgeServerError) as full:
+                second.infer("gate", {"INPUT0": x})
+            assert full.value.code == "TOO_MANY_REQUESTS"
+            assert "--max-requests" in full.value.message
+            gate.release(5)
+            for future in held:
+                np.testing.assert_array_equal(future.result(timeout=30)["OUTPUT0"], x)
+            gate.wait_started(4)
+            # answered requests no longer count: both clients may send again
+            np.testing.assert_array_equal(first.infer("identity", {"INPUT0": x})["OUTPUT0"], x)
+            np.testing.assert_array_equal(second.infer("identity", {"INPUT0": x})["OUTPUT0"], x)
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_limits_must_be_positive_whole_numbers(value: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "edge_server", "serve", "--max-client-requests", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--max-client-requests" in done.stderr and "Traceback" not in done.stderr

@@ -37,6 +37,7 @@ from edge_server.errors import (
     PermissionDenied,
     ServerShuttingDown,
     ShmUnavailable,
+    TooManyRequests,
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
@@ -52,6 +53,10 @@ log = logging.getLogger(__name__)
 _HWM = 10_000
 #: Default of ``--max-client-reply-bytes``: replies queued for one client that does not read them.
 DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
+#: Defaults of ``--max-client-requests`` and ``--max-requests``: requests in flight (queued or running,
+#: and open streams) for one client and for all clients together; a request over either is refused.
+DEFAULT_MAX_CLIENT_REQUESTS = 1024
+DEFAULT_MAX_REQUESTS = 8192
 _CONTROL_WORKERS = 4
 _ZERO_COPY = zmq.COPY_THRESHOLD  # frames this large are sent zero-copy, so tracking them is free
 #: Connections the kernel queues for accept: all of them may arrive after the cap is reached.
@@ -87,6 +92,8 @@ class IpcFrontend:
         operator_gid: int | None = None,
         drain_timeout: float = 5.0,
         max_reply_bytes: int = DEFAULT_MAX_CLIENT_REPLY_BYTES,
+        max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
     ) -> None:
         self.server = server
         self._dataplane = server.dataplane
@@ -96,6 +103,8 @@ class IpcFrontend:
         self.max_header_bytes = min(max_header_bytes, max_message_bytes)
         self.drain_timeout = drain_timeout
         self.max_reply_bytes = max_reply_bytes
+        self.max_client_requests = max_client_requests
+        self.max_requests = max_requests
         self.slow_clients = 0  # disconnected for not reading their replies
         self._peers = PeerTable(probe_interval=probe_interval)
         self._handoff: FdHandoff | None = None
@@ -438,21 +447,33 @@ class IpcFrontend:
             + f"; uid {uid} is neither (inference stays open to every client)"
         )
 
-    def _infer(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+    def _admit(self, peer: Peer) -> None:
+        """Refuse a request over the client's or the daemon's in-flight limit, before it is decoded."""
         if self._stopping or self._refusing:
             raise ServerShuttingDown("the daemon is shutting down")
+        if len(peer.in_flight) + len(peer.streams) >= self.max_client_requests:
+            raise TooManyRequests(
+                f"this client has {self.max_client_requests} requests in flight, its limit "
+                "(--max-client-requests); wait for replies before sending more"
+            )
+        if self._peers.requests >= self.max_requests:
+            raise TooManyRequests(
+                f"the daemon has {self.max_requests} requests in flight, its limit (--max-requests)"
+            )
+
+    def _infer(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+        self._admit(peer)
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
         outcome = self._dataplane.dispatch(request)
         if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
             assert self._sock is not None
             self._send(self._sock, identity, handlers.encode_result(ctx, outcome, self._pack), peer)
             return
-        peer.in_flight.add(outcome)
+        self._peers.track(peer, outcome)
         outcome.add_done_callback(partial(self._infer_done, identity, ctx))
 
-    def _stream(self, peer: Any, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
-        if self._stopping or self._refusing:
-            raise ServerShuttingDown("the daemon is shutting down")
+    def _stream(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+        self._admit(peer)
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
         if ctx.shm_outputs:
             raise InvalidArgument("the responses of a stream travel inline; leave out 'shm' in 'outputs'")
@@ -461,7 +482,7 @@ class IpcFrontend:
         sink = _IpcStream(self, identity, ctx)
         self._dataplane.stream(request, sink)
         # Even if it already finished: its final reply is taken off below on this thread, after this.
-        peer.streams[rid] = sink
+        self._peers.track(peer, (rid, sink))
 
     def _infer_done(self, identity: bytes, ctx: handlers.InferContext, future: Future) -> None:
         """Runs on the scheduler thread that finished the request: encode here, send on the frontend."""
@@ -499,10 +520,7 @@ class IpcFrontend:
             if done is not None:
                 if peer is None:
                     continue  # dropped while the request ran
-                if isinstance(done, _IpcStream):  # the final response of a stream
-                    peer.streams.pop(done.ctx.rid, None)
-                else:
-                    peer.in_flight.discard(done)
+                self._peers.settle(peer, done, done.ctx.rid if isinstance(done, _IpcStream) else None)
             if frames:
                 self._send(sock, identity, frames, peer)
 

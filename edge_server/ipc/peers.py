@@ -112,6 +112,24 @@ class PeerTable:
         self._next_sweep = time.monotonic() + probe_interval
         self._probe_all_at: float | None = None
         self.dropped = 0  # clients whose state was released because they vanished or said bye
+        self.requests = 0  # requests in flight and streams open, over every client still known
+
+    def track(self, peer: Peer, request: Future | tuple[Any, ResponseSink]) -> None:
+        """Count a request the client waits for: a future, or ``(stream id, sink)``."""
+        if isinstance(request, tuple):
+            peer.streams[request[0]] = request[1]
+        else:
+            peer.in_flight.add(request)
+        self.requests += 1
+
+    def settle(self, peer: Peer, request: Future | ResponseSink, stream_id: Any = None) -> None:
+        """The reply to ``request`` leaves: it no longer counts against the client or the daemon."""
+        if isinstance(request, Future):
+            if request in peer.in_flight:
+                peer.in_flight.discard(request)
+                self.requests -= 1
+        elif peer.streams.pop(stream_id, None) is not None:
+            self.requests -= 1
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -131,7 +149,7 @@ class PeerTable:
 
     def busy(self) -> bool:
         """Whether any client still waits for a reply."""
-        return any(p.in_flight or p.streams for p in self._peers.values())
+        return self.requests > 0
 
     def region_count(self) -> int:
         return sum(len(p.registry) for p in list(self._peers.values()))
@@ -141,6 +159,7 @@ class PeerTable:
         peer = self._peers.pop(identity, None)
         if peer is None:
             return []
+        self.requests -= len(peer.in_flight) + len(peer.streams)
         cancelled = sum(1 for f in list(peer.in_flight) if f.cancel())
         for stream in peer.streams.values():
             stream.cancel()  # the model sees is_cancelled(); its further responses are dropped
