@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/bench_pipeline.py [--runs 5] [--seconds 3] [--cameras 1 4 8] [--json FILE]
     .venv/bin/python bench/bench_pipeline.py --short        # 1 run of 1 s per case
+    git archive main | tar -x -C /tmp/before                # before/after in one run:
+    .venv/bin/python bench/bench_pipeline.py --cameras 8 --baseline-tree /tmp/before
 
 Three daemons serve the example pipeline (``detect_classify``: the ``detect`` ensemble, then every
 crop of a frame to ``digits`` as one request): the classifier's dynamic batching as shipped (500 us
@@ -13,8 +15,10 @@ does.  The floor is the same pipeline as a plain in-process loop calling ONNX Ru
 (letterbox, detector, decode + NMS + crops, classifier), one frame after another.
 
 Cases alternate within each run, so that noise from other processes falls on all of them alike; the
-table shows the median over runs of frames per second, and the classifier's mean crops per batch
-(from its statistics: inferences / executions).
+table shows the median over runs of frames per second, the classifier's mean crops per batch
+(from its statistics: inferences / executions), and the daemon's CPU time and voluntary context
+switches per frame (summed over its threads in ``/proc``: on a shared machine these move less than
+frames per second do).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ VARIANTS = ("batching on", "batching, no delay", "batching off")
 CROP_BATCH = 32  # the classifier's max_batch_size where it batches
 
 
-def repositories(root: Path, thread_policy: str | None = None) -> dict[str, Path]:
+def repositories(root: Path, thread_policy: str | None = None, source: Path = ROOT) -> dict[str, Path]:
     """The pipeline three times: the classifier as shipped (dynamic batching, 500 us queue delay),
     with dynamic batching but no queue delay, and without dynamic batching."""
     if not (ROOT / "models" / "detector" / "1" / "model.onnx").exists():
@@ -60,7 +64,10 @@ def repositories(root: Path, thread_policy: str | None = None) -> dict[str, Path
     for i, variant in enumerate(VARIANTS):
         repo = root / f"repo{i}"
         for name in PIPELINE:
-            shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("samples"))
+            shutil.copytree(source / "models" / name, repo / name, ignore=shutil.ignore_patterns("samples"))
+            (repo / name / "1").mkdir(exist_ok=True)  # make_models.py makes those a tree lacks
+            for onnx in (ROOT / "models" / name / "1").glob("*.onnx"):
+                shutil.copy(onnx, repo / name / "1" / onnx.name)
         if thread_policy is not None:  # in place of the shipped setting, before dynamic_batching
             for name in ("detector", "digits"):
                 path = repo / name / "config.pbtxt"
@@ -183,6 +190,25 @@ def process_counters(pid: int) -> tuple[float, int]:
     return cpu, switches
 
 
+class TreeDaemon(Daemon):
+    """The daemon of another source tree (``--baseline-tree``: a checkout of the code before a change),
+    for before/after in one run: ``python -m edge_server`` resolves to the tree it is started in."""
+
+    def __init__(self, tree: Path, repository: Path, address: str, log_path: Path) -> None:
+        super().__init__(repository, address, log_path)
+        self.tree = tree
+
+    def start(self, timeout: float = 60.0) -> TreeDaemon:
+        command = [sys.executable, "-m", "edge_server", "serve", "--model-repository", str(self.repository)]
+        command += ["--ipc", self.address, "--allow-http", "false", "--allow-grpc", "false"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*command, "--allow-metrics", "false"], cwd=self.tree, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.wait_ready(timeout)
+        return self
+
+
 # -- cameras through the daemon ---------------------------------------------------------------------
 
 
@@ -266,6 +292,12 @@ def main() -> int:
         default=None,
         help="the ONNX models' thread_policy, in place of their shipped thread settings",
     )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="also run every case on the daemon and models of this source tree (before/after in one run)",
+    )
     args = parser.parse_args()
     if args.short:
         args.runs, args.seconds = 1, 1.0
@@ -274,10 +306,15 @@ def main() -> int:
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="es-pipeline-") as tmp:
         root = Path(tmp)
-        daemons = {
-            variant: Daemon(repo, f"ipc://{repo}.sock", Path(f"{repo}.log"))
-            for variant, repo in repositories(root, args.thread_policy).items()
-        }
+        daemons: dict[str, Daemon] = {}
+        if args.baseline_tree is not None:
+            tree = args.baseline_tree.resolve()
+            for variant, repo in repositories(root / "baseline", args.thread_policy, tree).items():
+                daemons[f"{variant} (baseline)"] = TreeDaemon(
+                    tree, repo, f"ipc://{repo}.sock", Path(f"{repo}.log")
+                )
+        for variant, repo in repositories(root, args.thread_policy).items():
+            daemons[variant] = Daemon(repo, f"ipc://{repo}.sock", Path(f"{repo}.log"))
         try:
             for daemon in daemons.values():
                 daemon.start()
@@ -314,15 +351,18 @@ def report(results: dict[str, list[float]], args: argparse.Namespace) -> None:
         f"{med['floor cpu ms']:.2f} ms CPU and {med['floor switches']:.1f} voluntary context switches "
         "per frame\n"
     )
-    header = f"{'classifier':<20} {'cameras':>7} {'frames/s':>9} {'x floor':>8} {'crops/batch':>12}"
+    header = f"{'classifier':<31} {'cameras':>7} {'frames/s':>9} {'x floor':>8} {'crops/batch':>12}"
     print(header + f" {'classifier us/crop':>19} {'daemon cpu ms/frame':>20} {'switches/frame':>15}")
-    for variant in VARIANTS:
+    variants = list(VARIANTS)
+    if args.baseline_tree is not None:
+        variants += [f"{variant} (baseline)" for variant in VARIANTS]
+    for variant in variants:
         for cameras in args.cameras:
             key = f"{variant} x{cameras}"
             fps, per_batch, us = med[key], med[f"{key} crops/batch"], med[f"{key} us/crop"]
             cpu, switches = med[f"{key} cpu ms"], med[f"{key} switches"]
             print(
-                f"{variant:<20} {cameras:>7} {fps:9.1f} {fps / floor:8.2f} {per_batch:12.2f} {us:19.1f}"
+                f"{variant:<31} {cameras:>7} {fps:9.1f} {fps / floor:8.2f} {per_batch:12.2f} {us:19.1f}"
                 f" {cpu:20.2f} {switches:15.1f}"
             )
 
