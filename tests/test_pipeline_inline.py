@@ -83,6 +83,29 @@ output [
 ]
 """
 
+# BLS: returns what "step1" answers (the name of the thread that ran it); a step after step1 below.
+BACK = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()
+            answer = pb_utils.InferenceRequest(
+                model_name="step1", inputs=[pb_utils.Tensor("IN", x)], requested_output_names=["OUT"],
+                timeout=5_000_000,
+            ).exec()
+            if answer.has_error():
+                raise pb_utils.TritonModelException(answer.error().message())
+            out = pb_utils.get_output_tensor_by_name(answer, "OUT").as_numpy()
+            tensors = [pb_utils.Tensor("OUT", out), pb_utils.Tensor("NEXT", x)]
+            responses.append(pb_utils.InferenceResponse(tensors))
+        return responses
+"""
+
 ENSEMBLE = """
 name: "chain"
 platform: "ensemble"
@@ -118,6 +141,8 @@ def server(tmp_path: Path) -> Iterator[Server]:
     _write(tmp_path, "batched", batched, STEP)
     _write(tmp_path, "caller", CALLER_CONFIG, CALLER)
     _write(tmp_path, "chain", ENSEMBLE, None)
+    _write(tmp_path, "back", STEP_CONFIG.format(name="back", max_batch=0, extra=""), BACK)
+    _write(tmp_path, "loop", ENSEMBLE.replace('"chain"', '"loop"').replace('"step2"', '"back"'), None)
     with Server(tmp_path) as srv:
         yield srv
 
@@ -137,14 +162,25 @@ def test_costly_model_never_runs_on_an_application_thread(server: Server) -> Non
     assert threading.current_thread().name != "edge-step1_0"
 
 
-def test_ensemble_step_runs_on_the_previous_steps_worker(server: Server) -> None:
+def test_python_step_after_a_step_goes_to_its_own_worker(server: Server) -> None:
+    # A Python step may call models, so the worker that delivers step1 does not run it: it holds an
+    # instance of step1 that the step could need (see test_step_that_calls_back_does_not_deadlock).
     x = np.zeros(2, np.float32)
     for _ in range(5):
         out = _infer(server, "chain", x)
         assert _name(out["FIRST"]) == "edge-step1_0"  # from the application thread: its worker
-        assert _name(out["SECOND"]) == "edge-step1_0"  # submitted from that worker, idle: inline
+        assert _name(out["SECOND"]) == "edge-step2_0"
     (stats,) = server.statistics("step2")
-    assert stats["inference_count"] == 5  # counted as the member's own executions
+    assert stats["inference_count"] == 5
+
+
+def test_step_that_calls_back_does_not_deadlock(server: Server) -> None:
+    # step1 (one instance) -> back, which calls step1: had back run on step1's worker, its call would
+    # wait for that very instance.  It runs on its own worker, and its call to the idle step1 on it.
+    for _ in range(3):
+        out = _infer(server, "loop", np.zeros(2, np.float32))
+        assert _name(out["FIRST"]) == "edge-step1_0"
+        assert _name(out["SECOND"]) == "edge-back_0"
 
 
 def test_bls_call_runs_on_the_calling_models_worker(server: Server) -> None:

@@ -16,10 +16,12 @@ submitted from the done-callback of the step before it, or a BLS call from insid
 with dynamic batching too: that thread is a pipeline's own, so blocking it stalls no frontend (the
 IPC frontend's thread is never a worker and keeps the budget), and handing the request to another
 thread would only make it wait for the answer.  A worker does this only while it is inside its own
-``execute`` (its instance is busy anyway) or its own queue is empty, so that it never holds up
-requests waiting for its instance.  A detect-then-classify frame thus walks its steps in one thread
-while the steps' instances are free, and hands off only where a step is busy: there it queues, and
-batches with what else is queued.
+``execute`` (its instance is busy anyway), or, while it delivers a finished batch, when its own queue
+is empty (it holds no one up) and the callee cannot call models (a BLS model could need the very
+instance this worker would hold while running it: a deadlock no thread hand-off would have had).
+A detect-then-classify frame, whose steps all run inside the BLS model's ``execute``, thus walks
+them in one thread while their instances are free, and hands off only where a step is busy: there
+it queues, and batches with what else is queued.
 
 An instance whose backend raises :class:`InstanceFailed` (its process died, its device context is
 lost) is taken out of service: its worker closes it and asks the ``restart`` callback for a new one
@@ -137,12 +139,17 @@ def _name_os_thread(name: str) -> None:
         pass
 
 
-def _pipeline_caller() -> bool:
+def _pipeline_caller(callee_calls_models: bool) -> bool:
     """Whether this thread is a worker free to run another model's request (see the module doc)."""
     caller = threading.current_thread()
     if type(caller) is not _Worker:
         return False
-    return caller.executing or not caller.scheduler._queue.size  # a benign race: a hint only
+    if caller.executing:  # its instance is busy anyway: running the callee here holds nothing more
+        return True
+    # Delivering a finished batch: its instance is free, but would stay held while the callee runs
+    # here.  A callee that may call models (a BLS model) could need that very instance (A's step
+    # done -> B inline -> B calls A) and wait for it forever: it goes to its own worker instead.
+    return not callee_calls_models and not caller.scheduler._queue.size  # a benign race: a hint only
 
 
 class SchedulerClosed(ServerShuttingDown):
@@ -234,6 +241,7 @@ class ModelScheduler:
         self._pipeline_inline = not self._preserve_ordering and all(
             backend.allows_inline for _, backend in instances
         )
+        self._calls_models = any(getattr(backend, "calls_models", False) for _, backend in instances)
         self._threads = [_Worker(self, index, f"edge-{name}") for index, (name, _) in enumerate(instances)]
         for thread in self._threads:
             thread.start()
@@ -264,7 +272,7 @@ class ModelScheduler:
         """
         level = self._level(priority) if priority or self._levels else 1
         now = time.monotonic_ns()
-        pipeline = self._pipeline_inline and _pipeline_caller()
+        pipeline = self._pipeline_inline and _pipeline_caller(self._calls_models)
         nbytes = _input_bytes(item) if self._inline_capable and not pipeline else 0
         with self._lock:
             if not self._accepting:
