@@ -18,6 +18,7 @@ from edge_server import __version__, dtypes
 from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
+from edge_server.metrics.options import metrics_config_item, summary_options
 from edge_server.server import CONTROL_MODES
 from edge_server.service.journal import JOURNAL_SOCKET, JournalHandler, stderr_is_journal
 
@@ -161,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: requests one client may have in flight (queued, running, open streams); more are refused",
     )
     serve.add_argument(
+        "--max-client-regions",
+        type=positive,
+        default=256,
+        help="IPC: shared-memory regions one client may register (the descriptor budget bounds all of them)",
+    )
+    serve.add_argument(
         "--max-requests",
         type=positive,
         default=8192,
@@ -187,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
     serve.add_argument(
         "--metrics-port", type=int, default=8002, help="Prometheus /metrics port (default 8002)"
+    )
+    serve.add_argument(
+        "--metrics-config",
+        type=metrics_config_item,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="as Triton: summary_latencies=true adds p50/p90/p95/p99/p999 latency summaries over the "
+        "last minute; summary_quantiles=0.5:0.05,0.99:0.001 picks others",
     )
     serve.add_argument(
         "--exit-on-error",
@@ -316,6 +332,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_client_reply_bytes=args.max_client_reply_bytes,
         max_client_requests=args.max_client_requests,
         max_requests=args.max_requests,
+        max_client_regions=args.max_client_regions,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
         load_timeout=args.model_load_timeout_secs,
@@ -325,6 +342,7 @@ def _serve(args: argparse.Namespace) -> int:
         allow_metrics=args.allow_metrics,
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,
+        latency_summaries=summary_options(args.metrics_config),
         engine_build=args.engine_build,
         kserve=kserve_options(args),
     )

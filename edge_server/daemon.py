@@ -22,6 +22,7 @@ from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
 from edge_server.metrics.collector import LoadCounter, ServerCollector
+from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.server import ControlMode, Server
 from edge_server.service.notify import Notifier
 from edge_server.service.supervisor import Supervisor, unavailable_models
@@ -43,6 +44,7 @@ class DaemonOptions:
     max_client_reply_bytes: int = 256 << 20  # IPC: replies waiting for a client that does not read
     max_client_requests: int = 1024  # IPC: requests in flight for one client
     max_requests: int = 8192  # IPC: requests in flight for all clients together
+    max_client_regions: int = 256  # IPC: shared-memory regions one client may register
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     load_timeout: float = 600.0  # a model load running longer is abandoned (a stuck initialize())
@@ -54,6 +56,7 @@ class DaemonOptions:
     allow_metrics: bool = True
     metrics_address: str = "127.0.0.1"
     metrics_port: int = 8002
+    latency_summaries: SummaryOptions | None = None  # --metrics-config summary_latencies=true
 
 
 def operator_gid(group: str | None) -> int | None:
@@ -93,6 +96,7 @@ class Daemon:
             listeners=(supervisor.on_model_state, loads),
             engine_build=options.engine_build,
             load_timeout=options.load_timeout,
+            latency_summaries=options.latency_summaries,
         )
         supervisor.attach(server)
         frontend = None
@@ -117,6 +121,8 @@ class Daemon:
                 operator_gid=operator_gid(options.operator_group),
             )
             kserve.start()
+            for label, probe in kserve.probes():
+                supervisor.add_frontend(label, probe)
             if options.ipc_address != "":
                 from edge_server.ipc.addresses import default_address
                 from edge_server.ipc.frontend import IpcFrontend
@@ -132,6 +138,7 @@ class Daemon:
                     max_reply_bytes=options.max_client_reply_bytes,
                     max_client_requests=options.max_client_requests,
                     max_requests=options.max_requests,
+                    max_client_regions=options.max_client_regions,
                 )
                 frontend.start()
                 supervisor.add_frontend("IPC frontend", frontend)

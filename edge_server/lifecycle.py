@@ -46,6 +46,7 @@ from edge_server.pipeline.graph import declares_ensemble, parse_steps
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
 from edge_server.request import ModelAccess
 from edge_server.scheduler.sequence import SequenceScheduler
+from edge_server.scheduler.summaries import SummaryOptions
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class ModelManager:
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
         self._access: ModelAccess | None = None
         self._loading_members: set[str] = set()  # members an explicit ensemble load is bringing up
+        # --metrics-config summary_latencies=true: versions keep latency quantiles (set by Server)
+        self.latency_summaries: SummaryOptions | None = None
 
     def attach(self, access: ModelAccess) -> None:
         """Give the models loaded from now on their way to other models (ensembles, BLS calls)."""
@@ -609,6 +612,8 @@ class ModelManager:
             return reason
         with self._tables:
             self._failed.pop((name, version), None)
+        if self.latency_summaries is not None:
+            loaded.stats.enable_summaries(self.latency_summaries)
         log.info(
             "%s v%d ready on %s in %.2f s",
             name,

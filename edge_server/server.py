@@ -26,6 +26,7 @@ from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
 from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, Listener, ModelManager, VersionStatus
 from edge_server.request import InferRequest, RequestOptions
+from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.streaming import AsyncResponseIterator, ResponseIterator
 from edge_server.watcher import RepositoryWatcher
 
@@ -72,12 +73,14 @@ class Server:
         listeners: Iterable[Listener] = (),
         engine_build: str = "none",
         load_timeout: float = DEFAULT_LOAD_TIMEOUT_S,
+        latency_summaries: SummaryOptions | None = None,
     ) -> None:
         """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
 
         ``listeners`` hear every model state change from the first load on (see ``add_listener``).
         ``engine_build="on-load"`` rebuilds TensorRT plans that cannot serve here (another TensorRT
         version or device, or missing) from the ONNX beside them, in the background, while the ONNX serves.
+        ``latency_summaries``: every version keeps latency quantiles for Triton's summary metrics.
         """
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
@@ -94,6 +97,7 @@ class Server:
         )
         for listener in listeners:
             self._manager.add_listener(listener)
+        self._manager.latency_summaries = latency_summaries
         self._dataplane = DataPlane(self._manager)
         # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
         # draining, strict readiness) and the daemon's part of status().  None in-process.

@@ -261,6 +261,16 @@ def test_parameters_reach_the_model(client: grpcclient.InferenceServerClient) ->
     assert seen["request_id"] == "p1"
     assert seen["correlation_id"] == 42
     assert seen["flags"] == 1  # SEQUENCE_START
+    # The model's InferenceResponse(parameters=...) is the response's InferParameter map, as in Triton.
+    params = result.get_response().parameters  # type: ignore[attr-defined]
+    assert params["seen"].int64_param == 3
+    assert params["model"].string_param == "params"
+    assert params["echo"].bool_param is True
+    assert result.get_response(as_json=True)["parameters"] == {
+        "seen": {"int64_param": "3"},
+        "model": {"string_param": "params"},
+        "echo": {"bool_param": True},
+    }
 
 
 def test_typed_contents_and_raw_counts_with_the_bare_stub(kserve: KServeDaemon) -> None:

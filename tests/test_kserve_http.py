@@ -202,6 +202,13 @@ def test_request_parameters_reach_the_model_and_are_checked(client: httpclient.I
     seen = json.loads(result.as_numpy("PARAMS")[0])
     assert seen["parameters"] == {"mode": "fast", "level": 3, "flag": True}
     assert seen["request_id"] == "h1"
+    # The model's InferenceResponse(parameters=...) is the response's JSON "parameters", as in Triton,
+    # with the outputs in JSON and in the binary extension alike.
+    echoed = {"seen": 3, "model": "params", "echo": True}
+    assert result.get_response()["parameters"] == echoed
+    binary = client.infer("params", [tensor], outputs=[httpclient.InferRequestedOutput("PARAMS", True)])
+    assert binary.get_response()["parameters"] == {**echoed, "seen": 0}
+    assert binary.get_response()["outputs"][0]["parameters"]["binary_data_size"] > 0
     with pytest.raises(InferenceServerException, match="must be a bool, an integer or a string"):
         client.infer("params", [tensor], parameters={"ratio": 0.5})
 

@@ -203,3 +203,24 @@ def test_limits_must_be_positive_whole_numbers(value: str) -> None:
     )
     assert done.returncode == 2
     assert "--max-client-requests" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_regions_per_client_are_limited_by_a_flag(
+    tmp_path: pytest.TempPathFactory, no_leaked_processes: None
+) -> None:
+    from edge_server.errors import EdgeServerError
+    from tests.daemon import build_repository, start_daemon, stop_daemon
+
+    proc = start_daemon(tmp_path, build_repository(tmp_path), "reg.sock", "--max-client-regions", "2")
+    try:
+        with Client(proc.address, timeout=30) as client, Client(proc.address, timeout=30) as other:
+            regions = [client.create_shm_region(4096) for _ in range(2)]
+            with pytest.raises(EdgeServerError) as refused:
+                client.create_shm_region(4096)
+            assert "at most 2 regions" in refused.value.message
+            other.release_shm(other.create_shm_region(4096))  # the limit is per client
+            for region in regions:
+                client.release_shm(region)
+            client.release_shm(client.create_shm_region(4096))  # released regions no longer count
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()

@@ -42,6 +42,7 @@ from edge_server.errors import (
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
 from edge_server.ipc.peers import Peer, PeerTable, connection_of, same_connection
+from edge_server.ipc.shm import MAX_REGIONS_PER_CLIENT
 from edge_server.memory import trim_heap
 from edge_server.request import ResponseSink
 
@@ -94,6 +95,7 @@ class IpcFrontend:
         max_reply_bytes: int = DEFAULT_MAX_CLIENT_REPLY_BYTES,
         max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS,
         max_requests: int = DEFAULT_MAX_REQUESTS,
+        max_client_regions: int = MAX_REGIONS_PER_CLIENT,
     ) -> None:
         self.server = server
         self._dataplane = server.dataplane
@@ -106,7 +108,7 @@ class IpcFrontend:
         self.max_client_requests = max_client_requests
         self.max_requests = max_requests
         self.slow_clients = 0  # disconnected for not reading their replies
-        self._peers = PeerTable(probe_interval=probe_interval)
+        self._peers = PeerTable(probe_interval=probe_interval, max_client_regions=max_client_regions)
         self._handoff: FdHandoff | None = None
         self._replies: collections.deque[tuple[bytes, list[Any], Future | _IpcStream | None]] = (
             collections.deque()

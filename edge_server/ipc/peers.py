@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from edge_server.ipc.shm import ShmRegistry
+from edge_server.ipc.shm import MAX_REGIONS_PER_CLIENT, ShmRegistry
 from edge_server.request import ResponseSink
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,9 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, *, probe_interval: float) -> None:
+    def __init__(self, *, probe_interval: float, max_client_regions: int = MAX_REGIONS_PER_CLIENT) -> None:
         self._probe_interval = probe_interval
+        self._max_client_regions = max_client_regions
         self._peers: dict[bytes, Peer] = {}
         self._next_sweep = time.monotonic() + probe_interval
         self._probe_all_at: float | None = None
@@ -138,7 +139,9 @@ class PeerTable:
         peer = self._peers.get(identity)
         now = time.monotonic()
         if peer is None:
-            peer = Peer(identity=identity, registry=ShmRegistry(), last_seen=now)
+            peer = Peer(
+                identity=identity, registry=ShmRegistry(max_regions=self._max_client_regions), last_seen=now
+            )
             self._peers[identity] = peer
         else:
             peer.last_seen = now

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from edge_server.kserve.probes import GrpcProbe, LoopProbe, loopback
 from edge_server.kserve.service import KServeService
 from edge_server.kserve.shm import SystemShmRegistry
 
@@ -48,7 +49,11 @@ def add_kserve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--http-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
     group.add_argument("--http-port", type=int, default=8000)
     group.add_argument(
-        "--allow-grpc", type=_flag, default=True, metavar="BOOL", help="serve gRPC (default true)"
+        "--allow-grpc",
+        type=_flag,
+        default=None,
+        metavar="BOOL",
+        help="serve gRPC (default: true where the grpc extra is installed; true makes it required)",
     )
     group.add_argument("--grpc-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
     group.add_argument("--grpc-port", type=int, default=8001)
@@ -90,6 +95,11 @@ class KServeFrontends:
         self.service = KServeService(server, shm=shm, operator_gid=operator_gid)
         self.http: Any = None
         self.grpc: Any = None
+        self._probes: list[tuple[str, LoopProbe | GrpcProbe]] = []
+
+    def probes(self) -> list[tuple[str, LoopProbe | GrpcProbe]]:
+        """The watchdog's liveness probe of each started frontend (see :mod:`edge_server.kserve.probes`)."""
+        return list(self._probes)
 
     def start(self) -> None:
         options = self.options
@@ -103,6 +113,7 @@ class KServeFrontends:
                 max_body_bytes=self.max_message_bytes,
             )
             self.http.start()
+            self._probes.append(("HTTP frontend", LoopProbe(self.http.call_soon)))
         if options.allow_grpc is not False:
             try:
                 from edge_server.kserve.grpc_frontend import GrpcFrontend
@@ -119,6 +130,9 @@ class KServeFrontends:
                 max_message_bytes=self.max_message_bytes,
             )
             self.grpc.start()
+            host = loopback(self.grpc.host)
+            target = f"[{host}]:{self.grpc.port}" if ":" in host else f"{host}:{self.grpc.port}"
+            self._probes.append(("gRPC frontend", GrpcProbe(target, self.grpc.saturated)))
 
     def refuse_new(self) -> None:
         """Stop taking connections and calls; what is in flight goes on (the daemon's stop, step one)."""
@@ -132,3 +146,7 @@ class KServeFrontends:
             if frontend is not None:
                 frontend.close()
         self.http = self.grpc = None
+        for _, probe in self._probes:
+            if isinstance(probe, GrpcProbe):
+                probe.close()
+        self._probes = []

@@ -262,10 +262,12 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         context.add_callback(lambda: responses.put(None))  # the call ended (cancelled, deadline)
         reader = threading.Thread(target=read, name="edge-grpc-stream", daemon=True)
         reader.start()
+        self.frontend.stream_opened(+1)
         try:
             while (response := responses.get()) is not None:
                 yield response
         finally:
+            self.frontend.stream_opened(-1)
             with lock:
                 left = list(open_sinks)
             for sink in left:
@@ -396,10 +398,14 @@ class GrpcFrontend:
         port: int = 8001,
         max_message_bytes: int = 64 << 20,
         drain_timeout: float = 5.0,
+        max_workers: int = MAX_WORKERS,
     ) -> None:
         self.service = service
         self.host = host
         self.port = port
+        self.max_workers = max_workers
+        self._streams = 0  # open ModelStreamInfer calls: each holds a worker while the client keeps it
+        self._streams_lock = threading.Lock()
         self.max_message_bytes = max_message_bytes
         self.drain_timeout = drain_timeout
         self._server: grpc.Server | None = None
@@ -408,7 +414,7 @@ class GrpcFrontend:
     def start(self) -> None:
         """Bind (a failure raises here) and serve."""
         server = grpc.server(
-            ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="edge-grpc"),
+            ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="edge-grpc"),
             options=server_options(self.max_message_bytes),
         )
         _add_servicer(_Servicer(self.service, self), server)
@@ -423,6 +429,14 @@ class GrpcFrontend:
         server.start()
         self._server = server
         log.info("gRPC frontend (KServe v2) listening on %s:%d", self.host, self.port)
+
+    def stream_opened(self, delta: int) -> None:
+        with self._streams_lock:
+            self._streams += delta
+
+    def saturated(self) -> bool:
+        """Whether open streams hold every worker (new calls wait for one to close: full, not wedged)."""
+        return self._streams >= self.max_workers
 
     def refuse_new(self) -> None:
         """Refuse new calls; those in flight have the drain timeout to finish, then are cancelled."""

@@ -358,6 +358,7 @@ class HttpFrontend:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         """Bind (errors raise here) and serve; returns once connections are accepted."""
@@ -409,7 +410,19 @@ class HttpFrontend:
                 break
         if self._failed is not None:
             raise RuntimeError(f"the HTTP frontend did not start: {self._failed}")
+        self._loop = server.servers[0].get_loop()
         log.info("HTTP frontend (KServe v2) listening on %s:%d", self.host, self.port)
+
+    def call_soon(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` on the frontend's event loop (the watchdog's probe); False if the loop is gone."""
+        loop = self._loop
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # closed
+            return False
+        return True
 
     def refuse_new(self) -> None:
         """Close the listening socket; open requests go on (uvicorn's graceful shutdown begins)."""

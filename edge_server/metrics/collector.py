@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.metrics_core import Metric
 
 from edge_server.lifecycle import ModelState, VersionStatus
+from edge_server.scheduler.summaries import Summary
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -58,6 +59,26 @@ TRITON_COUNTERS: dict[str, tuple[str, tuple[str, ...], float]] = {
 }
 REQUEST_DURATION = "nv_inference_request_duration_us"
 LABELS = ("model", "version")
+# Triton's latency summaries (``--metrics-config summary_latencies=true``), by duration kind.
+TRITON_SUMMARIES: dict[str, tuple[str, str]] = {
+    "request": (
+        "nv_inference_request_summary_us",
+        "Summary of inference request duration in microseconds",
+    ),
+    "queue": ("nv_inference_queue_summary_us", "Summary of inference queuing duration in microseconds"),
+    "compute_input": (
+        "nv_inference_compute_input_summary_us",
+        "Summary of compute input duration in microseconds",
+    ),
+    "compute_infer": (
+        "nv_inference_compute_infer_summary_us",
+        "Summary of compute inference duration in microseconds",
+    ),
+    "compute_output": (
+        "nv_inference_compute_output_summary_us",
+        "Summary of inference compute output duration in microseconds",
+    ),
+}
 
 
 def _counter(name: str, documentation: str) -> Metric:
@@ -66,6 +87,24 @@ def _counter(name: str, documentation: str) -> Metric:
 
 def _gauge(name: str, documentation: str) -> Metric:
     return Metric(name, documentation, "gauge")
+
+
+def _add_summaries(
+    metrics: dict[str, Metric], labels: dict[str, str], found: dict[str, Summary] | None
+) -> None:
+    """One version's summaries: a sample per quantile (NaN with nothing in the window), _count, _sum."""
+    if found is None:
+        return
+    for kind, metric in metrics.items():
+        summary = found[kind]
+        for quantile, ns in summary.quantiles:
+            metric.add_sample(metric.name, {**labels, "quantile": _quantile_label(quantile)}, ns / 1e3)
+        metric.add_sample(metric.name + "_count", labels, summary.count)
+        metric.add_sample(metric.name + "_sum", labels, summary.sum_ns / 1e3)
+
+
+def _quantile_label(quantile: float) -> str:
+    return f"{quantile:g}"
 
 
 class LoadCounter:
@@ -131,6 +170,7 @@ class ServerCollector:
         active = _gauge("edge_sequence_active", "Live sequences of a sequence-batched model")
         backlog = _gauge("edge_sequence_backlog", "Sequences waiting for a slot or candidate place")
         occupied = _gauge("edge_sequence_slots_occupied", "Batch slots held by a sequence (direct strategy)")
+        summaries = {kind: Metric(name, doc, "summary") for kind, (name, doc) in TRITON_SUMMARIES.items()}
         for name, versions in self._server.manager.serving().items():
             for version, loaded in versions.items():
                 labels = {"model": name, "version": str(version)}
@@ -162,8 +202,10 @@ class ServerCollector:
                     busy.add_sample(
                         "edge_instance_busy_seconds_total", {**labels, "instance": instance}, ns / 1e9
                     )
+                _add_summaries(summaries, labels, loaded.stats.summaries())
         yield from counters.values()
         yield from (duration, pending, batches, busy, active, backlog, occupied)
+        yield from (m for m in summaries.values() if m.samples)
 
     def _models(self) -> Iterator[Metric]:
         state = _gauge("edge_model_state", "1 for the state each known model version is in")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_server.request import Timing
+from edge_server.scheduler.summaries import LatencyWindow, Summary, SummaryOptions
 
 
 @dataclass(slots=True)
@@ -57,6 +58,8 @@ class ModelStats:
         self._compute_output = _Duration()
         self._batches: dict[int, _BatchStats] = {}
         self._unfolded: collections.deque[_Inline] = collections.deque()
+        # Triton's latency summaries (``--metrics-config summary_latencies=true``); None when off.
+        self._window: LatencyWindow | None = None
         #: set by a sequence scheduler: its sequence counts and slot occupancy, read with the rest
         self.sequence_stats: Callable[[], dict[str, Any]] | None = None
 
@@ -86,6 +89,18 @@ class ModelStats:
             stats.compute_input.add(timing.compute_input_ns)
             stats.compute_infer.add(timing.compute_infer_ns)
             stats.compute_output.add(timing.compute_output_ns)
+            if self._window is not None:
+                done = [i for i, good in enumerate(succeeded) if good]
+                k = len(done)
+                self._window.observe(
+                    (
+                        [request_ns[i] for i in done],
+                        [queue_ns[i] for i in done],
+                        [timing.compute_input_ns] * k,
+                        [timing.compute_infer_ns] * k,
+                        [timing.compute_output_ns] * k,
+                    )
+                )
 
     def record_one(
         self, batch_size: int, queue_ns: int, request_ns: int, succeeded: bool, timing: Timing, end_ns: int
@@ -143,12 +158,34 @@ class ModelStats:
             stats.compute_output.add(so, count)
         ended_ms = (time.time_ns() - (time.monotonic_ns() - max(end_ns))) // 1_000_000
         self._last_inference_ms = max(self._last_inference_ms, ended_ms)
+        if self._window is not None:
+            if all(succeeded):
+                self._window.observe((request_ns, queue_ns, cin, cinf, cout))
+            else:
+                ok = [i for i, good in enumerate(succeeded) if good]
+                self._window.observe(
+                    [[column[i] for i in ok] for column in (request_ns, queue_ns, cin, cinf, cout)]
+                )
 
     def record_failure(self, queue_ns: int, request_ns: int) -> None:
         """A request that failed without running (timeout, cancelled on shutdown)."""
         with self._lock:
             self._fail.add(request_ns)
             self._queue.add(queue_ns)
+
+    def enable_summaries(self, options: SummaryOptions) -> None:
+        """Keep latency quantiles from now on (set at load, before the version takes traffic)."""
+        with self._lock:
+            if self._window is None:
+                self._window = LatencyWindow(options)
+
+    def summaries(self) -> dict[str, Summary] | None:
+        """The latency summaries (by kind: request, queue, compute_*), or None when they are off."""
+        if self._window is None:
+            return None
+        with self._lock:
+            self._fold()
+            return self._window.summaries()
 
     def as_dict(self) -> dict[str, Any]:
         """Triton's statistics JSON for this version (plus ``sequence_stats`` for sequence models)."""

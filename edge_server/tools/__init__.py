@@ -7,4 +7,4 @@ them with a few lines, so a tool's imports (onnx, TensorRT) happen only when tha
 from __future__ import annotations
 
 # module names under edge_server.tools, in the order the CLI lists them
-TOOLS = ("dla_report", "build_engine", "doctor", "status", "install_service")
+TOOLS = ("dla_report", "build_engine", "doctor", "status", "install_service", "make_examples")

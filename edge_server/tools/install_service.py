@@ -40,7 +40,8 @@ def add_parser(subparsers: Any) -> None:
         const=True,
         default=None,
         metavar="DIR",
-        help="copy example models into the repository (default DIR: the checkout's models/)",
+        help="put the example models into the repository: copied from DIR, or made by the installed "
+        "package (the models extra) when DIR is not given",
     )
     install.add_argument("--exec", default=None, metavar="PATH", help="the edge-server program systemd runs")
     install.add_argument(
@@ -123,7 +124,6 @@ def _ensure_user(done: list[str]) -> None:
 
 def install_service(args: argparse.Namespace) -> int:
     from edge_server.cli import build_parser
-    from edge_server.server import default_repository
     from edge_server.service.settings import SETTINGS_NAME, render_settings
 
     root: Path = args.root
@@ -148,8 +148,23 @@ def install_service(args: argparse.Namespace) -> int:
             shutil.chown(path, SERVICE_USER, SERVICE_USER)
             path.chmod(0o750)
     done.append(f"created {repository} (the model repository)")
-    if args.with_examples is not None:
-        examples = default_repository() if args.with_examples is True else args.with_examples
+    if args.with_examples is True:
+        from edge_server.tools.make_examples import make_examples, missing_modules
+
+        if missing_modules():
+            done.append(
+                f"example models skipped: making them needs {', '.join(missing_modules())} "
+                "(pip install 'edge-server[models]', then `edge-server make-examples "
+                f"{repository}`)"
+            )
+        else:
+            make_examples(repository)
+            done.append(f"made the example models in {repository}")
+        if not staged:
+            for path in repository.rglob("*"):
+                shutil.chown(path, SERVICE_USER, SERVICE_USER)
+    elif args.with_examples is not None:
+        examples = args.with_examples
         if any(examples.glob("*/config.pbtxt")) and any(examples.glob("*/[0-9]*/model.*")):
             shutil.copytree(
                 examples,
@@ -160,8 +175,8 @@ def install_service(args: argparse.Namespace) -> int:
             done.append(f"copied the example models from {examples}")
         else:
             done.append(
-                f"no models in {examples}: skipped (make them in a checkout with "
-                "`python models/make_models.py`, then pass --with-examples CHECKOUT/models)"
+                f"no models in {examples}: skipped (`--with-examples` alone makes them, or "
+                f"`edge-server make-examples {repository}`)"
             )
 
     settings = root / CONFIG_DIR / SETTINGS_NAME

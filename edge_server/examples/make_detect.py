@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ def build_detector(
     xs = np.broadcast_to(grid[None, :], (DET_SIZE, DET_SIZE))[None, None]
     ys = np.broadcast_to(grid[:, None], (DET_SIZE, DET_SIZE))[None, None]
     anchors = DET_SIZE // STRIDE
-    inits = [
+    inits: list[Any] = [
         const("half", np.array(0.5)),
         const("steep", np.array(200.0)),
         const("X", xs),
@@ -224,7 +225,7 @@ def write_scenes(
     classify: Callable[[np.ndarray], np.ndarray],
     x_test: np.ndarray,
     y_test: np.ndarray,
-    write: Callable[[Path, Callable[[Path], None]], None],
+    write: Callable[[Path, Callable[[Path], object]], None],
 ) -> None:
     """``scene_<i>.png`` and ``scene_<i>.json`` (the truth: boxes as x1, y1, x2, y2, class, digit)."""
     import cv2
@@ -243,4 +244,4 @@ def write_scenes(
 
         write(samples / f"scene_{i}.png", write_png)
         text = json.dumps({"objects": truth}, indent=1)
-        write(samples / f"scene_{i}.json", lambda p, t=text: p.write_text(t))
+        write(samples / f"scene_{i}.json", lambda p, t=text: p.write_text(t))  # type: ignore[misc]
