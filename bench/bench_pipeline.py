@@ -41,11 +41,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "models"))
-
-from make_detect import crop_input  # noqa: E402
 
 from edge_server.client import Client  # noqa: E402
+from edge_server.examples.make_detect import crop_input  # noqa: E402
 from tests.daemon import Daemon  # noqa: E402
 
 PIPELINE = ("digits", "detector", "detect_preprocess", "detect_postprocess", "detect", "detect_classify")
