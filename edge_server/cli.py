@@ -182,6 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: requests all clients together may have in flight; more are refused",
     )
     serve.add_argument(
+        "--max-connections",
+        type=positive,
+        default=None,
+        help="IPC: connections at once (default: as many as the descriptor budget allows, at most 4096)",
+    )
+    serve.add_argument(
+        "--max-frames",
+        type=positive,
+        default=1024,
+        help="IPC: frames in one message (a header and its tensors); more are dropped unread and refused",
+    )
+    serve.add_argument(
         "--max-header-bytes",
         type=int,
         default=DEFAULT_MAX_HEADER_BYTES,
@@ -341,6 +353,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_client_requests=args.max_client_requests,
         max_requests=args.max_requests,
         max_client_regions=args.max_client_regions,
+        max_connections=args.max_connections,
+        max_frames=args.max_frames,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,
         load_timeout=args.model_load_timeout_secs,

@@ -45,6 +45,8 @@ class DaemonOptions:
     max_client_requests: int = 1024  # IPC: requests in flight for one client
     max_requests: int = 8192  # IPC: requests in flight for all clients together
     max_client_regions: int = 256  # IPC: shared-memory regions one client may register
+    max_connections: int | None = None  # IPC: connections at once (None: the descriptor budget's)
+    max_frames: int = 1024  # IPC: frames in one message
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     load_timeout: float = 600.0  # a model load running longer is abandoned (a stuck initialize())
@@ -141,6 +143,8 @@ class Daemon:
                     max_client_requests=options.max_client_requests,
                     max_requests=options.max_requests,
                     max_client_regions=options.max_client_regions,
+                    max_connections=options.max_connections,
+                    max_frames=options.max_frames,
                 )
                 frontend.start()
                 supervisor.add_frontend("IPC frontend", frontend)

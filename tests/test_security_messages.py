@@ -224,3 +224,31 @@ def test_regions_per_client_are_limited_by_a_flag(
             client.release_shm(client.create_shm_region(4096))  # released regions no longer count
     finally:
         assert stop_daemon(proc) == 0, proc.log()
+
+
+def test_connections_and_frames_per_message_are_flags(
+    tmp_path: pytest.TempPathFactory, no_leaked_processes: None
+) -> None:
+    """--max-frames bounds one message; --max-connections closes the door at the cap and opens it again."""
+    from tests.daemon import build_repository, start_daemon, stop_daemon
+
+    proc = start_daemon(
+        tmp_path, build_repository(tmp_path), "flags.sock", "--max-frames", "3", "--max-connections", "2"
+    )
+    try:
+        first = RawPeer(proc.address)
+        x = np.zeros(4, np.float32)
+        desc = {"name": "INPUT0", "datatype": "FP32", "shape": [4], "frame": 0}
+        too_many = first.ask([header(op="infer", model="identity", inputs=[desc]), x, x, x])
+        assert too_many["error"]["code"] == "MALFORMED_MESSAGE"
+        assert "--max-frames" in too_many["error"]["message"]
+        one = first.ask([header(op="infer", model="identity", inputs=[desc]), x])
+        assert one["ok"], one
+        with Client(proc.address, timeout=30) as second:  # the second connection: at the cap
+            status = second.ipc_status()
+            assert status["connections"] == 2 and status["paused_accepting"] == 1, status
+            first.close()
+            np.testing.assert_array_equal(second.infer("identity", {"INPUT0": x})["OUTPUT0"], x)
+        still_serves(proc)  # a connection closed: the door is open again
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()

@@ -96,6 +96,7 @@ class IpcFrontend:
         max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS,
         max_requests: int = DEFAULT_MAX_REQUESTS,
         max_client_regions: int = MAX_REGIONS_PER_CLIENT,
+        max_frames: int = protocol.MAX_FRAMES,
     ) -> None:
         self.server = server
         self._dataplane = server.dataplane
@@ -106,6 +107,7 @@ class IpcFrontend:
         self.drain_timeout = drain_timeout
         self.max_reply_bytes = max_reply_bytes
         self.max_client_requests = max_client_requests
+        self.max_frames = max_frames
         self.max_requests = max_requests
         self.slow_clients = 0  # disconnected for not reading their replies
         self._peers = PeerTable(probe_interval=probe_interval, max_client_regions=max_client_regions)
@@ -267,7 +269,7 @@ class IpcFrontend:
                 # One message per wake-up: asking the socket whether more are queued (ZMQ_EVENTS)
                 # costs as much as the next zmq_poll, which also gives replies and the monitor a turn.
                 try:
-                    frames, dropped = zmqio.recv_bounded(sock, _NOBLOCK, protocol.MAX_FRAMES + 1)
+                    frames, dropped = zmqio.recv_bounded(sock, _NOBLOCK, self.max_frames + 1)
                 except zmq.Again:
                     continue
                 self._handle(frames, dropped)
@@ -373,7 +375,7 @@ class IpcFrontend:
             if dropped:
                 raise MalformedMessage(
                     f"the message has {len(frames) + dropped - 1} frames; a request may have at most "
-                    f"{protocol.MAX_FRAMES} (a header and its tensors)"
+                    f"{self.max_frames} (a header and its tensors; --max-frames)"
                 )
             if header is None:
                 raise MessageTooLarge(
