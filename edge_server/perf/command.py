@@ -132,8 +132,10 @@ def measure(options: PerfOptions) -> int:
 
     target, where = open_target(options)
     results: list[LevelResult] = []
+    decoupled = False
     try:
         info = target.model_info()
+        decoupled = bool(info.decoupled)
         steps, sequence_length = plan(options, info)
         target.prepare(steps, shared_memory=options.shared_memory == "system", streaming=options.streaming)
         # Correlation ids unlikely to meet another client's (perf_analyzer starts at 1 by default).
@@ -174,7 +176,7 @@ def measure(options: PerfOptions) -> int:
         target.close()
     report.print_table(options, results, where, sys.stdout)
     if options.csv is not None:
-        report.write_csv(options, results, options.csv)
+        report.write_csv(options, results, options.csv, decoupled=decoupled)
     if options.json is not None:
         report.write_json(options, results, where, options.json)
     if options.plot is not None:

@@ -123,6 +123,7 @@ class PerfOptions:
     sequence_length: int | None
     streaming: bool
     csv: Path | None
+    verbose_csv: bool
     plot: Path | None
     json: Path | None
     verbose: bool
@@ -231,6 +232,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--streaming", action="store_true", help="stream responses (decoupled models)")
     parser.add_argument("-f", type=Path, default=None, metavar="FILE", dest="csv", help="CSV report")
+    parser.add_argument(
+        "--verbose-csv",
+        action="store_true",
+        help="CSV also has Avg latency, request/response and response wait (Model Analyzer reads them)",
+    )
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help="latency-throughput PNG")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="every figure, as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr even off a TTY")
@@ -285,6 +291,7 @@ def options_from(args: argparse.Namespace) -> PerfOptions:
         sequence_length=args.sequence_length,
         streaming=args.streaming,
         csv=args.csv,
+        verbose_csv=args.verbose_csv,
         plot=args.plot,
         json=args.json,
         verbose=args.verbose,
