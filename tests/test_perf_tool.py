@@ -223,6 +223,7 @@ def _options(**changes: Any) -> PerfOptions:
         max_threads=1,
         batch_size=1,
         shared_memory="none",
+        output_shared_memory_size=102400,
         input_data="random",
         shapes={},
         measurement_interval_ms=1000.0,
@@ -456,6 +457,58 @@ def test_transport_specific_errors(
             assert "--allow-client-shm" in err
     finally:
         assert stop_daemon(plain.daemon) == 0
+
+
+@pytest.mark.parametrize("transport", ["ipc", "http", "grpc"])
+def test_shared_memory_outputs_equal_inline(kserve: KServeDaemon, repo: Path, transport: str) -> None:
+    """--shared-memory system: outputs written into the worker's region hold what inline ones do."""
+    from edge_server.perf.command import open_target, plan
+    from edge_server.perf.inputs import output_sizes
+    from edge_server.perf.kserve_targets import response_json
+
+    address = {"ipc": kserve.daemon.address, "http": kserve.http_url, "grpc": kserve.grpc_url}[transport]
+    options = _options(model="digits", transport=transport, address=address, batch_size=2)
+    seen: dict[str, dict[str, np.ndarray]] = {}
+    for shared in (False, True):
+        target, _ = open_target(options)
+        try:
+            info = target.model_info()
+            steps, _ = plan(options, info)
+            outputs = output_sizes(info.metadata, batched=True, batch_size=2, default_size=1)
+            assert outputs == {"probabilities": 2 * 10 * 4}  # exactly the batch's bytes
+            target.prepare(steps, shared_memory=shared, streaming=False, outputs=outputs if shared else None)
+            worker = target.worker()
+            try:
+                worker.send(0, None)
+                seen[str(shared)] = worker.last_outputs()
+                if shared and transport == "ipc":  # the daemon wrote the output into our region
+                    regions = target.client.shm_status()  # type: ignore[attr-defined]
+                    assert sum(sum(r["outputs"].values()) for r in regions) == 1
+                elif shared:  # the response describes the output and carries no data: it is in the region
+                    (entry,) = response_json(worker._last)["outputs"]  # type: ignore[attr-defined]
+                    assert (entry["name"], [int(d) for d in entry["shape"]]) == ("probabilities", [2, 10])
+                    assert "data" not in entry and "binary_data_size" not in entry.get("parameters", {})
+            finally:
+                worker.close()
+        finally:
+            target.close()
+    inline, shared_out = seen["False"]["probabilities"], seen["True"]["probabilities"]
+    assert shared_out.shape == inline.shape == (2, 10)
+    assert inline.any()  # a fresh region is zeros: equal values were written there
+    np.testing.assert_array_equal(shared_out, inline)
+
+
+def test_output_shared_memory_size_too_small(
+    capsys: pytest.CaptureFixture[str], kserve: KServeDaemon
+) -> None:
+    """A variable-shape output gets --output-shared-memory-size bytes; one that does not fit is refused."""
+    argv = ["--shape", "INPUT0:8", "--shared-memory", "system", *SHORT]
+    code, _, err = perf(capsys, "identity", "--ipc", kserve.daemon.address, *argv)
+    assert code == 0, err  # 32 bytes fit the default 102400
+    code, _, err = perf(
+        capsys, "identity", "--ipc", kserve.daemon.address, *argv, "--output-shared-memory-size", "16"
+    )
+    assert code == 1 and "requests failed" in err and "OUTPUT0" in err
 
 
 def _plain_repository(root: Path, repo: Path) -> Path:

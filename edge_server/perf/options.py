@@ -114,6 +114,7 @@ class PerfOptions:
     max_threads: int
     batch_size: int
     shared_memory: str
+    output_shared_memory_size: int
     input_data: str
     shapes: dict[str, tuple[int, ...]]
     measurement_interval_ms: float
@@ -186,7 +187,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "-b", "--batch-size", type=_bounded(int, 1), default=1, metavar="N", help="rows per request"
     )
     parser.add_argument(
-        "--shared-memory", choices=["none", "system"], default="none", help="inputs through shared memory"
+        "--shared-memory",
+        choices=["none", "system"],
+        default="none",
+        help="inputs and outputs through system shared memory (outputs inline with --streaming)",
+    )
+    parser.add_argument(
+        "--output-shared-memory-size",
+        type=_bounded(int, 1, 1 << 30),
+        default=102400,
+        metavar="BYTES",
+        help="room for an output of variable shape or BYTES in shared memory (default 102400)",
     )
     parser.add_argument(
         "--input-data",
@@ -282,6 +293,7 @@ def options_from(args: argparse.Namespace) -> PerfOptions:
         max_threads=args.max_threads,
         batch_size=args.batch_size,
         shared_memory=args.shared_memory,
+        output_shared_memory_size=args.output_shared_memory_size,
         input_data=args.input_data,
         shapes=shapes,
         measurement_interval_ms=args.measurement_interval,
