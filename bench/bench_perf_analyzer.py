@@ -77,7 +77,8 @@ def usable(binary: Path, env: dict[str, str]) -> str | None:
     return None
 
 
-def run_one(binary: Path, env: dict[str, str], protocol: str, port: int, csv_path: Path, quick: bool) -> None:
+def run_one(binary: Path, env: dict[str, str], protocol: str, port: int, csv_path: Path, quick: bool) -> str:
+    """perf_analyzer's output; its CSV has the levels it measured (it stops at one that never settles)."""
     command = [
         str(binary),
         "-m",
@@ -110,7 +111,7 @@ def rows(csv_path: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(csv_path.open()))
 
 
-def report(results: dict[str, list[dict[str, str]]], version: str) -> None:
+def report(results: dict[str, list[dict[str, str]]], version: str, notes: dict[str, str]) -> None:
     print(f"\nperf_analyzer ({version}) against edge-server, identity 16 x FP32, inline tensors")
     print("| protocol | concurrency | infer/s | p50 us | p99 us | avg us | server queue+compute us |")
     print("|---|---|---|---|---|---|---|")
@@ -129,6 +130,10 @@ def report(results: dict[str, list[dict[str, str]]], version: str) -> None:
                 f"| {protocol} | {row['Concurrency']} | {float(row['Inferences/Second']):,.0f} | "
                 f"{row['p50 latency']} | {row['p99 latency']} | {row.get('Avg latency', '-')} | {server} |"
             )
+        measured = {int(r["Concurrency"]) for r in found}
+        for level in LEVELS:
+            if level not in measured:
+                print(f"| {protocol} | {level} | not measured: {notes.get(protocol, '?')} | | | | |")
 
 
 def main() -> int:
@@ -174,15 +179,18 @@ def main() -> int:
             str(grpc_port),
         )
         results: dict[str, list[dict[str, str]]] = {}
+        notes: dict[str, str] = {}
         try:
             daemon.start()
             for protocol, port in (("http", http_port), ("grpc", grpc_port)):
                 path = root / f"{protocol}.csv"
-                run_one(binary, env, protocol, port, path, args.quick)
-                results[protocol] = rows(path)
+                output = run_one(binary, env, protocol, port, path, args.quick)
+                results[protocol] = rows(path) if path.exists() else []
+                unstable = [line.strip() for line in output.splitlines() if "stable" in line.lower()]
+                notes[protocol] = unstable[-1] if unstable else "absent from perf_analyzer's CSV"
         finally:
             daemon.stop()
-    report(results, version or str(binary))
+    report(results, version or str(binary), notes)
     return 0
 
 
