@@ -105,6 +105,7 @@ def run_one(binary: Path, env: dict[str, str], protocol: str, port: int, csv_pat
         raise RuntimeError(
             f"perf_analyzer ({protocol}) failed:\n{answer.stdout[-2000:]}{answer.stderr[-2000:]}"
         )
+    return answer.stdout + answer.stderr
 
 
 def rows(csv_path: Path) -> list[dict[str, str]]:
