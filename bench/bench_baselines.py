@@ -328,6 +328,10 @@ def measure(
         for name in order:
             results[name].append(throughput(multi[name], args.seconds))
         print(f"round {run + 1}/{args.runs} done", file=sys.stderr)
+    # How the batches of the 8-client batching case formed (only that case calls cnn_batch).
+    (stats,) = client.statistics("cnn_batch")
+    counts = {b["batch_size"]: int(b["compute_infer"]["count"]) for b in stats["batch_stats"]}
+    results["cnn_batch sizes"] = [float(counts.get(size, 0)) for size in range(1, 9)]
     client.close()
     for r in raw.values():
         r.close()
@@ -335,7 +339,8 @@ def measure(
 
 
 def report(results: dict[str, list[float]], args: argparse.Namespace) -> None:
-    m = {name: statistics.median(values) for name, values in results.items()}
+    sizes = results.get("cnn_batch sizes", [])
+    m = {name: statistics.median(values) for name, values in results.items() if name != "cnn_batch sizes"}
     rows: list[tuple[str, str, str, str]] = [
         ("bare pyzmq echo, tiny request", f"{m['echo']:.0f} us", "", ""),
         (
@@ -400,6 +405,10 @@ def report(results: dict[str, list[float]], args: argparse.Namespace) -> None:
     print("|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if sizes and sum(sizes):
+        mean = sum((i + 1) * n for i, n in enumerate(sizes)) / sum(sizes)
+        shown = ", ".join(f"{i + 1}: {int(n)}" for i, n in enumerate(sizes) if n)
+        print(f"\ndynamic batching, {CLIENTS} clients: batches by size {{{shown}}}, mean {mean:.2f}")
 
 
 def _target(met: bool, what: str) -> str:

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/bench_pipeline.py [--runs 5] [--seconds 3] [--cameras 1 4 8] [--json FILE]
     .venv/bin/python bench/bench_pipeline.py --short        # 1 run of 1 s per case
+    git archive main | tar -x -C /tmp/before                # before/after in one run:
+    .venv/bin/python bench/bench_pipeline.py --cameras 8 --baseline-tree /tmp/before
 
 Three daemons serve the example pipeline (``detect_classify``: the ``detect`` ensemble, then every
 crop of a frame to ``digits`` as one request): the classifier's dynamic batching as shipped (500 us
@@ -13,8 +15,10 @@ does.  The floor is the same pipeline as a plain in-process loop calling ONNX Ru
 (letterbox, detector, decode + NMS + crops, classifier), one frame after another.
 
 Cases alternate within each run, so that noise from other processes falls on all of them alike; the
-table shows the median over runs of frames per second, and the classifier's mean crops per batch
-(from its statistics: inferences / executions).
+table shows the median over runs of frames per second, the classifier's mean crops per batch
+(from its statistics: inferences / executions), and the daemon's CPU time and voluntary context
+switches per frame (summed over its threads in ``/proc``: on a shared machine these move less than
+frames per second do).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -36,11 +41,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "models"))
-
-from make_detect import crop_input  # noqa: E402
 
 from edge_server.client import Client  # noqa: E402
+from edge_server.examples.make_detect import crop_input  # noqa: E402
 from tests.daemon import Daemon  # noqa: E402
 
 PIPELINE = ("digits", "detector", "detect_preprocess", "detect_postprocess", "detect", "detect_classify")
@@ -50,7 +53,7 @@ VARIANTS = ("batching on", "batching, no delay", "batching off")
 CROP_BATCH = 32  # the classifier's max_batch_size where it batches
 
 
-def repositories(root: Path) -> dict[str, Path]:
+def repositories(root: Path, thread_policy: str | None = None, source: Path = ROOT) -> dict[str, Path]:
     """The pipeline three times: the classifier as shipped (dynamic batching, 500 us queue delay),
     with dynamic batching but no queue delay, and without dynamic batching."""
     if not (ROOT / "models" / "detector" / "1" / "model.onnx").exists():
@@ -59,7 +62,16 @@ def repositories(root: Path) -> dict[str, Path]:
     for i, variant in enumerate(VARIANTS):
         repo = root / f"repo{i}"
         for name in PIPELINE:
-            shutil.copytree(ROOT / "models" / name, repo / name, ignore=shutil.ignore_patterns("samples"))
+            shutil.copytree(source / "models" / name, repo / name, ignore=shutil.ignore_patterns("samples"))
+            (repo / name / "1").mkdir(exist_ok=True)  # make_models.py makes those a tree lacks
+            for onnx in (ROOT / "models" / name / "1").glob("*.onnx"):
+                shutil.copy(onnx, repo / name / "1" / onnx.name)
+        if thread_policy is not None:  # in place of the shipped setting, before dynamic_batching
+            for name in ("detector", "digits"):
+                path = repo / name / "config.pbtxt"
+                text = re.sub(r'parameters \[ \{ key: "thread_policy".*\]\n', "", path.read_text())
+                value = f'{{ string_value: "{thread_policy}" }}'
+                path.write_text(f'parameters [ {{ key: "thread_policy" value: {value} }} ]\n' + text)
         config = repo / "digits" / "config.pbtxt"
         text = config.read_text()
         head = text[: text.index("dynamic_batching")]
@@ -137,12 +149,62 @@ class PlainLoop:
         return boxes, digits
 
 
-def floor_fps(loop: PlainLoop, frames: list[np.ndarray], seconds: float) -> float:
+def floor_fps(loop: PlainLoop, frames: list[np.ndarray], seconds: float) -> tuple[float, float, float]:
+    """Frames per second, and per frame: CPU milliseconds and voluntary context switches of the
+    process (the loop's thread plus ONNX Runtime's pool)."""
+    before = process_counters(os.getpid())
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         loop(frames[count % len(frames)])
         count += 1
-    return count / (time.perf_counter() - start)
+    after = process_counters(os.getpid())
+    return (
+        count / (time.perf_counter() - start),
+        (after[0] - before[0]) / count * 1e3,
+        (after[1] - before[1]) / count,
+    )
+
+
+def process_counters(pid: int) -> tuple[float, int]:
+    """(CPU seconds, voluntary context switches) of every thread of process ``pid`` so far.
+
+    ``/proc/PID/status`` counts only the main thread's switches; each thread has its own under
+    ``task/``.  Threads that ended meanwhile drop out of the sum, which is why the daemons here
+    keep theirs for their whole life.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15)
+    switches = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        switches += int(line.split()[1])
+        except FileNotFoundError:  # the thread ended between listing and reading
+            pass
+    return cpu, switches
+
+
+class TreeDaemon(Daemon):
+    """The daemon of another source tree (``--baseline-tree``: a checkout of the code before a change),
+    for before/after in one run: ``python -m edge_server`` resolves to the tree it is started in."""
+
+    def __init__(self, tree: Path, repository: Path, address: str, log_path: Path) -> None:
+        super().__init__(repository, address, log_path)
+        self.tree = tree
+
+    def start(self, timeout: float = 60.0) -> TreeDaemon:
+        command = [sys.executable, "-m", "edge_server", "serve", "--model-repository", str(self.repository)]
+        command += ["--ipc", self.address, "--allow-http", "false", "--allow-grpc", "false"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*command, "--allow-metrics", "false"], cwd=self.tree, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.wait_ready(timeout)
+        return self
 
 
 # -- cameras through the daemon ---------------------------------------------------------------------
@@ -179,10 +241,11 @@ def digits_counts(address: str) -> tuple[int, int, int]:
 
 
 def daemon_fps(
-    address: str, frames: list[np.ndarray], cameras: int, seconds: float
-) -> tuple[float, float, float]:
-    """Frames per second over all cameras, the classifier's mean crops per batch meanwhile, and its
-    execution time per crop in microseconds (what batching can save: at most this per crop)."""
+    address: str, pid: int, frames: list[np.ndarray], cameras: int, seconds: float
+) -> tuple[float, float, float, float, float]:
+    """Frames per second over all cameras, the classifier's mean crops per batch meanwhile, its
+    execution time per crop in microseconds (what batching can save: at most this per crop), and the
+    daemon's CPU milliseconds and voluntary context switches per frame."""
     counts: list[int] = []
     stop_at = [0.0]
     gates = (threading.Barrier(cameras + 1), threading.Barrier(cameras + 1))
@@ -194,18 +257,23 @@ def daemon_fps(
         thread.start()
     gates[0].wait()  # every camera connected and warm
     before = digits_counts(address)
+    counters = process_counters(pid)
     begin = time.perf_counter()
     stop_at[0] = begin + seconds
     gates[1].wait()
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - begin
+    cpu, switches = (b - a for a, b in zip(counters, process_counters(pid), strict=True))
     after = digits_counts(address)
     crops = max(after[0] - before[0], 1)
+    frames_done = max(sum(counts), 1)
     return (
         sum(counts) / elapsed,
         crops / max(after[1] - before[1], 1),
         (after[2] - before[2]) / crops / 1e3,
+        cpu / frames_done * 1e3,
+        switches / frames_done,
     )
 
 
@@ -216,6 +284,18 @@ def main() -> int:
     parser.add_argument("--cameras", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--short", action="store_true", help="1 run of 1 s per case")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--thread-policy",
+        choices=("default", "split"),
+        default=None,
+        help="the ONNX models' thread_policy, in place of their shipped thread settings",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        default=None,
+        help="also run every case on the daemon and models of this source tree (before/after in one run)",
+    )
     args = parser.parse_args()
     if args.short:
         args.runs, args.seconds = 1, 1.0
@@ -224,19 +304,31 @@ def main() -> int:
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="es-pipeline-") as tmp:
         root = Path(tmp)
-        daemons = {
-            variant: Daemon(repo, f"ipc://{repo}.sock", Path(f"{repo}.log"))
-            for variant, repo in repositories(root).items()
-        }
+        daemons: dict[str, Daemon] = {}
+        if args.baseline_tree is not None:
+            tree = args.baseline_tree.resolve()
+            for variant, repo in repositories(root / "baseline", args.thread_policy, tree).items():
+                daemons[f"{variant} (baseline)"] = TreeDaemon(
+                    tree, repo, f"ipc://{repo}.sock", Path(f"{repo}.log")
+                )
+        for variant, repo in repositories(root, args.thread_policy).items():
+            daemons[variant] = Daemon(repo, f"ipc://{repo}.sock", Path(f"{repo}.log"))
         try:
             for daemon in daemons.values():
                 daemon.start()
             for _ in range(args.runs):
-                results.setdefault("floor", []).append(floor_fps(loop, frames, args.seconds))
+                fps, cpu, switches = floor_fps(loop, frames, args.seconds)
+                results.setdefault("floor", []).append(fps)
+                results.setdefault("floor cpu ms", []).append(cpu)
+                results.setdefault("floor switches", []).append(switches)
                 for cameras in args.cameras:
                     for variant, daemon in daemons.items():
-                        fps, per_batch, us = daemon_fps(daemon.address, frames, cameras, args.seconds)
+                        fps, per_batch, us, cpu, switches = daemon_fps(
+                            daemon.address, daemon.pid, frames, cameras, args.seconds
+                        )
                         results.setdefault(f"{variant} x{cameras}", []).append(fps)
+                        results.setdefault(f"{variant} x{cameras} cpu ms", []).append(cpu)
+                        results.setdefault(f"{variant} x{cameras} switches", []).append(switches)
                         results.setdefault(f"{variant} x{cameras} crops/batch", []).append(per_batch)
                         results.setdefault(f"{variant} x{cameras} us/crop", []).append(us)
         finally:
@@ -252,14 +344,25 @@ def report(results: dict[str, list[float]], args: argparse.Namespace) -> None:
     med = {key: statistics.median(values) for key, values in results.items()}
     floor = med["floor"]
     print(f"\nmedian of {args.runs} run(s), {args.seconds:g} s per case; cpu count {os.cpu_count()}")
-    print(f"plain in-process loop over ONNX Runtime (the floor): {floor:.1f} frames/s\n")
-    header = f"{'classifier':<20} {'cameras':>7} {'frames/s':>9} {'x floor':>8} {'crops/batch':>12}"
-    print(header + f" {'classifier us/crop':>19}")
-    for variant in VARIANTS:
+    print(
+        f"plain in-process loop over ONNX Runtime (the floor): {floor:.1f} frames/s, "
+        f"{med['floor cpu ms']:.2f} ms CPU and {med['floor switches']:.1f} voluntary context switches "
+        "per frame\n"
+    )
+    header = f"{'classifier':<31} {'cameras':>7} {'frames/s':>9} {'x floor':>8} {'crops/batch':>12}"
+    print(header + f" {'classifier us/crop':>19} {'daemon cpu ms/frame':>20} {'switches/frame':>15}")
+    variants = list(VARIANTS)
+    if args.baseline_tree is not None:
+        variants += [f"{variant} (baseline)" for variant in VARIANTS]
+    for variant in variants:
         for cameras in args.cameras:
             key = f"{variant} x{cameras}"
             fps, per_batch, us = med[key], med[f"{key} crops/batch"], med[f"{key} us/crop"]
-            print(f"{variant:<20} {cameras:>7} {fps:9.1f} {fps / floor:8.2f} {per_batch:12.2f} {us:19.1f}")
+            cpu, switches = med[f"{key} cpu ms"], med[f"{key} switches"]
+            print(
+                f"{variant:<31} {cameras:>7} {fps:9.1f} {fps / floor:8.2f} {per_batch:12.2f} {us:19.1f}"
+                f" {cpu:20.2f} {switches:15.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -352,7 +352,7 @@ class RawPeer:
 
     def ask(self, frames: list[Any]) -> dict[str, Any]:
         self.sock.send_multipart(frames)
-        assert self.sock.poll(10_000), "no answer"
+        assert self.sock.poll(30_000), "no answer within 30 s"
         return protocol.unpack(self.sock.recv_multipart()[0])
 
     def close(self) -> None:

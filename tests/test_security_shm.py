@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,13 +57,15 @@ def as_other_user(function: Any, *args: Any) -> Any:
             os.setuid(NOBODY)
             os.write(write, json.dumps(function(*args)).encode())
             code = 0
+        except BaseException:
+            os.write(write, traceback.format_exc().encode())  # the parent's assertion shows why
         finally:
             os._exit(code)
     os.close(write)
     with os.fdopen(read, "rb") as pipe:
         data = pipe.read()
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the second user's process failed"
+    assert os.waitstatus_to_exitcode(status) == 0, f"the second user's process failed: {data.decode()}"
     return json.loads(data)
 
 

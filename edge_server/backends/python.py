@@ -267,6 +267,9 @@ class PythonBackend(Backend):
         # execute()) nor an ``async def execute`` (its event loop cannot run on a frontend's loop).
         execute = getattr(self._model, "execute", None)
         self.allows_inline = not ctx.config.decoupled and not inspect.iscoroutinefunction(execute)
+        # A model.py may call models (BLS): never run it on a worker that holds an instance of its own
+        # (a scheduler worker delivering a finished batch; see scheduler._pipeline_caller).
+        self.calls_models = True
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         requests = [self._request(item) for item in batch]

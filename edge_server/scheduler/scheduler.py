@@ -10,6 +10,19 @@ A model without dynamic batching whose executions are cheap (a moving average un
 queued: a thread hand-off costs more than such a model, and the caller would only wait for it anyway.
 The idle instance is lent for that one request; its worker does not touch it meanwhile.
 
+A request submitted from another scheduler's worker thread (a pipeline: an ensemble's next step,
+submitted from the done-callback of the step before it, or a BLS call from inside a Python model's
+``execute``) runs inline whenever an instance is idle and nothing is queued, whatever its cost, and
+with dynamic batching too: that thread is a pipeline's own, so blocking it stalls no frontend (the
+IPC frontend's thread is never a worker and keeps the budget), and handing the request to another
+thread would only make it wait for the answer.  A worker does this only while it is inside its own
+``execute`` (its instance is busy anyway), or, while it delivers a finished batch, when its own queue
+is empty (it holds no one up) and the callee cannot call models (a BLS model could need the very
+instance this worker would hold while running it: a deadlock no thread hand-off would have had).
+A detect-then-classify frame, whose steps all run inside the BLS model's ``execute``, thus walks
+them in one thread while their instances are free, and hands off only where a step is busy: there
+it queues, and batches with what else is queued.
+
 An instance whose backend raises :class:`InstanceFailed` (its process died, its device context is
 lost) is taken out of service: its worker closes it and asks the ``restart`` callback for a new one
 in its place, after a back-off (1 s, 2 s, 4 s ... ``RESTART_BACKOFF_MAX_S``), while the other instances
@@ -25,6 +38,7 @@ after it is released.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -101,6 +115,41 @@ def close_instances(
             backend.close()
         except Exception:
             log.exception("closing instance %s failed", name)
+
+
+class _Worker(threading.Thread):
+    """An instance's worker thread: requests submitted from it may run inline (see the module doc)."""
+
+    def __init__(self, scheduler: ModelScheduler, index: int, name: str) -> None:
+        super().__init__(target=scheduler._worker, args=(index,), name=name, daemon=True)
+        self.scheduler = scheduler
+        self.executing = False  # inside its own backend's execute: its instance is busy anyway
+
+    def run(self) -> None:
+        _name_os_thread(self.name)
+        super().run()
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the OS thread the worker's name (first 15 bytes), for ``top -H``, ``perf`` and /proc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name is only a convenience
+        pass
+
+
+def _pipeline_caller(callee_calls_models: bool) -> bool:
+    """Whether this thread is a worker free to run another model's request (see the module doc)."""
+    caller = threading.current_thread()
+    if type(caller) is not _Worker:
+        return False
+    if caller.executing:  # its instance is busy anyway: running the callee here holds nothing more
+        return True
+    # Delivering a finished batch: its instance is free, but would stay held while the callee runs
+    # here.  A callee that may call models (a BLS model) could need that very instance (A's step
+    # done -> B inline -> B calls A) and wait for it forever: it goes to its own worker instead.
+    return not callee_calls_models and not caller.scheduler._queue.size  # a benign race: a hint only
 
 
 class SchedulerClosed(ServerShuttingDown):
@@ -187,10 +236,13 @@ class ModelScheduler:
         self._unavailable = ""  # why requests are refused: every instance is down and restarts fail
         for _, backend in instances:
             backend.watch(functools.partial(self._lost, backend))
-        self._threads = [
-            threading.Thread(target=self._worker, args=(index,), name=f"edge-{name}", daemon=True)
-            for index, (name, _) in enumerate(instances)
-        ]
+        # Any instance may be lent to a pipeline's worker thread (see the module doc), TensorRT's not.
+        # Not with preserve_ordering: an inline answer could overtake a batch running on another instance.
+        self._pipeline_inline = not self._preserve_ordering and all(
+            backend.allows_inline for _, backend in instances
+        )
+        self._calls_models = any(getattr(backend, "calls_models", False) for _, backend in instances)
+        self._threads = [_Worker(self, index, f"edge-{name}") for index, (name, _) in enumerate(instances)]
         for thread in self._threads:
             thread.start()
 
@@ -220,13 +272,14 @@ class ModelScheduler:
         """
         level = self._level(priority) if priority or self._levels else 1
         now = time.monotonic_ns()
-        nbytes = _input_bytes(item) if self._inline_capable else 0
+        pipeline = self._pipeline_inline and _pipeline_caller(self._calls_models)
+        nbytes = _input_bytes(item) if self._inline_capable and not pipeline else 0
         with self._lock:
             if not self._accepting:
                 raise SchedulerClosed(f"model {self._config.name!r} is unloading")
             if self._unavailable:
                 raise Unavailable(self._unavailable)
-            lent = self._lend(nbytes)
+            lent = self._lend(nbytes, pipeline)
             if lent is None:
                 future: Future[dict] = Future()
                 self._queue.push(self._queued(item, shape_key, level, now, future, timeout_us))
@@ -269,12 +322,20 @@ class ModelScheduler:
             timeout_action=policy.timeout_action,
         )
 
-    def _lend(self, nbytes: int) -> Backend | None:
-        """An idle instance for the caller's thread, when inline execution pays (lock held)."""
-        if not self._inline_capable or self._compute_ema_ns >= INLINE_BUDGET_NS or self._queue.size:
+    def _lend(self, nbytes: int, pipeline: bool) -> Backend | None:
+        """An idle instance for the caller's thread, when inline execution pays (lock held).
+
+        ``pipeline``: the caller is another scheduler's worker, which may run any request inline.
+        """
+        if self._queue.size:
             return None
-        if nbytes > INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK:
-            return None  # out of line with what was measured: a worker runs it (and measures it)
+        if not pipeline:
+            if not self._inline_capable or self._compute_ema_ns >= INLINE_BUDGET_NS:
+                return None
+            if nbytes > INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK:
+                return None  # out of line with what was measured: a worker runs it (and measures it)
+        elif not self._pipeline_inline:
+            return None
         for backend in self._waiting:
             if backend not in self._borrowed and backend not in self._failed:
                 self._borrowed.add(backend)
@@ -493,6 +554,10 @@ class ModelScheduler:
 
     def _compute(self, backend: Backend, items: Sequence[BatchItem], timing: Timing) -> list[Result]:
         """One result per item; a failure of the whole batch becomes every item's error."""
+        caller = threading.current_thread()
+        worker = type(caller) is _Worker
+        if worker:
+            was, caller.executing = caller.executing, True  # type: ignore[attr-defined]
         try:
             results = backend.execute(items, timing)
             if len(results) != len(items):
@@ -508,6 +573,9 @@ class ModelScheduler:
         except Exception as exc:
             log.exception("instance of %r failed a batch of %d", self._config.name, len(items))
             return [ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")] * len(items)
+        finally:
+            if worker:
+                caller.executing = was  # type: ignore[attr-defined]
 
     def _observe(self, spent_ns: int, item: BatchItem) -> None:
         """Fold one single-request execution into the estimates that decide inline execution."""
