@@ -398,6 +398,7 @@ BAD = [
     (["--percentile", "100"], "must be between 1 and 99"),
     (["--measurement-interval", "abc"], "expected a number"),
     (["--shared-memory", "cuda"], "invalid choice"),
+    (["--output-shared-memory-size", "0"], "must be between 1 and"),
     (["--shape", "image"], "expected NAME:D1,D2"),
     (["--input-data", "/no/such/file.json"], "no such file or directory"),
     (["--plot", "/no/such/dir/p.png"], "is not a directory"),
