@@ -1,13 +1,12 @@
-"""One table, one run: the same models over IPC, KServe HTTP, KServe gRPC and a plain FastAPI server.
+"""One table: the same models over IPC, KServe HTTP, KServe gRPC and a plain FastAPI server, side by side.
 
-    .venv/bin/python bench/bench_kserve.py --short        # ~1 minute
-    .venv/bin/python bench/bench_kserve.py --runs 5       # the numbers in docs/architecture.md
+    .venv/bin/python bench/bench_kserve.py --quick        # (or --short) 2 rounds, few requests: ~1 minute
+    .venv/bin/python bench/bench_kserve.py --rounds 5     # the numbers in docs/benchmarks.md
 
 Starts the real daemon (IPC, HTTP, gRPC, client shared memory on) on a temporary repository (``identity``
 and ``frame``, see bench_ipc.py) and, beside it, the baseline teams write when they have no server: a
 FastAPI app under uvicorn that runs the same ONNX files with ONNX Runtime, tensors as a raw binary body
-with the shape in a header (``pip install -e '.[bench]'``).  Then, per request (mean over the requests
-of a run; median over runs):
+with the shape in a header (``pip install -e '.[bench]'``).  Then, per request:
 
 * ``tiny``: identity, 16 x FP32, one request at a time: IPC ``Client``; tritonclient HTTP (binary
   extension) and gRPC; a bare ``http.client`` POST of the same KServe binary body to our HTTP and of the
@@ -15,13 +14,18 @@ of a run; median over runs):
 * ``frame``: a 1080x1920x3 UINT8 frame inline over each, and through system shared memory over IPC,
   HTTP and gRPC (the frame already in the region, as a camera writes it).
 
-Cases alternate in blocks within a run so that noise on the machine falls on all of them alike.
+Every request is timed on its own.  A round runs each group's cases in interleaved blocks (the order
+rotating from block to block) so that noise on the machine falls on all of them alike, and takes each
+case's median request; the table shows the median of those round medians, their range, and ratios:
+each case against IPC (``x IPC``) and the FastAPI baseline against it (``FastAPI / case``, above 1:
+faster than FastAPI), the FastAPI server measured with the same bare client as ours.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import importlib.util
 import json
 import os
 import socket
@@ -77,13 +81,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def per_request_us(call: Callable[[], Any], count: int) -> float:
-    start = time.perf_counter()
-    for _ in range(count):
-        call()
-    return (time.perf_counter() - start) / count * 1e6
 
 
 def wait_http(port: int, path: str, timeout: float = 60.0) -> None:
@@ -210,26 +207,40 @@ def cases(
     }
 
 
+def timed_us(call: Callable[[], Any], count: int) -> list[float]:
+    """Each request's own time, in microseconds."""
+    clock = time.perf_counter_ns
+    times = []
+    for _ in range(count):
+        start = clock()
+        call()
+        times.append((clock() - start) / 1000)
+    return times
+
+
 def measure(
     table: dict[str, dict[str, Callable[[], Any]]], args: argparse.Namespace
 ) -> dict[str, list[float]]:
+    """Each case's median request per round, over interleaved rounds."""
     counts = {"tiny": args.requests, "frame": args.frames}
     results: dict[str, list[float]] = {}
     for group, group_cases in table.items():
         for name, call in group_cases.items():
-            per_request_us(call, max(counts[group] // 10, 3))  # warm-up
+            timed_us(call, max(counts[group] // 10, 3))  # warm-up
             results[f"{group}: {name}"] = []
     blocks = 5
-    for run in range(args.runs):
+    for round_ in range(args.rounds):
         for group, group_cases in table.items():
-            spent = dict.fromkeys(group_cases, 0.0)
+            names = list(group_cases)
+            samples: dict[str, list[float]] = {name: [] for name in names}
             count = max(counts[group] // blocks, 1)
-            for _ in range(blocks):
-                for name, call in group_cases.items():
-                    spent[name] += per_request_us(call, count)
-            for name in group_cases:
-                results[f"{group}: {name}"].append(spent[name] / blocks)
-        print(f"run {run + 1}/{args.runs} done", file=sys.stderr)
+            for block in range(blocks):
+                shift = (block + round_) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    samples[name].extend(timed_us(group_cases[name], count))
+            for name in names:
+                results[f"{group}: {name}"].append(statistics.median(samples[name]))
+        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     return results
 
 
@@ -237,14 +248,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--short", action="store_true", help="one run, few requests (~1 minute)")
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--frames", type=int, default=100)
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--quick", "--short", action="store_true", dest="quick", help="2 rounds, few requests (~1 minute)"
+    )
+    parser.add_argument("--rounds", "--runs", type=int, default=5, dest="rounds", help="interleaved rounds")
+    parser.add_argument("--requests", type=int, default=2000, help="tiny requests per case and round")
+    parser.add_argument("--frames", type=int, default=100, help="frames per case and round")
+    parser.add_argument("--json", type=Path, default=None, help="each case's round medians, as JSON")
     args = parser.parse_args()
-    if args.short:
-        args.runs, args.requests, args.frames = 1, 500, 20
+    if args.quick:
+        args.rounds, args.requests, args.frames = 2, 500, 20
+    missing = [m for m in ("fastapi", "uvicorn", "tritonclient") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"bench_kserve: needs {', '.join(missing)}: pip install -e '.[bench]'", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         repo = repository(root)
@@ -288,15 +305,36 @@ def main() -> int:
     return 0
 
 
+BASES = {  # group -> (the IPC case, the FastAPI case) the ratios are taken against
+    "tiny": ("tiny: ipc Client", "tiny: http http.client (FastAPI+ORT)"),
+    "frame": ("frame: ipc inline", "frame: http http.client (FastAPI+ORT)"),
+}
+
+
 def report(results: dict[str, list[float]]) -> None:
+    rounds = len(next(iter(results.values())))
     medians = {name: statistics.median(values) for name, values in results.items()}
-    print(f"\n{'case':<48} {'us/request':>11}")
+    print(
+        f"\nKServe benchmark: per-request latency, median over {rounds} interleaved rounds of each "
+        "round's median request (range: the rounds' medians)\n"
+    )
+    print("| case | median us | range us | x IPC | FastAPI / case |")
+    print("|---|---|---|---|---|")
     for name, value in medians.items():
-        print(f"{name:<48} {value:>11.1f}")
+        ipc, fastapi = BASES[name.split(":", 1)[0]]
+        low, high = min(results[name]), max(results[name])
+        print(
+            f"| {name} | {value:.1f} | {low:.0f}-{high:.0f} | {value / medians[ipc]:.2f} | "
+            f"{medians[fastapi] / value:.2f} |"
+        )
     ours, theirs = medians["tiny: http http.client (ours)"], medians["tiny: http http.client (FastAPI+ORT)"]
-    ipc, http = medians["tiny: ipc Client"], medians["tiny: http tritonclient"]
-    print(f"\ntiny, same client: our HTTP {ours:.0f} us vs FastAPI {theirs:.0f} us ({theirs / ours:.2f}x)")
-    print(f"tiny: IPC {ipc:.0f} us vs our HTTP with tritonclient {http:.0f} us ({http / ipc:.1f}x)")
+    ipc, http, grpc = (
+        medians[f"tiny: {c}"] for c in ("ipc Client", "http tritonclient", "grpc tritonclient")
+    )
+    print(
+        f"\ntiny, same bare client: our HTTP {ours:.0f} us vs FastAPI {theirs:.0f} us ({theirs / ours:.2f}x)"
+    )
+    print(f"tiny: IPC {ipc:.0f} us; tritonclient HTTP {http / ipc:.1f}x and gRPC {grpc / ipc:.1f}x IPC")
     print(f"tiny: IPC vs our HTTP, same bare http.client: {ours / ipc:.1f}x")
 
 

@@ -161,10 +161,25 @@ def test_cuda_shared_memory_is_unimplemented(client: grpcclient.InferenceServerC
     assert info.value.status() == "StatusCode.UNIMPLEMENTED"
 
 
-def test_settings_read_only(client: grpcclient.InferenceServerClient) -> None:
-    assert client.get_log_settings(as_json=True)["settings"]["log_info"]["bool_param"] is True
-    with pytest.raises(InferenceServerException, match="read-only"):
-        client.update_log_settings({"log_verbose_level": 1})
+def test_log_settings_update_and_refusal(client: grpcclient.InferenceServerClient) -> None:
+    """gRPC's LogSettings applies what HTTP's /v2/logging applies (tests/test_kserve_http.py has both)."""
+    settings = client.get_log_settings(as_json=True)["settings"]
+    assert settings["log_info"]["bool_param"] is True
+    assert settings["log_format"]["string_param"] == "default"
+    try:
+        answer = client.update_log_settings({"log_verbose_level": 1, "log_warning": False}, as_json=True)
+        assert answer["settings"]["log_verbose_level"]["uint32_param"] == 1
+        assert answer["settings"]["log_warning"].get("bool_param", False) is False
+        with pytest.raises(InferenceServerException, match="log_format cannot change") as info:
+            client.update_log_settings({"log_verbose_level": 0, "log_format": "json"})
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        now = client.get_log_settings(as_json=True)["settings"]
+        assert now["log_verbose_level"]["uint32_param"] == 1  # refused: nothing changed
+    finally:
+        client.update_log_settings({"log_verbose_level": 0, "log_warning": True})
+    settings = client.get_log_settings(as_json=True)["settings"]
+    assert settings["log_warning"]["bool_param"] is True
+    assert settings["log_verbose_level"]["uint32_param"] == 0
 
 
 def collect(results: queue.Queue[tuple[object, object]], until_finals: int) -> list[tuple[object, object]]:

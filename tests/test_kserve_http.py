@@ -6,15 +6,19 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import os
+import shutil
 import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+from tritonclient.utils import shared_memory as shm
 
-from tests.daemon import wait_for
+from tests.daemon import EXAMPLES, stop_daemon, wait_for
 from tests.kserve_daemon import KServeDaemon, ort_run, start_kserve_daemon
 
 
@@ -213,9 +217,142 @@ def test_request_parameters_reach_the_model_and_are_checked(client: httpclient.I
         client.infer("params", [tensor], parameters={"ratio": 0.5})
 
 
-def test_logging_and_trace_settings_read_only(client: httpclient.InferenceServerClient) -> None:
-    assert client.get_log_settings()["log_info"] is True
-    assert client.get_trace_settings()["trace_level"] == ["OFF"]
+def _log_count(kserve: KServeDaemon, text: str) -> int:
+    return kserve.daemon.log_path.read_text(errors="replace").count(text)
+
+
+def _register_and_drop(client: httpclient.InferenceServerClient, name: str) -> None:
+    """A shared-memory registration: the daemon logs it at debug level."""
+    handle = shm.create_shared_memory_region(name, "/" + name, 64)
+    try:
+        client.register_system_shared_memory(name, "/" + name, 64)
+        client.unregister_system_shared_memory(name)
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_log_settings_apply_and_both_transports_agree(
+    client: httpclient.InferenceServerClient, kserve: KServeDaemon
+) -> None:
+    """What one transport changes, the process does and the other transport reports."""
+    grpc = grpcclient.InferenceServerClient(kserve.grpc_url)
+    before = client.get_log_settings()
+    assert before == {
+        "log_file": "",
+        "log_info": True,
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,  # the test daemon runs without --log-verbose
+        "log_format": "default",
+    }
+    try:
+        for level in (0, 1, 0):
+            assert client.update_log_settings({"log_verbose_level": level})["log_verbose_level"] == level
+            settings = grpc.get_log_settings(as_json=True)["settings"]
+            assert int(settings["log_verbose_level"].get("uint32_param", 0)) == level
+            name = f"edge-server-{os.getpid()}-log-{level}"
+            seen = _log_count(kserve, f"registered region {name}")
+            _register_and_drop(client, name)
+            assert _log_count(kserve, f"registered region {name}") - seen == level  # debug lines at 1 only
+        # log_info off over gRPC: HTTP reports it, and the daemon's info lines are dropped until it is on
+        changed = "log settings changed by a client"
+        seen = _log_count(kserve, changed)
+        grpc.update_log_settings({"log_info": False})
+        assert client.get_log_settings()["log_info"] is False
+        client.update_log_settings({"log_warning": True})
+        assert _log_count(kserve, changed) == seen
+        grpc.update_log_settings({"log_info": True})
+        assert _log_count(kserve, changed) == seen + 1
+        assert client.get_log_settings() == before
+    finally:
+        client.update_log_settings({"log_verbose_level": 0, "log_info": True})
+        grpc.close()
+
+
+def test_log_settings_report_the_daemons_flags(tmp_path: Path) -> None:
+    """GET /v2/logging says what --log-verbose and --log-format set, over HTTP and gRPC."""
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
+    for fifo in ("gate.fifo", "started.fifo"):  # start_daemon opens the gate's FIFOs in its root
+        os.mkfifo(tmp_path / fifo)
+    server = start_kserve_daemon(tmp_path, repo, "v.sock", "--log-verbose", "2", "--log-format", "ISO8601")
+    try:
+        http = httpclient.InferenceServerClient(server.http_url)
+        grpc = grpcclient.InferenceServerClient(server.grpc_url)
+        settings = http.get_log_settings()
+        assert (settings["log_verbose_level"], settings["log_format"]) == (2, "ISO8601")
+        over_grpc = grpc.get_log_settings(as_json=True)["settings"]
+        assert over_grpc["log_verbose_level"]["uint32_param"] == 2
+        assert over_grpc["log_format"]["string_param"] == "ISO8601"
+        http.close()
+        grpc.close()
+    finally:
+        assert stop_daemon(server.daemon) == 0, server.daemon.log()
+
+
+LOG_REFUSED = [
+    ({"log_format": "ISO8601"}, "log_format cannot change while the daemon runs"),
+    ({"log_file": "/tmp/edge.log"}, "log_file is not supported"),
+    ({"log_verbose_level": -1}, "log_verbose_level must be an unsigned integer"),
+    ({"log_info": "yes"}, "log_info must be a boolean"),
+    ({"log_nonsense": True}, "unknown log setting 'log_nonsense'"),
+    ({"log_verbose_level": 1, "log_format": "json"}, "log_format"),  # all or nothing
+]
+
+
+@pytest.mark.parametrize(("changes", "message"), LOG_REFUSED, ids=[str(c) for c, _ in LOG_REFUSED])
+def test_log_settings_refused_name_the_setting(
+    client: httpclient.InferenceServerClient, kserve: KServeDaemon, changes: dict[str, object], message: str
+) -> None:
+    before = client.get_log_settings()
+    with pytest.raises(InferenceServerException, match=message) as info:
+        client.update_log_settings(changes)
+    assert info.value.status() == "400"
+    assert client.get_log_settings() == before
+    if all(type(v) is not str or k in ("log_format", "log_file") for k, v in changes.items()):
+        if all(type(v) is not int or v >= 0 for v in changes.values()):  # what gRPC can carry
+            grpc = grpcclient.InferenceServerClient(kserve.grpc_url)
+            try:
+                with pytest.raises(InferenceServerException, match=message) as info:
+                    grpc.update_log_settings(changes)
+                assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+            finally:
+                grpc.close()
+    assert client.get_log_settings() == before
+
+
+def test_trace_settings_same_on_both_and_changes_refused(
+    client: httpclient.InferenceServerClient, kserve: KServeDaemon
+) -> None:
+    grpc = grpcclient.InferenceServerClient(kserve.grpc_url)
+    try:
+        current = client.get_trace_settings()
+        assert current["trace_level"] == ["OFF"]
+        over_grpc = grpc.get_trace_settings(as_json=True)["settings"]
+        assert {k: v["value"] for k, v in over_grpc.items()} == {
+            k: v if isinstance(v, list) else [v] for k, v in current.items()
+        }
+        # what leaves tracing off is accepted, on both, globally and for a model
+        assert client.update_trace_settings(settings={"trace_level": ["OFF"]}) == current
+        assert client.update_trace_settings("digits", settings={"trace_rate": None}) == current
+        grpc.update_trace_settings(settings={"trace_level": ["OFF"], "trace_count": None})
+        for changes, name in (
+            ({"trace_level": ["TIMESTAMPS"]}, "trace_level"),
+            ({"trace_rate": "1"}, "trace_rate"),
+        ):
+            with pytest.raises(
+                InferenceServerException, match=f"trace setting {name} .* is not supported"
+            ) as info:
+                client.update_trace_settings("digits", settings=changes)
+            assert info.value.status() == "400"
+            with pytest.raises(InferenceServerException, match=f"trace setting {name}") as info:
+                grpc.update_trace_settings(settings=changes)
+            assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        with pytest.raises(InferenceServerException, match="unknown trace setting 'tracing'"):
+            client.update_trace_settings(settings={"tracing": "on"})
+        assert client.get_trace_settings() == current
+    finally:
+        grpc.close()
 
 
 def test_cuda_shared_memory_is_not_supported(client: httpclient.InferenceServerClient) -> None:

@@ -20,8 +20,9 @@ import pytest
 
 from edge_server.cli import main
 from edge_server.client import Client
-from edge_server.perf.measure import Window, is_stable
-from edge_server.perf.options import concurrency_range
+from edge_server.perf.measure import LevelResult, Window, is_stable, latency_summary
+from edge_server.perf.options import PerfOptions, concurrency_range
+from edge_server.perf.report import write_csv
 from edge_server.perf.server_stats import Snapshot
 from tests.daemon import EXAMPLES, stop_daemon, wait_for
 from tests.decoupled_models import add_decoupled_models
@@ -177,10 +178,114 @@ def test_in_process_counts_and_files(capsys: pytest.CaptureFixture[str], tmp_pat
         assert check["sent"] == check["answered"] == check["server"]["request_count"] > 0
     rows = list(csv.reader(csv_path.open()))
     assert rows[0] == CSV_HEADER
-    assert [r[0] for r in rows[1:]] == ["1", "3"]
+    assert sorted(r[0] for r in rows[1:]) == ["1", "3"]
+    assert [float(r[1]) for r in rows[1:]] == sorted(float(r[1]) for r in rows[1:])  # as perf_analyzer
     assert all(float(r[1]) > 0 and int(r[9]) <= int(r[12]) for r in rows[1:])  # p50 <= p99
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "window 1/2" in err  # --verbose: progress on stderr although it is not a terminal
+
+
+def test_verbose_csv_as_model_analyzer_reads_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, kserve: KServeDaemon
+) -> None:
+    """Model Analyzer runs perf_analyzer with --verbose-csv and reads columns by name."""
+    csv_path, report = tmp_path / "v.csv", tmp_path / "v.json"
+    argv = ["--ipc", kserve.daemon.address, *SHORT, "--verbose-csv", "-f", str(csv_path)]
+    code, _, err = perf(capsys, "digits", *argv, "--json", str(report))
+    assert code == 0, err
+    (row,) = list(csv.DictReader(csv_path.open()))
+    assert list(row) == [*CSV_HEADER, "Avg latency", "request/response", "response wait"]
+    (level,) = json.loads(report.read_text())["levels"]
+    assert int(row["Avg latency"]) == int(level["latency_us"]["avg"]) > 0
+    assert int(row["request/response"]) == 0 and int(row["response wait"]) == int(row["Avg latency"])
+    parts = [
+        "Client Send",
+        "Network+Server Send/Recv",
+        "Server Queue",
+        "Server Compute Input",
+        "Server Compute Infer",
+        "Server Compute Output",
+        "Client Recv",
+    ]
+    # the parts add up to the average (each truncated to whole microseconds, as perf_analyzer does)
+    assert int(row["Avg latency"]) - 7 <= sum(int(row[k]) for k in parts) <= int(row["Avg latency"])
+
+
+def _options(**changes: Any) -> PerfOptions:
+    base: dict[str, Any] = dict(
+        model="m",
+        model_version=None,
+        transport="ipc",
+        address=None,
+        repository=None,
+        concurrency=(1, 2),
+        request_rates=(),
+        max_threads=1,
+        batch_size=1,
+        shared_memory="none",
+        output_shared_memory_size=102400,
+        input_data="random",
+        shapes={},
+        measurement_interval_ms=1000.0,
+        percentile=None,
+        stability_percentage=10.0,
+        max_trials=3,
+        sequence_length=None,
+        streaming=False,
+        csv=None,
+        verbose_csv=False,
+        plot=None,
+        json=None,
+        verbose=False,
+    )
+    return PerfOptions(**{**base, **changes})
+
+
+def _level(level: int, latencies_us: list[float], responses: int = 0) -> LevelResult:
+    server = Snapshot(success_count=len(latencies_us), queue_ns=10_000 * len(latencies_us))
+    window = Window(0, 1_000_000_000, np.array(latencies_us), responses, server)
+    return LevelResult(level, 1, [window], True, len(latencies_us), len(latencies_us), server)
+
+
+def test_csv_columns_are_perf_analyzers(tmp_path: Path) -> None:
+    """The header perf_analyzer's report writer builds for each combination of flags, and its values."""
+    path = tmp_path / "c.csv"
+    fast = _level(2, [100.0 + i for i in range(101)], responses=303)  # 101 inferences/s
+    slow = _level(1, [500.0] * 10, responses=30)  # 10 inferences/s
+    write_csv(_options(), [fast, slow], path)
+    rows = list(csv.reader(path.open()))
+    assert rows == [
+        CSV_HEADER,
+        ["1", "10", "0", "490", "10", "0", "0", "0", "0", "500", "500", "500", "500"],
+        ["2", "101", "0", "140", "10", "0", "0", "0", "0", "150", "190", "195", "199"],
+    ]
+    write_csv(_options(verbose_csv=True), [slow], path)
+    assert list(csv.reader(path.open()))[1][-3:] == ["500", "0", "500"]
+    assert next(csv.reader(path.open()))[-3:] == ["Avg latency", "request/response", "response wait"]
+    # --percentile: one more percentile in order, and no "Avg latency" (perf_analyzer's rule)
+    write_csv(_options(verbose_csv=True, percentile=75), [fast], path)
+    header, row = list(csv.reader(path.open()))
+    assert header[9:] == [
+        "p50 latency",
+        "p75 latency",
+        "p90 latency",
+        "p95 latency",
+        "p99 latency",
+        "request/response",
+        "response wait",
+    ]
+    assert row[9:14] == ["150", "175", "190", "195", "199"]
+    # a decoupled model: responses per second beside inferences per second
+    write_csv(_options(streaming=True, request_rates=(5.0,)), [fast], path, decoupled=True)
+    header, row = list(csv.reader(path.open()))
+    assert header[:4] == ["Request Rate", "Inferences/Second", "Response Throughput", "Client Send"]
+    assert row[:3] == ["2", "101", "303"]
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    """perf_analyzer's index: p / 100 * (n - 1) + 0.5, truncated; never an interpolation."""
+    figures = latency_summary(np.array([40.0, 10.0, 30.0, 20.0]), 60)
+    assert figures == {"avg": 25.0, "p50": 30.0, "p60": 30.0, "p90": 40.0, "p95": 40.0, "p99": 40.0}
 
 
 def test_request_rate_mode(
@@ -293,6 +398,7 @@ BAD = [
     (["--percentile", "100"], "must be between 1 and 99"),
     (["--measurement-interval", "abc"], "expected a number"),
     (["--shared-memory", "cuda"], "invalid choice"),
+    (["--output-shared-memory-size", "0"], "must be between 1 and"),
     (["--shape", "image"], "expected NAME:D1,D2"),
     (["--input-data", "/no/such/file.json"], "no such file or directory"),
     (["--plot", "/no/such/dir/p.png"], "is not a directory"),
@@ -352,6 +458,58 @@ def test_transport_specific_errors(
             assert "--allow-client-shm" in err
     finally:
         assert stop_daemon(plain.daemon) == 0
+
+
+@pytest.mark.parametrize("transport", ["ipc", "http", "grpc"])
+def test_shared_memory_outputs_equal_inline(kserve: KServeDaemon, repo: Path, transport: str) -> None:
+    """--shared-memory system: outputs written into the worker's region hold what inline ones do."""
+    from edge_server.perf.command import open_target, plan
+    from edge_server.perf.inputs import output_sizes
+    from edge_server.perf.kserve_targets import response_json
+
+    address = {"ipc": kserve.daemon.address, "http": kserve.http_url, "grpc": kserve.grpc_url}[transport]
+    options = _options(model="digits", transport=transport, address=address, batch_size=2)
+    seen: dict[str, dict[str, np.ndarray]] = {}
+    for shared in (False, True):
+        target, _ = open_target(options)
+        try:
+            info = target.model_info()
+            steps, _ = plan(options, info)
+            outputs = output_sizes(info.metadata, batched=True, batch_size=2, default_size=1)
+            assert outputs == {"probabilities": 2 * 10 * 4}  # exactly the batch's bytes
+            target.prepare(steps, shared_memory=shared, streaming=False, outputs=outputs if shared else None)
+            worker = target.worker()
+            try:
+                worker.send(0, None)
+                seen[str(shared)] = worker.last_outputs()
+                if shared and transport == "ipc":  # the daemon wrote the output into our region
+                    regions = target.client.shm_status()  # type: ignore[attr-defined]
+                    assert sum(sum(r["outputs"].values()) for r in regions) == 1
+                elif shared:  # the response describes the output and carries no data: it is in the region
+                    (entry,) = response_json(worker._last)["outputs"]  # type: ignore[attr-defined]
+                    assert (entry["name"], [int(d) for d in entry["shape"]]) == ("probabilities", [2, 10])
+                    assert "data" not in entry and "binary_data_size" not in entry.get("parameters", {})
+            finally:
+                worker.close()
+        finally:
+            target.close()
+    inline, shared_out = seen["False"]["probabilities"], seen["True"]["probabilities"]
+    assert shared_out.shape == inline.shape == (2, 10)
+    assert inline.any()  # a fresh region is zeros: equal values were written there
+    np.testing.assert_array_equal(shared_out, inline)
+
+
+def test_output_shared_memory_size_too_small(
+    capsys: pytest.CaptureFixture[str], kserve: KServeDaemon
+) -> None:
+    """A variable-shape output gets --output-shared-memory-size bytes; one that does not fit is refused."""
+    argv = ["--shape", "INPUT0:8", "--shared-memory", "system", *SHORT]
+    code, _, err = perf(capsys, "identity", "--ipc", kserve.daemon.address, *argv)
+    assert code == 0, err  # 32 bytes fit the default 102400
+    code, _, err = perf(
+        capsys, "identity", "--ipc", kserve.daemon.address, *argv, "--output-shared-memory-size", "16"
+    )
+    assert code == 1 and "requests failed" in err and "OUTPUT0" in err
 
 
 def _plain_repository(root: Path, repo: Path) -> Path:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_server.kserve.probes import GrpcProbe, LoopProbe, loopback
 from edge_server.kserve.service import KServeService
+from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import SystemShmRegistry
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class KServeOptions:
     grpc_address: str = "127.0.0.1"
     grpc_port: int = 8001
     allow_client_shm: bool = False
+    log_verbose: int | None = None  # --log-verbose and --log-format, as /v2/logging reports them
+    log_format: str = "default"
 
 
 def _flag(text: str) -> bool:
@@ -75,6 +78,8 @@ def kserve_options(args: Any) -> KServeOptions:
         grpc_address=args.grpc_address,
         grpc_port=args.grpc_port,
         allow_client_shm=args.allow_client_shm,
+        log_verbose=getattr(args, "log_verbose", None),
+        log_format=getattr(args, "log_format", "default"),
     )
 
 
@@ -93,6 +98,9 @@ class KServeFrontends:
         self.max_message_bytes = max_message_bytes
         shm = SystemShmRegistry() if options.allow_client_shm else None
         self.service = KServeService(server, shm=shm, operator_gid=operator_gid)
+        self.service.settings = RuntimeSettings(
+            log_verbose=options.log_verbose, log_format=options.log_format
+        )
         self.http: Any = None
         self.grpc: Any = None
         self._probes: list[tuple[str, LoopProbe | GrpcProbe]] = []

@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from edge_server.errors import AddressInUse, EdgeServerError, InvalidArgument, Unsupported
+from edge_server.errors import AddressInUse, EdgeServerError, Unsupported
 from edge_server.kserve import grpc_codec
 from edge_server.kserve.grpc_wire import WireRequest, parse_infer_request
 from edge_server.kserve.service import KServeService, OutputWant, error_status
@@ -313,31 +313,43 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     CudaSharedMemoryRegister = _no_cuda
     CudaSharedMemoryUnregister = _no_cuda
 
-    # -- settings (read-only) ---------------------------------------------------------------------
+    # -- settings (edge_server.kserve.settings: the same answers as HTTP's) -----------------------
 
     def LogSettings(self, request: Any, context: Any) -> Any:
         def work() -> Any:
-            if request.settings:
-                raise InvalidArgument("log settings are read-only on edge-server (use --log-verbose)")
+            changes = {key: _setting_value(value) for key, value in request.settings.items()}
+            settings = self.service.settings
+            current = settings.update_log(changes) if changes else settings.log_settings()
             response = service_pb2.LogSettingsResponse()
-            for key in ("log_info", "log_warning", "log_error"):
-                response.settings[key].bool_param = True
-            response.settings["log_verbose_level"].uint32_param = 0
-            response.settings["log_format"].string_param = "default"
-            response.settings["log_file"].string_param = ""
+            for key, value in current.items():
+                entry = response.settings[key]
+                if isinstance(value, bool):
+                    entry.bool_param = value
+                elif isinstance(value, int):
+                    entry.uint32_param = value
+                else:
+                    entry.string_param = str(value)
             return response
 
         return self._call(context, work)
 
     def TraceSetting(self, request: Any, context: Any) -> Any:
         def work() -> Any:
-            if request.settings:
-                raise InvalidArgument("tracing is not supported by edge-server; trace settings are read-only")
+            changes = {key: list(value.value) for key, value in request.settings.items()}
+            settings = self.service.settings
+            current = settings.update_trace(changes) if changes else settings.trace_settings()
             response = service_pb2.TraceSettingResponse()
-            response.settings["trace_level"].value.append("OFF")
+            for key, value in current.items():
+                response.settings[key].value.extend(value if isinstance(value, list) else [value])
             return response
 
         return self._call(context, work)
+
+
+def _setting_value(value: Any) -> Any:
+    """A LogSettings value as Python (None where the client sent none: nothing to change)."""
+    which = value.WhichOneof("parameter_choice")
+    return None if which is None else getattr(value, which)
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:

@@ -114,8 +114,9 @@ class KServeHttpApp:
                 _expect(method, "POST", path)
                 body = await self._body(receive, headers)
                 return await self._infer(scope, headers, name, version, body)
-            if action != "/trace/setting":
-                _expect(method, "GET", path)
+            if action == "/trace/setting":
+                return await self._settings(method, receive, headers, path)
+            _expect(method, "GET", path)
             if action == "/ready":
                 if not service.model_ready(name, version):
                     raise _Reply(400)
@@ -124,9 +125,6 @@ class KServeHttpApp:
                 return _json(service.model_config(name, version))
             if action == "/stats":
                 return _json(service.statistics(name, version))
-            if action == "/trace/setting":
-                await self._body(receive, headers)
-                return _json(_TRACE)
             return _json(service.model_metadata(name, version))
         if path in ("/v2/health/live", "/v2/health/ready"):
             _expect(method, "GET", path)
@@ -159,10 +157,21 @@ class KServeHttpApp:
         if match := _SHM_PATH.fullmatch(path):
             return await self._shm(scope, receive, headers, match)
         if path in ("/v2/logging", "/v2/trace/setting"):
-            if method == "POST":
-                await self._body(receive, headers)
-            return _json(_LOGGING if path == "/v2/logging" else _TRACE)
+            return await self._settings(method, receive, headers, path)
         raise _not_found(path)
+
+    async def _settings(
+        self, method: str, receive: Receive, headers: dict[bytes, bytes], path: str
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """GET: the settings in force; POST: change them (all or none; 400 naming what cannot be)."""
+        if method not in ("GET", "POST"):
+            raise _MethodNotAllowed(f"{path} takes GET or POST, not {method}")
+        settings = self.service.settings
+        logging_path = path == "/v2/logging"
+        if method == "GET":
+            return _json(settings.log_settings() if logging_path else settings.trace_settings())
+        changes = await self._json_body(receive, headers)
+        return _json(settings.update_log(changes) if logging_path else settings.update_trace(changes))
 
     async def _infer(
         self, scope: Scope, headers: dict[bytes, bytes], model: str, version: str, body: bytes
@@ -261,23 +270,6 @@ class KServeHttpApp:
         if len(plain) > limit or inflater.unconsumed_tail:
             raise MessageTooLarge(f"the inflated request body is over this server's limit of {limit} bytes")
         return plain
-
-
-_LOGGING = {
-    "log_file": "",
-    "log_info": True,
-    "log_warning": True,
-    "log_error": True,
-    "log_verbose_level": 0,
-    "log_format": "default",
-}
-_TRACE = {
-    "trace_level": ["OFF"],
-    "trace_rate": "1000",
-    "trace_count": "-1",
-    "log_frequency": "0",
-    "trace_file": "",
-}
 
 
 def _json(value: Any) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:

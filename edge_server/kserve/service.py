@@ -22,6 +22,7 @@ import numpy as np
 import edge_server
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
 from edge_server.kserve import codec
+from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid, user_groups
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
@@ -111,6 +112,7 @@ class KServeService:
         self.dataplane = server.dataplane
         self.shm = shm
         self.operator_gid = operator_gid
+        self.settings = RuntimeSettings()  # the frontends' log and trace settings, one for both
 
     def authorize_control(self, peer: Peer, what: str) -> None:
         """Load and unload, as over IPC: the daemon's user or group, root, or ``--operator-group``.

@@ -132,10 +132,23 @@ def measure(options: PerfOptions) -> int:
 
     target, where = open_target(options)
     results: list[LevelResult] = []
+    decoupled = False
     try:
         info = target.model_info()
+        decoupled = bool(info.decoupled)
         steps, sequence_length = plan(options, info)
-        target.prepare(steps, shared_memory=options.shared_memory == "system", streaming=options.streaming)
+        shared_memory = options.shared_memory == "system"
+        outputs = None
+        if shared_memory and not options.streaming:  # streamed responses come back inline (docs/perf.md)
+            from edge_server.perf.inputs import output_sizes
+
+            outputs = output_sizes(
+                info.metadata,
+                batched=info.max_batch_size > 0,
+                batch_size=options.batch_size,
+                default_size=options.output_shared_memory_size,
+            )
+        target.prepare(steps, shared_memory=shared_memory, streaming=options.streaming, outputs=outputs)
         # Correlation ids unlikely to meet another client's (perf_analyzer starts at 1 by default).
         ids = itertools.count(1 + (os.getpid() % 4096) * 1_000_000)
         progress = _Progress(options)
@@ -174,7 +187,7 @@ def measure(options: PerfOptions) -> int:
         target.close()
     report.print_table(options, results, where, sys.stdout)
     if options.csv is not None:
-        report.write_csv(options, results, options.csv)
+        report.write_csv(options, results, options.csv, decoupled=decoupled)
     if options.json is not None:
         report.write_json(options, results, where, options.json)
     if options.plot is not None:

@@ -207,3 +207,25 @@ def _json_tensor(
     if shape is None or int(np.prod(shape)) != flat.size:
         raise PerfUsageError(f"{where}: input {name}: {flat.size} values do not fill shape {shape}")
     return flat.reshape(shape)
+
+
+def output_sizes(
+    metadata: Mapping[str, Any], *, batched: bool, batch_size: int, default_size: int
+) -> dict[str, int]:
+    """The room each output needs in shared memory, as perf_analyzer sizes it.
+
+    A fixed-shape numeric output needs exactly its bytes at ``--batch-size``; one with variable dims,
+    or a BYTES output, gets ``--output-shared-memory-size`` bytes (perf_analyzer's flag and default),
+    and the daemon refuses a request whose output does not fit.
+    """
+    sizes: dict[str, int] = {}
+    for spec in metadata.get("outputs") or []:
+        dims = [int(d) for d in spec["shape"]]
+        dims = [batch_size, *dims[1:]] if batched else dims
+        wire = str(spec["datatype"])
+        if wire == "BYTES" or any(d < 0 for d in dims):
+            sizes[spec["name"]] = default_size
+            continue
+        itemsize = _numpy_dtype(wire, spec["name"]).itemsize
+        sizes[spec["name"]] = max(1, itemsize * int(np.prod(dims, dtype=np.int64)))
+    return sizes

@@ -3,7 +3,8 @@
 tritonclient is the ``perf`` extra; without it ``--http``/``--grpc`` say how to install it.  Each load
 thread gets its own client (tritonclient's clients are not meant to be shared across threads), and
 ``--shared-memory system`` places the inputs in one POSIX region registered with the server, as
-perf_analyzer does.
+perf_analyzer does, and each load thread's outputs in a region of its own (perf_analyzer shares one
+between its threads; ours are never overwritten while a thread reads them).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -59,6 +63,10 @@ class KServeTarget:
         self._steps: list[Step] = []
         self._streaming = False
         self._shm: tuple[Any, str, list[dict[str, tuple[int, int]]]] | None = None
+        self._outputs: dict[str, int] = {}
+        self._output_regions: list[tuple[Any, str]] = []
+        self._free_outputs: list[_OutputPlaces] = []
+        self._lock = threading.Lock()
 
     def _client(self) -> Any:
         return self.module.InferenceServerClient(self.url)
@@ -82,8 +90,16 @@ class KServeTarget:
             answer = self.client.get_inference_statistics(self.model, self.version, as_json=True)
         return Snapshot.from_versions(answer.get("model_stats", []))
 
-    def prepare(self, steps: list[Step], *, shared_memory: bool, streaming: bool) -> None:
+    def prepare(
+        self,
+        steps: list[Step],
+        *,
+        shared_memory: bool,
+        streaming: bool,
+        outputs: Mapping[str, int] | None = None,
+    ) -> None:
         self._steps, self._streaming = steps, streaming
+        self._outputs = dict(outputs or {})
         if shared_memory:
             self._shm = self._place(steps)
 
@@ -137,22 +153,73 @@ class KServeTarget:
         prepared = [self._inputs(step, i) for i, step in enumerate(self._steps)]
         if self._streaming:
             return _StreamWorker(self._client(), self.model, self.version, prepared)
-        return _Worker(self._client(), self.model, self.version, prepared)
+        places = self._take_outputs() if self._outputs else None
+        return _Worker(self._client(), self.model, self.version, prepared, places, self._give_back)
+
+    def _take_outputs(self) -> _OutputPlaces:
+        """One worker's output places: a registered region of its own, reused across levels."""
+        from tritonclient.utils import InferenceServerException
+        from tritonclient.utils import shared_memory as shm
+
+        with self._lock:
+            if self._free_outputs:
+                return self._free_outputs.pop()
+            name = f"edge-server-{os.getpid()}-perf-out{len(self._output_regions)}"
+            size = sum(self._outputs.values())
+            handle = shm.create_shared_memory_region(name, "/" + name, size)
+            self._output_regions.append((handle, name))
+        try:
+            self.client.register_system_shared_memory(name, "/" + name, size)
+        except InferenceServerException as exc:
+            message = f"--shared-memory system: the server refused an output region: {exc.message()}"
+            raise PerfError(message) from None
+        wanted, places, offset = [], {}, 0
+        for output, room in self._outputs.items():
+            requested = self.module.InferRequestedOutput(output)
+            requested.set_shared_memory(name, room, offset)
+            wanted.append(requested)
+            places[output] = offset
+            offset += room
+        return _OutputPlaces(handle, wanted, places)
+
+    def _give_back(self, places: _OutputPlaces) -> None:
+        with self._lock:
+            self._free_outputs.append(places)
 
     def close(self) -> None:
-        if self._shm is not None:
-            from tritonclient.utils import shared_memory as shm
+        from tritonclient.utils import shared_memory as shm
 
+        regions = [*self._output_regions, *([self._shm[:2]] if self._shm is not None else [])]
+        for handle, name in regions:
             with contextlib.suppress(Exception):
-                self.client.unregister_system_shared_memory(self._shm[1])
-            shm.destroy_shared_memory_region(self._shm[0])
-            self._shm = None
+                self.client.unregister_system_shared_memory(name)
+            shm.destroy_shared_memory_region(handle)
+        self._shm, self._output_regions = None, []
         self.client.close()
 
 
+@dataclass(frozen=True)
+class _OutputPlaces:
+    """A worker's outputs in shared memory: the region, the requested outputs, each one's offset."""
+
+    handle: Any
+    wanted: list[Any]
+    offsets: dict[str, int]
+
+
 class _Worker:
-    def __init__(self, client: Any, model: str, version: str, inputs: list[list[Any]]) -> None:
+    def __init__(
+        self,
+        client: Any,
+        model: str,
+        version: str,
+        inputs: list[list[Any]],
+        places: _OutputPlaces | None = None,
+        release: Any = None,
+    ) -> None:
         self.client, self.model, self.version, self.inputs = client, model, version, inputs
+        self.places, self._release = places, release
+        self._last: Any = None
 
     def send(self, step: int, sequence: Sequence | None) -> int:
         fields: dict[str, Any] = {}
@@ -162,11 +229,45 @@ class _Worker:
                 "sequence_start": sequence.start,
                 "sequence_end": sequence.end,
             }
-        self.client.infer(self.model, self.inputs[step], model_version=self.version, **fields)
+        if self.places is not None:
+            fields["outputs"] = self.places.wanted
+        self._last = self.client.infer(self.model, self.inputs[step], model_version=self.version, **fields)
         return 1
 
+    def last_outputs(self) -> dict[str, np.ndarray]:
+        return _outputs_of(self._last, self.places)
+
     def close(self) -> None:
+        if self._release is not None and self.places is not None:
+            self._release(self.places)
         self.client.close()
+
+
+def response_json(result: Any) -> dict[str, Any]:
+    """A tritonclient result's response as JSON (HTTP's already is; gRPC's is a protobuf)."""
+    if type(result).__module__.startswith("tritonclient.http"):
+        return dict(result.get_response())
+    return dict(result.get_response(as_json=True))
+
+
+def _outputs_of(result: Any, places: _OutputPlaces | None) -> dict[str, np.ndarray]:
+    """A response's outputs as arrays: inline ones decoded, shared-memory ones read from the region."""
+    from tritonclient.utils import shared_memory as shm
+    from tritonclient.utils import triton_to_np_dtype
+
+    response = response_json(result)
+    arrays: dict[str, np.ndarray] = {}
+    for output in response.get("outputs", []):
+        name = output["name"]
+        if places is not None and name in places.offsets:
+            shape = [int(d) for d in output["shape"]]
+            dtype = triton_to_np_dtype(output["datatype"])
+            arrays[name] = np.array(
+                shm.get_contents_as_numpy(places.handle, dtype, shape, offset=places.offsets[name])
+            )
+        else:
+            arrays[name] = result.as_numpy(name)
+    return arrays
 
 
 class _StreamWorker(_Worker):
@@ -175,6 +276,7 @@ class _StreamWorker(_Worker):
     def __init__(self, client: Any, model: str, version: str, inputs: list[list[Any]]) -> None:
         super().__init__(client, model, version, inputs)
         self.responses: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        self._last: Any = None
         client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
     def send(self, step: int, sequence: Sequence | None) -> int:
@@ -198,9 +300,15 @@ class _StreamWorker(_Worker):
             if error is not None:
                 raise PerfError(f"the server answered an error: {error}")
             response = result.get_response()
-            count += bool(response.outputs)
+            if response.outputs:
+                count, self._last = count + 1, result
             if response.parameters["triton_final_response"].bool_param:
                 return count
+
+    def last_outputs(self) -> dict[str, np.ndarray]:
+        if self._last is None:
+            return {}
+        return _outputs_of(self._last, None)
 
     def close(self) -> None:
         self.client.stop_stream()

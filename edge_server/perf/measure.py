@@ -59,7 +59,7 @@ def latency_figure(latencies_us: np.ndarray, percentile: int | None) -> float:
         return 0.0
     if percentile is None:
         return float(latencies_us.mean())
-    return float(np.percentile(latencies_us, percentile))
+    return latency_summary(latencies_us, percentile)[f"p{percentile}"]
 
 
 def is_stable(windows: list[Window], percentage: float, percentile: int | None) -> bool:
@@ -126,12 +126,28 @@ class LevelResult:
             total = total + window.server
         return total
 
-    def latency(self) -> dict[str, float]:
-        values = self.latencies_us
-        if len(values) == 0:
-            return {"avg": 0.0, "p50": 0.0, "p90": 0.0, "p95": 0.0, "p99": 0.0}
-        p50, p90, p95, p99 = np.percentile(values, [50, 90, 95, 99])
-        return {"avg": float(values.mean()), "p50": p50, "p90": p90, "p95": p95, "p99": p99}
+    def latency(self, percentile: int | None = None) -> dict[str, float]:
+        """Average and p50/p90/p95/p99 (and ``p{percentile}``), in microseconds."""
+        return latency_summary(self.latencies_us, percentile)
+
+
+def percentiles(extra: int | None = None) -> list[int]:
+    """The percentiles perf_analyzer reports: 50, 90, 95, 99, and ``--percentile`` among them."""
+    return sorted({50, 90, 95, 99} | ({extra} if extra else set()))
+
+
+def latency_summary(latencies_us: np.ndarray, extra: int | None = None) -> dict[str, float]:
+    """perf_analyzer's figures: the mean, and each percentile as one sample, never an interpolation.
+
+    The sample is the sorted one at ``round(p / 100 * (n - 1))`` (halves up), as perf_analyzer picks it.
+    """
+    keys = percentiles(extra)
+    if len(latencies_us) == 0:
+        return {"avg": 0.0, **{f"p{p}": 0.0 for p in keys}}
+    ordered = np.sort(latencies_us)
+    last = len(ordered) - 1
+    figures = {f"p{p}": float(ordered[int(p / 100 * last + 0.5)]) for p in keys}
+    return {"avg": float(ordered.mean()), **figures}
 
 
 Progress = Callable[[float, int, Window, bool], Any]

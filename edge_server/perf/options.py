@@ -114,6 +114,7 @@ class PerfOptions:
     max_threads: int
     batch_size: int
     shared_memory: str
+    output_shared_memory_size: int
     input_data: str
     shapes: dict[str, tuple[int, ...]]
     measurement_interval_ms: float
@@ -123,6 +124,7 @@ class PerfOptions:
     sequence_length: int | None
     streaming: bool
     csv: Path | None
+    verbose_csv: bool
     plot: Path | None
     json: Path | None
     verbose: bool
@@ -185,7 +187,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "-b", "--batch-size", type=_bounded(int, 1), default=1, metavar="N", help="rows per request"
     )
     parser.add_argument(
-        "--shared-memory", choices=["none", "system"], default="none", help="inputs through shared memory"
+        "--shared-memory",
+        choices=["none", "system"],
+        default="none",
+        help="inputs and outputs through system shared memory (outputs inline with --streaming)",
+    )
+    parser.add_argument(
+        "--output-shared-memory-size",
+        type=_bounded(int, 1, 1 << 30),
+        default=102400,
+        metavar="BYTES",
+        help="room for an output of variable shape or BYTES in shared memory (default 102400)",
     )
     parser.add_argument(
         "--input-data",
@@ -231,6 +243,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--streaming", action="store_true", help="stream responses (decoupled models)")
     parser.add_argument("-f", type=Path, default=None, metavar="FILE", dest="csv", help="CSV report")
+    parser.add_argument(
+        "--verbose-csv",
+        action="store_true",
+        help="CSV also has Avg latency, request/response and response wait (Model Analyzer reads them)",
+    )
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help="latency-throughput PNG")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="every figure, as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr even off a TTY")
@@ -276,6 +293,7 @@ def options_from(args: argparse.Namespace) -> PerfOptions:
         max_threads=args.max_threads,
         batch_size=args.batch_size,
         shared_memory=args.shared_memory,
+        output_shared_memory_size=args.output_shared_memory_size,
         input_data=args.input_data,
         shapes=shapes,
         measurement_interval_ms=args.measurement_interval,
@@ -285,6 +303,7 @@ def options_from(args: argparse.Namespace) -> PerfOptions:
         sequence_length=args.sequence_length,
         streaming=args.streaming,
         csv=args.csv,
+        verbose_csv=args.verbose_csv,
         plot=args.plot,
         json=args.json,
         verbose=args.verbose,

@@ -1,8 +1,9 @@
 """The results of ``edge-server perf``: a terminal table, perf_analyzer's CSV, a PNG plot, JSON.
 
 Latencies are in microseconds, as perf_analyzer writes them.  Our clients time a request as one
-span, so the CSV's "Client Send" and "Client Recv" are 0 and "Network+Server Send/Recv" is what the
-average latency has beyond the daemon's own time (queue and compute).
+span, so the CSV's "Client Send" and "Client Recv" (and with ``--verbose-csv`` "request/response") are
+0, "Network+Server Send/Recv" is what the average latency has beyond the daemon's own time (queue and
+compute), and "response wait" is the whole average latency.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from edge_server.perf.measure import LevelResult
+from edge_server.perf.measure import LevelResult, percentiles
 from edge_server.perf.options import PerfOptions, PerfUsageError
 
+# perf_analyzer's -f columns between the level and the percentiles (with server statistics on).
 CSV_COLUMNS = (
-    "Inferences/Second",
     "Client Send",
     "Network+Server Send/Recv",
     "Server Queue",
@@ -25,11 +26,10 @@ CSV_COLUMNS = (
     "Server Compute Infer",
     "Server Compute Output",
     "Client Recv",
-    "p50 latency",
-    "p90 latency",
-    "p95 latency",
-    "p99 latency",
 )
+# What --verbose-csv adds after the percentiles; Model Analyzer runs perf_analyzer with it and reads
+# these (perf_latency_avg, perf_client_send_recv, perf_client_response_wait).
+VERBOSE_CSV_COLUMNS = ("Avg latency", "request/response", "response wait")
 
 
 def level_name(options: PerfOptions) -> str:
@@ -108,37 +108,64 @@ def print_table(options: PerfOptions, results: Sequence[LevelResult], target: st
         )
 
 
-def csv_row(result: LevelResult) -> list[Any]:
-    lat, server = result.latency(), result.server.summary()
+def csv_header(options: PerfOptions, *, decoupled: bool = False) -> list[str]:
+    """perf_analyzer's header, column for column, so that tools reading its CSV read ours.
+
+    "Response Throughput" only for a decoupled model; the percentiles are 50, 90, 95, 99 and
+    ``--percentile`` in order; ``--verbose-csv`` adds "Avg latency" (only without ``--percentile``),
+    "request/response" and "response wait".
+    """
+    header = [level_name(options), "Inferences/Second"]
+    if decoupled:
+        header.append("Response Throughput")
+    header += [*CSV_COLUMNS, *(f"p{p} latency" for p in percentiles(options.percentile))]
+    if options.verbose_csv:
+        header += VERBOSE_CSV_COLUMNS if options.percentile is None else VERBOSE_CSV_COLUMNS[1:]
+    return header
+
+
+def csv_row(options: PerfOptions, result: LevelResult, *, decoupled: bool = False) -> list[Any]:
+    """One level, in whole microseconds as perf_analyzer writes them (truncated, not rounded)."""
+    lat, server = result.latency(options.percentile), result.server.summary()
     on_server = (
         server["queue_us"]
         + server["compute_input_us"]
         + server["compute_infer_us"]
         + server["compute_output_us"]
     )
-    return [
-        round(result.throughput, 4),
-        0,
-        int(max(0.0, lat["avg"] - on_server)),
+    send_us = recv_us = 0  # one span per request: see the module's docstring
+    row: list[Any] = [_level(options, result.level), f"{result.throughput:g}"]
+    if decoupled:
+        row.append(f"{result.response_throughput:g}")
+    row += [
+        send_us,
+        int(max(0.0, lat["avg"] - send_us - recv_us - on_server)),
         int(server["queue_us"]),
         int(server["compute_input_us"]),
         int(server["compute_infer_us"]),
         int(server["compute_output_us"]),
-        0,
-        int(lat["p50"]),
-        int(lat["p90"]),
-        int(lat["p95"]),
-        int(lat["p99"]),
+        recv_us,
+        *(int(lat[f"p{p}"]) for p in percentiles(options.percentile)),
     ]
+    if options.verbose_csv:
+        if options.percentile is None:
+            row.append(int(lat["avg"]))
+        row += [send_us + recv_us, int(lat["avg"]) - send_us - recv_us]
+    return row
 
 
-def write_csv(options: PerfOptions, results: Sequence[LevelResult], path: Path) -> None:
-    """perf_analyzer's ``-f`` file: one row per load level, latencies in microseconds."""
+def write_csv(
+    options: PerfOptions, results: Sequence[LevelResult], path: Path, *, decoupled: bool = False
+) -> None:
+    """perf_analyzer's ``-f`` file: one row per load level, latencies in microseconds.
+
+    The rows are in increasing order of throughput, as perf_analyzer sorts them.
+    """
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle, lineterminator="\n")
-        writer.writerow([level_name(options), *CSV_COLUMNS])
-        for result in results:
-            writer.writerow([_level(options, result.level), *csv_row(result)])
+        writer.writerow(csv_header(options, decoupled=decoupled))
+        for result in sorted(results, key=lambda r: r.throughput):
+            writer.writerow(csv_row(options, result, decoupled=decoupled))
 
 
 def write_plot(options: PerfOptions, results: Sequence[LevelResult], path: Path) -> None:
@@ -152,9 +179,7 @@ def write_plot(options: PerfOptions, results: Sequence[LevelResult], path: Path)
     try:
         tail = options.percentile or 99
         for key, label in (("avg", "average"), (f"p{tail}", f"p{tail}")):
-            values = [
-                (r.latency()[key] if key in r.latency() else _percentile(r, tail)) / 1000 for r in results
-            ]
+            values = [r.latency(options.percentile)[key] / 1000 for r in results]
             axes.plot(x, values, marker="o", label=label)
         for result, xi in zip(results, x, strict=True):
             axes.annotate(
@@ -173,13 +198,6 @@ def write_plot(options: PerfOptions, results: Sequence[LevelResult], path: Path)
         figure.savefig(path, format="png", dpi=100)
     finally:
         plt.close(figure)
-
-
-def _percentile(result: LevelResult, percentile: int) -> float:
-    import numpy as np
-
-    values = result.latencies_us
-    return float(np.percentile(values, percentile)) if len(values) else 0.0
 
 
 def require_matplotlib() -> Any:
@@ -201,7 +219,7 @@ def write_json(options: PerfOptions, results: Sequence[LevelResult], target: str
                 "throughput": result.throughput,
                 "request_throughput": result.request_throughput,
                 "response_throughput": result.response_throughput,
-                "latency_us": result.latency(),
+                "latency_us": result.latency(options.percentile),
                 "server": result.server.summary(),
                 "level_check": {
                     "sent": result.sent,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,7 +20,7 @@ import numpy as np
 
 from edge_server.errors import EdgeServerError
 from edge_server.perf.inputs import Step
-from edge_server.perf.options import PerfUsageError
+from edge_server.perf.options import PerfError, PerfUsageError
 from edge_server.perf.server_stats import Snapshot
 
 
@@ -54,6 +56,10 @@ class Worker(Protocol):
 
     def send(self, step: int, sequence: Sequence | None) -> int: ...
 
+    def last_outputs(self) -> dict[str, np.ndarray]:
+        """The last request's outputs (read from shared memory where they were written there)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -62,7 +68,16 @@ class Target(Protocol):
 
     def statistics(self) -> Snapshot: ...
 
-    def prepare(self, steps: list[Step], *, shared_memory: bool, streaming: bool) -> None: ...
+    def prepare(
+        self,
+        steps: list[Step],
+        *,
+        shared_memory: bool,
+        streaming: bool,
+        outputs: Mapping[str, int] | None = None,
+    ) -> None:
+        """Make the requests; ``outputs`` (name -> bytes of room) puts the outputs in shared memory."""
+        ...
 
     def worker(self) -> Worker: ...
 
@@ -81,13 +96,26 @@ def _sequence_options(sequence: Sequence | None, key: str) -> dict[str, Any]:
 
 
 class _Shared:
-    """A target whose client is thread-safe: every worker shares it."""
+    """A worker on a target whose client is thread-safe: every worker shares it.
 
-    def __init__(self, send: Any) -> None:
-        self.send = send
+    ``outputs`` is this worker's own place for each output in shared memory (None: inline); a worker
+    sends one request at a time, so its outputs are never overwritten while being read.
+    """
+
+    def __init__(self, send: Any, outputs: dict[str, Any] | None = None, release: Any = None) -> None:
+        self._send, self.outputs, self._release = send, outputs, release
+        self._last: dict[str, np.ndarray] = {}
+
+    def send(self, step: int, sequence: Sequence | None) -> int:
+        count, self._last = self._send(step, sequence, self.outputs)
+        return int(count)
+
+    def last_outputs(self) -> dict[str, np.ndarray]:
+        return {name: np.array(value, copy=True) for name, value in self._last.items()}
 
     def close(self) -> None:
-        pass
+        if self._release is not None:
+            self._release(self.outputs)
 
 
 class IpcTarget:
@@ -103,6 +131,10 @@ class IpcTarget:
         self._steps: list[dict[str, Any]] = []
         self._streaming = False
         self._region: Any = None
+        self._outputs: dict[str, int] = {}
+        self._output_regions: list[Any] = []
+        self._free_outputs: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
 
     def model_info(self) -> ModelInfo:
         try:
@@ -115,8 +147,16 @@ class IpcTarget:
     def statistics(self) -> Snapshot:
         return Snapshot.from_versions(self.client.statistics(self.model, self.version))
 
-    def prepare(self, steps: list[Step], *, shared_memory: bool, streaming: bool) -> None:
+    def prepare(
+        self,
+        steps: list[Step],
+        *,
+        shared_memory: bool,
+        streaming: bool,
+        outputs: Mapping[str, int] | None = None,
+    ) -> None:
         self._streaming = streaming
+        self._outputs = dict(outputs or {})
         if not shared_memory:
             self._steps = [dict(s) for s in steps]
             return
@@ -138,23 +178,55 @@ class IpcTarget:
             self._steps.append(refs)
 
     def worker(self) -> Worker:
-        return _Shared(self._send)  # type: ignore[return-value]
+        if not self._outputs:
+            return _Shared(self._send)
+        return _Shared(self._send, self._take_outputs(), self._give_back)
 
-    def _send(self, step: int, sequence: Sequence | None) -> int:
+    def _take_outputs(self) -> dict[str, Any]:
+        """One worker's output places: a region of its own, reused by the next level's workers."""
+        with self._lock:
+            if self._free_outputs:
+                return self._free_outputs.pop()
+        try:
+            region = self.client.create_shm_region(sum(self._outputs.values()))
+        except EdgeServerError as exc:
+            raise PerfError(
+                f"--shared-memory system: the daemon refused an output region: {exc.message} "
+                "(one region per concurrent request; see the daemon's --max-client-regions)"
+            ) from None
+        places, offset = {}, 0
+        for name, size in self._outputs.items():
+            places[name] = region.output(offset, size)
+            offset += size
+        with self._lock:
+            self._output_regions.append(region)
+        return places
+
+    def _give_back(self, places: dict[str, Any]) -> None:
+        with self._lock:
+            self._free_outputs.append(places)
+
+    def _send(
+        self, step: int, sequence: Sequence | None, outputs: dict[str, Any] | None
+    ) -> tuple[int, dict[str, np.ndarray]]:
         options = _sequence_options(sequence, "sequence_id")
         if self.version is not None:
             options["version"] = self.version
         inputs = self._steps[step]
         if not self._streaming:
-            self.client.infer(self.model, inputs, **options)
-            return 1
+            if outputs is not None:
+                options["outputs"] = outputs
+            return 1, self.client.infer(self.model, inputs, **options)
+        count, last = 0, {}
         with self.client.stream(self.model, inputs, **options) as responses:
-            return sum(1 for _ in responses)
+            for response in responses:
+                count, last = count + 1, response
+        return count, last
 
     def close(self) -> None:
-        if self._region is not None:
+        for region in [*self._output_regions, *([self._region] if self._region is not None else [])]:
             with contextlib.suppress(EdgeServerError):
-                self.client.release_shm(self._region)
+                self.client.release_shm(region)
         self.client.close()
 
 
@@ -192,21 +264,31 @@ class LocalTarget:
     def statistics(self) -> Snapshot:
         return Snapshot.from_versions(self.server.statistics(self.model, self.version))
 
-    def prepare(self, steps: list[Step], *, shared_memory: bool, streaming: bool) -> None:
+    def prepare(
+        self,
+        steps: list[Step],
+        *,
+        shared_memory: bool,
+        streaming: bool,
+        outputs: Mapping[str, int] | None = None,
+    ) -> None:
         self._steps, self._streaming = steps, streaming
 
     def worker(self) -> Worker:
-        return _Shared(self._send)  # type: ignore[return-value]
+        return _Shared(self._send)
 
-    def _send(self, step: int, sequence: Sequence | None) -> int:
+    def _send(
+        self, step: int, sequence: Sequence | None, outputs: dict[str, Any] | None
+    ) -> tuple[int, dict[str, np.ndarray]]:
         options = _sequence_options(sequence, "correlation_id")
         if self.version is not None:
             options["version"] = self.version
         if not self._streaming:
-            self.server.infer(self.model, self._steps[step], **options)
-            return 1
-        responses = self.server.stream(self.model, self._steps[step], timeout=60.0, **options)
-        return sum(1 for _ in responses)
+            return 1, self.server.infer(self.model, self._steps[step], **options)
+        count, last = 0, {}
+        for response in self.server.stream(self.model, self._steps[step], timeout=60.0, **options):
+            count, last = count + 1, response
+        return count, last
 
     def close(self) -> None:
         try:
