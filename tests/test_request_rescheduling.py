@@ -19,7 +19,8 @@ import pytest
 
 from edge_server import Server
 from edge_server.client import Client
-from edge_server.errors import ModelExecutionError, RequestTimeout
+from edge_server.config.parser import parse_config_text
+from edge_server.errors import ConfigError, ModelExecutionError, RequestTimeout
 from tests.daemon import Daemon
 
 _CONFIG = """
@@ -305,3 +306,16 @@ def test_ipc_cancel_mid_iteration(client: Client, root: Path) -> None:
         assert int(next(stream)["OUT"][0, 0]) == 99_998
     assert _settled(root / "runs.log", "ipc-cancel") < 100_000
     assert client.infer("counter", _n(2), request_id="i2", **_ipc_seq())["OUT"].tolist() == [[2]]
+
+
+def test_decoupled_sequence_batching_needs_iterative_sequence() -> None:
+    text = _CONFIG.format(name="m", extra="sequence_batching { }\n" + _DECOUPLED)
+    with pytest.raises(ConfigError, match="only with iterative_sequence: true"):
+        parse_config_text(text, source="config.pbtxt", default_name="m")
+    config, warnings = parse_config_text(
+        _CONFIG.format(name="m", extra=_ITERATIVE + "\n" + _DECOUPLED),
+        source="config.pbtxt",
+        default_name="m",
+    )
+    assert warnings == [] and config.decoupled
+    assert config.sequence_batching is not None and config.sequence_batching.iterative_sequence
