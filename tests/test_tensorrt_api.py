@@ -153,6 +153,10 @@ def test_the_sources_use_the_name_based_api() -> None:
         "set_memory_pool_limit",
         "cudaHostRegister",
         "cudaMemcpyAsync",
+        "set_optimization_profile_async",
+        "cudaHostRegisterReadOnly",
+        "cudaDevAttrHostRegisterReadOnlySupported",
+        "cudaGetLastError",
     ):
         assert f".{name}" in text, name
 

@@ -22,7 +22,7 @@ from edge_server.backends.tensorrt.config_check import complete_from_engine
 from edge_server.backends.tensorrt.description import load_description
 from edge_server.backends.tensorrt.placement import place
 from edge_server.config import load_config_file
-from edge_server.config.model import ModelConfig, TensorSpec
+from edge_server.config.model import InstanceGroup, ModelConfig, SecondaryDevice, TensorSpec
 from edge_server.errors import BackendUnavailable, ConfigError, InstanceFailed, InvalidArgument
 from edge_server.loader import instance_specs
 from edge_server.request import BatchItem
@@ -492,3 +492,75 @@ def test_instance_that_cannot_be_reloaded_leaves_service_and_the_others_serve() 
     assert len(failures) <= 1 and all(isinstance(a, InstanceFailed) for a in failures)
     assert all(a["y"][0] == 3.0 for a in answers if isinstance(a, dict))
     assert broken.closed == 1 and healthy.closed == 1
+
+
+# -- a plan without its record that TensorRT cannot deserialize falls back to the ONNX ----------------
+
+
+class _DeserializingEngine:
+    """Test double of ``engine.TrtEngine`` (no TensorRT here): deserializes only bytes it recognizes,
+    and fails on anything else the way the real one does when ``deserialize_cuda_engine`` returns None."""
+
+    GOOD = b"plan (test double)"
+
+    def __init__(self, plan: Path, *, dla_core: int | None = None) -> None:
+        if plan.read_bytes() != self.GOOD:
+            raise ConfigError(
+                f"{plan}: TensorRT 10.3.0 could not deserialize this plan; plans are tied to the TensorRT "
+                "version and the device they were built on: rebuild it with 'edge-server build-engine'"
+            )
+
+    def close(self) -> None:
+        pass
+
+
+USABLE = engine.Capabilities(tensorrt="10.3.0", gpus=1, gpu_name="test-double GPU")
+
+
+def test_recordless_plan_that_does_not_deserialize_serves_the_onnx(
+    tmp_path: Path, example_repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine, "probe", lambda: USABLE)
+    monkeypatch.setattr(engine, "TrtEngine", _DeserializingEngine)
+    repo = _plan_repository(tmp_path, example_repository, with_onnx=True)  # garbage plan, no record
+    with Server(repo) as server:
+        (status,) = server.models()
+        assert status.state == ModelState.READY, status.reason
+        assert status.reason.startswith("serving model.onnx through onnxruntime: model.plan has no engine")
+        assert "could not deserialize this plan" in status.reason
+        x = np.random.default_rng(1).random((2, 3, 64, 64), dtype=np.float32)
+        out = server.infer("cnn", {"input": x})["logits"]
+    expected = ort.InferenceSession(str(repo / "cnn/1/model.onnx")).run(None, {"input": x})[0]
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_recordless_plan_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "TrtEngine", _DeserializingEngine)
+    config = ModelConfig(name="m", backend="tensorrt", instance_groups=())
+    (tmp_path / "model.plan").write_bytes(_DeserializingEngine.GOOD)
+    (tmp_path / "model.onnx").write_bytes(b"onnx")
+    assert fallback.choose(config, tmp_path, caps=USABLE).note == ""  # it deserializes: the plan serves
+    (tmp_path / "model.plan").write_bytes(b"from trtexec on another TensorRT")
+    assert "could not deserialize" in fallback.choose(config, tmp_path, caps=USABLE).note
+    (tmp_path / "model.onnx").unlink()
+    assert fallback.choose(config, tmp_path, caps=USABLE).note == ""  # nothing to fall back to: load says
+
+
+def test_stale_dla_plan_of_a_mixed_model_falls_back(tmp_path: Path) -> None:
+    (tmp_path / "model.plan").write_bytes(b"gpu")
+    (tmp_path / "model.dla.plan").write_bytes(b"dla")
+    (tmp_path / "model.onnx").write_bytes(b"onnx")
+    cache.write_record(tmp_path / "model.plan", cache.EngineKey("test-double GPU", None, "10.3.0", ""))
+    cache.write_record(tmp_path / "model.dla.plan", cache.EngineKey("test-double GPU", 0, "8.6.2", ""))
+    mixed = ModelConfig(
+        name="m",
+        backend="tensorrt",
+        instance_groups=(
+            InstanceGroup(kind="KIND_GPU"),
+            InstanceGroup(kind="KIND_GPU", secondary_devices=(SecondaryDevice("KIND_NVDLA", 0),)),
+        ),
+    )
+    note = fallback.choose(mixed, tmp_path, caps=USABLE).note
+    assert "model.dla.plan: the plan was built with TensorRT 8.6.2" in note
+    gpu_only = mixed.replace(instance_groups=(InstanceGroup(kind="KIND_GPU"),))
+    assert fallback.choose(gpu_only, tmp_path, caps=USABLE).note == ""  # no DLA instance: not its plan

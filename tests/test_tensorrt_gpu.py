@@ -172,3 +172,53 @@ def test_stale_plan_is_rebuilt_on_load(
         out = server.infer("cnn", {"input": x})["logits"]
     np.testing.assert_allclose(out, _reference(example_repository, x), rtol=RTOL, atol=ATOL)
     assert cache.read_record(plan).tensorrt == CAPS.tensorrt  # type: ignore[union-attr]
+
+
+@pytest.mark.jetson
+@pytest.mark.skipif(CAPS.dla_cores == 0, reason="needs a DLA core (Jetson AGX Orin, Orin NX, Xavier)")
+def test_gpu_and_dla_instances_of_one_model(tmp_path: Path, example_repository: Path) -> None:
+    """build-engine --also-gpu: model.plan on the GPU, model.dla.plan on every DLA core, one queue."""
+    onnx = example_repository / "cnn" / "1" / "model.onnx"
+    code = main(
+        [
+            "build-engine",
+            str(onnx),
+            "--model-repository",
+            str(tmp_path),
+            "--name",
+            "cnn",
+            "--fp16",
+            "--dla-core",
+            "0",
+            "--gpu-fallback",
+            "--also-gpu",
+        ]  # fmt: skip
+    )
+    assert code == 0
+    version = tmp_path / "cnn" / "1"
+    assert cache.read_record(version / "model.plan").dla_core is None  # type: ignore[union-attr]
+    assert cache.read_record(version / "model.dla.plan").dla_core == 0  # type: ignore[union-attr]
+    x = np.random.default_rng(5).random((1, 3, 64, 64), dtype=np.float32)
+    with Server(tmp_path) as server:
+        (status,) = server.models()
+        assert status.state == ModelState.READY and status.reason == "", status.reason
+        futures = [server.submit("cnn", {"input": x}) for _ in range(32)]
+        for future in futures:
+            np.testing.assert_allclose(
+                future.result(60)["logits"], _reference(example_repository, x), rtol=5e-2, atol=5e-2
+            )
+
+
+def test_recordless_plan_tensorrt_cannot_read_serves_the_onnx(
+    tmp_path: Path, example_repository: Path
+) -> None:
+    version = tmp_path / "cnn" / "1"
+    version.mkdir(parents=True)
+    (version / "model.plan").write_bytes(b"\0" * 4096)  # no record, not a plan: TensorRT refuses it
+    shutil.copy(example_repository / "cnn/1/model.onnx", version / "model.onnx")
+    (tmp_path / "cnn" / "config.pbtxt").write_text(
+        'name: "cnn"\nplatform: "tensorrt_plan"\nmax_batch_size: 8\n'
+    )
+    with Server(tmp_path) as server:
+        (status,) = server.models()
+        assert status.state == ModelState.READY and "could not deserialize" in status.reason

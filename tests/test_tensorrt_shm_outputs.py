@@ -88,13 +88,13 @@ class HostCuda:
     def device_pointer(self, host: int) -> int:
         return host  # a Jetson maps host memory at the same address in this double
 
-    def register(self, pointer: int, size: int) -> None:
+    def register(self, pointer: int, size: int, *, read_only: bool = False) -> None:
         if self.refuse_register or any(
             p < pointer + size and pointer < p + s for p, s in self.registered.items()
         ):
             raise ModelExecutionError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered")
         self.registered[pointer] = size
-        self.calls.append(("register", pointer))
+        self.calls.append(("register_read_only" if read_only else "register", pointer))
 
     def unregister(self, pointer: int) -> None:
         del self.registered[pointer]
@@ -342,3 +342,32 @@ def test_batch_of_two_requests_writes_each_rows_into_its_own_span(
 )
 def test_output_staging(traits: planning.DeviceTraits, address: int, size: int, decision: str) -> None:
     assert planning.output_staging(traits, address, size) == decision
+
+
+@pytest.mark.parametrize(
+    "supported", [True, False], ids=["read-only-registration", "no-read-only-registration"]
+)
+def test_sealed_read_only_input_frame(
+    supported: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, region: Region
+) -> None:
+    """A client's frame mapped read-only: registered read-only where the device can, else copied once."""
+    traits = planning.DeviceTraits(
+        integrated=True,
+        can_map_host_memory=True,
+        host_register_supported=True,
+        page_size=mmap.PAGESIZE,
+        host_register_read_only=supported,
+    )
+    instance = make_instance(traits, monkeypatch, tmp_path)
+    monkeypatch.setattr(planning, "MIN_MAP_BYTES", 0)  # the test image is small; map it anyway
+    image = region.span(0, IMAGE.nbytes).array.view(np.float32).reshape(2, 4)
+    image[...] = IMAGE
+    image.flags.writeable = False
+    (out,) = run(instance, item(image, None))
+    np.testing.assert_array_equal(out["mask"], expected(IMAGE)["mask"])
+    address = image.ctypes.data
+    calls = cuda_of(instance).calls
+    if supported:
+        assert ("register_read_only", address) in calls and ("unregister", address) in calls
+    else:
+        assert not any(pointer == address for _, pointer in calls)  # copied into pinned memory

@@ -128,3 +128,68 @@ def test_doctor_table_on_a_recorded_jetson_tree(capsys: pytest.CaptureFixture[st
     assert "Jetson AGX Orin 64GB, JetPack 6.0 (L4T 36.3.0)" in out
     assert "MAXN (id 0, from status file)" in out
     assert "PASS  cpu (onnxruntime)" in out
+
+
+def test_also_gpu_config_places_the_gpu_and_every_dla_core(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--also-gpu goes with --dla-core"):
+        build_engine.batch_range(_args(also_gpu=True))
+    assert build_engine.batch_range(_args(also_gpu=True, dla_core=0)) == (1, 8, 8)  # the GPU plan's range
+    assert build_engine.dla_batch((1, 8, 8)) == (1, 1, 1)
+    assert build_engine.batch_range(_args(also_gpu=True, dla_core=0, min_batch=4, max_batch=4)) == (4, 4, 4)
+    with pytest.raises(ConfigError, match="cannot serve a queue that batches other sizes"):
+        build_engine.batch_range(_args(also_gpu=True, dla_core=0, min_batch=2, max_batch=8))
+    description = load_description(DATA / "tensorrt" / "cnn_fp16_two_profiles.json")
+    config = build_engine.completed_config("cnn", description)
+    path = tmp_path / "config.pbtxt"
+    path.write_text(build_engine.config_text(config, 0, gpu_too=True, dla_cores=2))
+    parsed, warnings = load_config_file(path, default_name="cnn")
+    assert warnings == []
+    assert [
+        (g.kind, [(d.kind, d.device_id) for d in g.secondary_devices]) for g in parsed.instance_groups
+    ] == [
+        ("KIND_GPU", []),
+        ("KIND_GPU", [("KIND_NVDLA", 0)]),
+        ("KIND_GPU", [("KIND_NVDLA", 1)]),
+    ]
+    path.write_text(build_engine.config_text(config, None))
+    (group,) = load_config_file(path, default_name="cnn")[0].instance_groups
+    assert group.kind == "KIND_GPU" and group.secondary_devices == ()
+
+
+class _CalibratorBase:
+    """Test double of ``trt.IInt8EntropyCalibrator2`` (no TensorRT here): a plain base class."""
+
+    def __init__(self) -> None:
+        pass
+
+
+FAKE_TRT = argparse.Namespace(IInt8EntropyCalibrator2=_CalibratorBase)  # test double of the tensorrt module
+
+
+def test_int8_from_a_calibration_cache_alone(tmp_path: Path) -> None:
+    table = tmp_path / "det.cache"
+    table.write_bytes(b"TRT-8601-EntropyCalibration2\ninput: 3c010a14\n")
+    options = builder.BuildOptions(int8=True, calibration_cache=table)
+    assert builder.checked_options(options, print) == options
+    calibrator = builder.calibrator_for(FAKE_TRT, network=None, options=options)
+    assert isinstance(calibrator, _CalibratorBase)
+    assert calibrator.read_calibration_cache() == table.read_bytes()
+    assert calibrator.get_batch(["input"]) is None  # never asks for images
+    calibrator.write_calibration_cache(b"other")
+    assert table.read_bytes().startswith(b"TRT-8601")  # the cache it came from is kept
+    missing = builder.BuildOptions(int8=True, calibration_cache=tmp_path / "nope.cache")
+    with pytest.raises(ConfigError, match="nope.cache does not exist"):
+        builder.checked_options(missing, print)
+
+
+def test_dla_build_without_a_precision_is_fp16() -> None:
+    lines: list[str] = []
+    options = builder.checked_options(builder.BuildOptions(dla_core=0), lines.append)
+    assert options.fp16 and not options.int8
+    assert lines == ["the DLA runs FP16 or INT8 only: building FP16 (pass --fp16 or --int8 to choose)"]
+    lines.clear()
+    int8 = builder.BuildOptions(dla_core=1, int8=True, calibration_images=Path("calib"))
+    assert builder.checked_options(int8, lines.append) == int8 and lines == []
+    assert (
+        builder.checked_options(builder.BuildOptions(), lines.append) == builder.BuildOptions()
+    )  # GPU: FP32

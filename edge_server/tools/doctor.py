@@ -103,7 +103,8 @@ def _host_registration() -> str:
         cuda.register(view.ctypes.data, view.nbytes)
         cuda.device_pointer(view.ctypes.data)
         cuda.unregister(view.ctypes.data)
-        return "works (mapped, page-aligned)"
+        read_only = "supported" if cuda.traits().host_register_read_only else "not supported (copied)"
+        return f"works (mapped, page-aligned); read-only frames: {read_only}"
     except EdgeServerError as exc:
         return f"fails: {exc.message}"
     finally:

@@ -24,7 +24,7 @@ from edge_server import dtypes
 from edge_server.backends.base import LoadContext, OutputBuffer, TensorBackend
 from edge_server.backends.tensorrt import cache, engine, planning
 from edge_server.backends.tensorrt.config_check import complete_from_engine
-from edge_server.backends.tensorrt.placement import place
+from edge_server.backends.tensorrt.placement import place, plan_for
 from edge_server.config.model import ModelConfig
 from edge_server.errors import BackendUnavailable, ModelExecutionError
 
@@ -42,6 +42,10 @@ class _Buffer:
 
 def _address(array: np.ndarray) -> int:
     return int(array.__array_interface__["data"][0])
+
+
+def _rows(inputs: dict[str, np.ndarray]) -> int:
+    return min((len(array) for array in inputs.values() if array.ndim), default=0)
 
 
 def require_capabilities() -> engine.Capabilities:
@@ -71,7 +75,8 @@ class TensorRTBackend(TensorBackend):
 
     def __init__(self, ctx: LoadContext) -> None:
         caps = require_capabilities()
-        record = cache.read_record(ctx.model_path)
+        plan = plan_for(ctx.instance, ctx.model_path)  # a DLA instance's own plan, where there is one
+        record = cache.read_record(plan)
         placement = place(
             ctx.instance,
             gpu_count=caps.gpus,
@@ -84,13 +89,27 @@ class TensorRTBackend(TensorBackend):
         self.batched = ctx.config.max_batch_size > 0
         self._cuda = engine.Cuda(placement.gpu)
         self._traits = self._cuda.traits()
-        self._engine = engine.TrtEngine(ctx.model_path, dla_core=placement.dla_core)
-        self._description = self._engine.describe()
+        self._engine = engine.TrtEngine(plan, dla_core=placement.dla_core)
+        self.plan = plan
+        try:
+            self._description = self._engine.describe()
+            if plan != ctx.model_path:  # the config was completed from the model's plan: check this one
+                # A plan taking fewer rows than max_batch_size runs larger batches in pieces (_run).
+                top = planning.max_batch_from_profiles(self._description)
+                rows = min(ctx.config.max_batch_size, top) if top else ctx.config.max_batch_size
+                complete_from_engine(
+                    ctx.config.replace(source=str(plan), max_batch_size=rows), self._description
+                )
+        except BaseException:
+            self._engine.close()
+            raise
         self._dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in self._description.tensors}
         self._contexts: dict[int, engine.TrtContext] = {}
         self._buffers: dict[str, _Buffer] = {}
         self._stream = self._cuda.create_stream()
-        log.info("%s: TensorRT %s engine on %s", ctx.instance.name, self._engine.version, self.device)
+        log.info(
+            "%s: TensorRT %s engine %s on %s", ctx.instance.name, self._engine.version, plan.name, self.device
+        )
 
     # -- buffers ----------------------------------------------------------------------------------
 
@@ -144,6 +163,13 @@ class TensorRTBackend(TensorBackend):
         output_names: Sequence[str],
         destinations: Mapping[str, OutputBuffer] | None,
     ) -> dict[str, np.ndarray]:
+        chunks = planning.batch_chunks(self._description, _rows(inputs)) if self.batched else []
+        if len(chunks) > 1:  # more rows than the plan takes at once (a DLA plan): run them in pieces
+            parts = [
+                self._run({k: v[start:stop] for k, v in inputs.items()}, output_names, None)
+                for start, stop in chunks
+            ]
+            return {name: np.concatenate([part[name] for part in parts]) for name in output_names}
         shapes = {name: tuple(array.shape) for name, array in inputs.items()}
         context = self._context(planning.choose_profile(self._description, shapes))
         integrated = planning.output_in_host_memory(self._traits)
@@ -224,10 +250,10 @@ class TensorRTBackend(TensorBackend):
             return None
         return view
 
-    def _map(self, host: int, size: int, registered: list[int]) -> int | None:
+    def _map(self, host: int, size: int, registered: list[int], *, read_only: bool = False) -> int | None:
         """Register a client's span for the GPU and return its device address; None if CUDA refuses."""
         try:
-            self._cuda.register(host, size)
+            self._cuda.register(host, size, read_only=read_only)
         except ModelExecutionError as exc:  # e.g. pages another registration (an input) already covers
             log.debug("host registration of an output span failed (%s); copying", exc.message)
             return None
@@ -239,8 +265,9 @@ class TensorRTBackend(TensorBackend):
     def _stage_input(self, name: str, array: np.ndarray, registered: list[int]) -> int:
         """The device address the engine reads ``array`` from: mapped in place, or copied once."""
         address, size = array.ctypes.data, array.nbytes
-        if planning.input_staging(self._traits, address, size) == planning.MAP:
-            mapped = self._map(address, size, registered)
+        read_only = not array.flags.writeable  # e.g. a client's sealed frame, mapped read-only
+        if planning.input_staging(self._traits, address, size, read_only=read_only) == planning.MAP:
+            mapped = self._map(address, size, registered, read_only=read_only)
             if mapped is not None:
                 return mapped
         integrated = planning.output_in_host_memory(self._traits)

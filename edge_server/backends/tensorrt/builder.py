@@ -7,6 +7,7 @@ around it (profile shapes, DLA rules, where the plan goes) are in ``edge_server/
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -82,8 +83,28 @@ def _parse(trt: Any, builder: Any, logger: Any, onnx: Path) -> tuple[Any, Any]:
     return network, parser
 
 
+def checked_options(options: BuildOptions, progress: Callable[[str], None]) -> BuildOptions:
+    """``options`` made buildable: the DLA runs FP16 or INT8 only, so a DLA build without either is FP16.
+
+    INT8 needs calibration: an image folder, or a cache file that exists (a cache alone is read as is).
+    """
+    if options.dla_core is not None and not (options.fp16 or options.int8):
+        progress("the DLA runs FP16 or INT8 only: building FP16 (pass --fp16 or --int8 to choose)")
+        log.info("DLA build without --fp16/--int8: building FP16")
+        options = dataclasses.replace(options, fp16=True)
+    if options.int8 and options.calibration_images is None:
+        cache = options.calibration_cache
+        if cache is None or not cache.is_file():
+            raise ConfigError(
+                "INT8 needs calibration: pass --calib-images DIR, or --calib-cache FILE naming an existing "
+                f"cache{f' ({cache} does not exist)' if cache is not None else ''}"
+            )
+    return options
+
+
 def build(onnx: Path, options: BuildOptions, progress: Callable[[str], None]) -> BuildResult:
     """Build a serialized plan; ``progress`` gets a line now and then (builds take minutes on a Jetson)."""
+    options = checked_options(options, progress)
     trt = import_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -95,9 +116,8 @@ def build(onnx: Path, options: BuildOptions, progress: Callable[[str], None]) ->
     calibrator = None
     if options.int8:
         config.set_flag(trt.BuilderFlag.INT8)
-        if options.calibration_images is not None:
-            calibrator = _calibrator(trt, network, options)
-            config.int8_calibrator = calibrator
+        calibrator = calibrator_for(trt, network, options)
+        config.int8_calibrator = calibrator
     if options.profile:
         profile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in options.profile.items():
@@ -168,6 +188,43 @@ def calibration_batches(folder: Path, shape: Shape, batch: int) -> list[np.ndarr
         np.ascontiguousarray(np.stack(images[i : i + batch]))
         for i in range(0, len(images) - batch + 1, batch)
     ]
+
+
+def calibrator_for(trt: Any, network: Any, options: BuildOptions) -> Any:
+    """The INT8 calibrator: over the image folder, or serving the cache file alone when no folder is given.
+
+    With a cache TensorRT calls ``read_calibration_cache`` first and, when it returns the table, never
+    asks for a batch; without a calibrator it would not read the cache at all.
+    """
+    if options.calibration_images is None:
+        return _cache_calibrator(trt, options)
+    return _calibrator(trt, network, options)
+
+
+def _cache_calibrator(trt: Any, options: BuildOptions) -> Any:
+    """A calibrator that only serves an existing cache file (no images, no device memory)."""
+    cache = options.calibration_cache
+    if cache is None or not cache.is_file():
+        raise ConfigError(f"INT8 calibration cache {cache} does not exist and no --calib-images were given")
+    table = cache.read_bytes()
+
+    class CacheCalibrator(trt.IInt8EntropyCalibrator2):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            trt.IInt8EntropyCalibrator2.__init__(self)
+
+        def get_batch_size(self) -> int:
+            return 1
+
+        def get_batch(self, names: Sequence[str]) -> list[int] | None:
+            return None  # no images: the cache is the whole calibration
+
+        def read_calibration_cache(self) -> bytes:
+            return table
+
+        def write_calibration_cache(self, cache: bytes) -> None:
+            pass  # the file it came from stays as it is
+
+    return CacheCalibrator()
 
 
 def _calibrator(trt: Any, network: Any, options: BuildOptions) -> Any:

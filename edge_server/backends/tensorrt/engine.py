@@ -37,8 +37,8 @@ INSTALL_TENSORRT = (
     "use a virtual environment created with --system-site-packages (see jetson/README.md)"
 )
 INSTALL_CUDA_PYTHON = (
-    "cuda-python is not installed: pip install 'edge-server[jetson-jp6]' (its major version must match "
-    "the device's CUDA)"
+    "cuda-python is not installed: pip install 'edge-server[jetson-jp6]' on JetPack 6.1/6.2, "
+    "'edge-server[jetson-jp60]' on JetPack 6.0 (its version must match the device's CUDA)"
 )
 
 
@@ -51,11 +51,32 @@ def import_tensorrt() -> Any:
 
 
 def import_cudart() -> Any:
+    """CUDA's runtime API from cuda-python, in either of its layouts.
+
+    ``cuda.bindings.runtime`` exists from cuda-python 12.6.1 on; older releases (the ``12.2.*`` that
+    matches JetPack 6.0's CUDA) have the same API as ``cuda.cudart``, which 13.0 removed.
+    """
     try:
         from cuda.bindings import runtime
     except ImportError as exc:
-        raise BackendUnavailable(f"{INSTALL_CUDA_PYTHON} ({exc})") from exc
+        try:
+            from cuda import cudart
+        except ImportError:
+            raise BackendUnavailable(f"{INSTALL_CUDA_PYTHON} ({exc})") from exc
+        return cudart
     return runtime
+
+
+def cuda_python_version() -> str:
+    """The installed cuda-python's version ("" when it is not installed)."""
+    from importlib import metadata
+
+    for distribution in ("cuda-python", "cuda-bindings"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
 
 
 # CUDA errors after which the context can do nothing more (CUDA Runtime API, "sticky" errors).
@@ -106,6 +127,11 @@ class Cuda:
             self.rt.cudaDeviceAttr.cudaDevAttrHostRegisterSupported,
             self.device,
         )
+        read_only = self.call(
+            self.rt.cudaDeviceGetAttribute,
+            self.rt.cudaDeviceAttr.cudaDevAttrHostRegisterReadOnlySupported,
+            self.device,
+        )
         same_address = self.call(
             self.rt.cudaDeviceGetAttribute,
             self.rt.cudaDeviceAttr.cudaDevAttrCanUseHostPointerForRegisteredMem,
@@ -117,6 +143,7 @@ class Cuda:
             host_register_supported=bool(register),
             page_size=mmap.PAGESIZE,
             host_pointer_is_device_pointer=bool(same_address),
+            host_register_read_only=bool(read_only),
         )
 
     def create_stream(self) -> Any:
@@ -145,8 +172,22 @@ class Cuda:
         """The device address of mapped (allocated or registered) host memory."""
         return int(self.call(self.rt.cudaHostGetDevicePointer, host_pointer, 0))
 
-    def register(self, pointer: int, size: int) -> None:
-        self.call(self.rt.cudaHostRegister, pointer, size, self.rt.cudaHostRegisterMapped)
+    def register(self, pointer: int, size: int, *, read_only: bool = False) -> None:
+        """Page-lock and map host memory for the device.
+
+        ``read_only``: the pages are mapped read-only (a client's sealed frame); CUDA then needs
+        ``cudaHostRegisterReadOnly`` (callers check ``DeviceTraits.host_register_read_only`` first).
+        A refused registration leaves CUDA's last error set; it is cleared here so that the next
+        unrelated call does not report it.
+        """
+        flags = self.rt.cudaHostRegisterMapped
+        if read_only:
+            flags |= self.rt.cudaHostRegisterReadOnly
+        try:
+            self.call(self.rt.cudaHostRegister, pointer, size, flags)
+        except ModelExecutionError:
+            self.rt.cudaGetLastError()
+            raise
 
     def unregister(self, pointer: int) -> None:
         self.call(self.rt.cudaHostUnregister, pointer)
@@ -173,7 +214,12 @@ class TrtContext:
         self.profile = profile
 
     def select_profile(self, stream: Any) -> None:
-        self._context.set_optimization_profile_async(self.profile, int(stream))
+        if not self._context.set_optimization_profile_async(self.profile, int(stream)):
+            raise ModelExecutionError(
+                f"TensorRT refused optimization profile {self.profile} for a new execution context (see "
+                "TensorRT's message in the log: the profile index is out of range, or another context "
+                "of this engine already uses it)"
+            )
 
     def set_input_shape(self, name: str, shape: tuple[int, ...]) -> None:
         if not self._context.set_input_shape(name, shape):
@@ -298,18 +344,13 @@ def probe() -> Capabilities:
         trt = None
         caps.missing.append("TensorRT not installed (JetPack's python3-libnvinfer, see jetson/README.md)")
     try:
-        import cuda.bindings
-
-        caps.cuda_python = str(getattr(cuda.bindings, "__version__", "?"))
+        caps.cuda_python = cuda_python_version() or "?"
         cuda = Cuda(0)
     except BackendUnavailable as exc:
         caps.missing.append(exc.message)
         return caps
     except ModelExecutionError as exc:
         caps.missing.append(f"no usable CUDA GPU: {exc.message}")
-        return caps
-    except ImportError:
-        caps.missing.append(INSTALL_CUDA_PYTHON)
         return caps
     try:
         caps.cuda_driver = _version(int(cuda.call(cuda.rt.cudaDriverGetVersion)))

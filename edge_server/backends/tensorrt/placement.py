@@ -4,11 +4,18 @@ The loader resolves ``instance_group`` into :class:`~edge_server.backends.base.I
 with ``gpus``; Triton's DLA form, ``KIND_GPU`` with ``secondary_devices [{kind: KIND_NVDLA, device_id: N}]``,
 becomes ``KIND_DLA`` core N; ``KIND_AUTO`` becomes ``KIND_GPU`` where the backend has a GPU).  This module
 turns that into a placement or a load error that says what does not match.
+
+A GPU engine and a DLA engine are different plans, so one model whose instances sit on the GPU and on DLA
+cores needs both: each instance picks its own plan by its device (:func:`plan_for`).  GPU instances load
+the model's plan (``model.plan``, or ``default_model_filename``); DLA instances load ``model.dla.plan``
+(the same name with ``.dla`` before the suffix) when it exists, else the model's plan.  One DLA plan
+serves every core: TensorRT picks the core at deserialization.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from edge_server.backends.base import InstanceSpec
 from edge_server.errors import ConfigError
@@ -23,6 +30,23 @@ class Placement:
     def label(self) -> str:
         """The device label shown in model lists and metrics: "cuda:0", "dla:1"."""
         return f"cuda:{self.gpu}" if self.dla_core is None else f"dla:{self.dla_core}"
+
+
+DLA_INFIX = ".dla"
+
+
+def dla_plan_path(plan: Path) -> Path:
+    """The DLA plan beside a model's plan: ``model.plan`` -> ``model.dla.plan``."""
+    return plan.with_name(f"{plan.stem}{DLA_INFIX}{plan.suffix}")
+
+
+def plan_for(spec: InstanceSpec, plan: Path) -> Path:
+    """The plan an instance loads: the DLA plan for a DLA instance where one exists, else ``plan``."""
+    if spec.kind == "KIND_DLA":
+        dla = dla_plan_path(plan)
+        if dla.is_file():
+            return dla
+    return plan
 
 
 def place(
@@ -51,8 +75,9 @@ def place(
         if engine_known and engine_dla_core is not None:
             raise ConfigError(
                 f"{spec.name}: the engine was built for the DLA (core {engine_dla_core}) but the "
-                "instance is placed on the GPU; add secondary_devices [{ kind: KIND_NVDLA, device_id: N }] "
-                "or rebuild the engine without --dla-core"
+                "instance is placed on the GPU; add secondary_devices [{ kind: KIND_NVDLA, device_id: N }], "
+                "or build a GPU plan too ('edge-server build-engine --dla-core N --also-gpu' writes "
+                "model.plan for the GPU and model.dla.plan for the DLA)"
             )
         return Placement(gpu=spec.device_id, dla_core=None)
     if spec.kind == "KIND_DLA":
@@ -68,7 +93,8 @@ def place(
         if engine_known and engine_dla_core is None:
             raise ConfigError(
                 f"{spec.name}: the instance is placed on DLA core {spec.device_id} but the engine was "
-                "built for the GPU; rebuild it with 'edge-server build-engine --dla-core N'"
+                "built for the GPU and no DLA plan (model.dla.plan) is beside it; build one with "
+                "'edge-server build-engine --dla-core N --also-gpu'"
             )
         return Placement(gpu=0, dla_core=spec.device_id)
     raise ConfigError(f"{spec.name}: instance kind {spec.kind} is not supported by the TensorRT backend")

@@ -74,6 +74,19 @@ def max_batch_from_profiles(description: EngineDescription) -> int:
     return limit or 0
 
 
+def batch_chunks(description: EngineDescription, rows: int) -> list[tuple[int, int]]:
+    """The (start, stop) row ranges an instance runs a batch of ``rows`` in.
+
+    The whole batch where the engine's profiles hold it; else pieces of the engine's largest batch.
+    That is how a DLA instance (its plan has a static batch, usually 1) serves a model whose GPU plan
+    batches up to ``max_batch_size``: the queue is one, the DLA runs its share row by row.
+    """
+    top = max_batch_from_profiles(description)
+    if top == 0 or rows <= top:
+        return [(0, rows)]
+    return [(start, min(start + top, rows)) for start in range(0, rows, top)]
+
+
 def nbytes(shape: Shape, itemsize: int) -> int:
     if any(d < 0 for d in shape):
         raise ConfigError(f"shape {list(shape)} is not resolved")
@@ -131,15 +144,21 @@ class DeviceTraits:
     #: cudaDevAttrCanUseHostPointerForRegisteredMem: registered host memory has the same address on
     #: the device, so no cudaHostGetDevicePointer is needed
     host_pointer_is_device_pointer: bool = False
+    #: cudaDevAttrHostRegisterReadOnlySupported: read-only pages (a client's sealed frame, mapped
+    #: read-only) can be registered with cudaHostRegisterReadOnly; without it they are copied
+    host_register_read_only: bool = False
 
 
-def input_staging(traits: DeviceTraits, address: int, size: int) -> str:
+def input_staging(traits: DeviceTraits, address: int, size: int, *, read_only: bool = False) -> str:
     """Whether a host input (e.g. a frame in a client's shared memory) is mapped in place or copied.
 
     Mapping pays on an integrated GPU only (on a discrete GPU mapped memory is read over PCIe on every
     access); it needs host registration, a page-aligned start (cudaHostRegister's requirement on Tegra),
-    and a size large enough to be worth the registration.
+    and a size large enough to be worth the registration.  Read-only memory (a sealed frame mapped
+    read-only) also needs the device to support read-only registration.
     """
+    if read_only and not traits.host_register_read_only:
+        return PINNED_COPY
     if (
         traits.integrated
         and traits.can_map_host_memory
