@@ -143,6 +143,15 @@ def build(repo: Path, log: Path) -> Path:
         _ITERATIVE + '\nparameters { key: "isolation" value: { string_value: "process" } }',
     )
     _write(repo, "streamer", _STREAMER.replace("LOG", repr(str(log))), _ITERATIVE + "\n" + _DECOUPLED)
+    _write(
+        repo,
+        "streamer_isolated",
+        _STREAMER.replace("LOG", repr(str(log))),
+        _ITERATIVE
+        + "\n"
+        + _DECOUPLED
+        + '\nparameters { key: "isolation" value: { string_value: "process" } }',
+    )
     _write(repo, "counter_plain", _COUNTER, "")  # no iterative_sequence: rescheduling is refused
     _write(repo, "streamer_plain", _STREAMER.replace("LOG", repr(str(log))), _DECOUPLED)
     _write(repo, "answers_too", _ANSWERS_TOO, _ITERATIVE)
@@ -213,10 +222,13 @@ def test_concurrent_iterative_sequences_batch_together_and_keep_their_state(serv
     assert results == {n: n for n in counts}
 
 
-def test_decoupled_model_streams_one_response_per_execution(server: Server, tmp_path: Path) -> None:
-    responses = list(server.stream("streamer", _n(4), timeout=10, request_id="s4", **_seq()))
+@pytest.mark.parametrize("model", ["streamer", "streamer_isolated"])
+def test_decoupled_model_streams_one_response_per_execution(
+    server: Server, tmp_path: Path, model: str
+) -> None:
+    responses = list(server.stream(model, _n(4), timeout=10, request_id=f"{model}4", **_seq()))
     assert [int(r["OUT"][0, 0]) for r in responses] == [3, 2, 1, 0]
-    assert _executions(tmp_path / "runs.log", "s4") == 4
+    assert _executions(tmp_path / "runs.log", f"{model}4") == 4
 
 
 def test_reschedule_without_iterative_sequence_fails_precisely(server: Server) -> None:
