@@ -191,6 +191,16 @@ def response_parameters(outputs: Mapping[str, np.ndarray]) -> Parameters:
 Result = dict[str, np.ndarray] | EdgeServerError
 
 
+class Rescheduled(dict):  # type: ignore[type-arg]
+    """The result of a request a Python model released with RESCHEDULE: it runs again, no answer yet.
+
+    Only the sequence batcher of an ``iterative_sequence`` model receives it (it puts the request
+    back in its queue); an empty dict, so that it is a :data:`Result` everywhere else.
+    """
+
+    __slots__ = ()
+
+
 class ResponseSink(abc.ABC):
     """The receiving end of a streamed request: responses in order, then exactly one final.
 

@@ -143,9 +143,7 @@ def test_broken_sequence_batching_fails_at_load_naming_the_field(body: str, fiel
     assert message in info.value.message
 
 
-def test_iterative_sequence_is_warned_about_by_name() -> None:
-    _, warnings = parse("iterative_sequence: true")
-    assert warnings == [
-        "config.pbtxt: field 'sequence_batching.iterative_sequence' is not supported by edge-server yet "
-        "and is ignored"
-    ]
+def test_iterative_sequence_is_supported() -> None:
+    seq, warnings = parse("iterative_sequence: true")
+    assert warnings == []
+    assert seq.iterative_sequence

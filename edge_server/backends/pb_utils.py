@@ -214,6 +214,7 @@ class InferenceRequest:
         self._flags = int(flags)
         self._timeout = timeout
         self._sender: InferenceResponseSender | None = None
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
     def _incoming(
@@ -241,6 +242,7 @@ class InferenceRequest:
         request._flags = flags
         request._timeout = timeout
         request._sender = sender
+        request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
 
     def inputs(self) -> list[Tensor]:
@@ -282,6 +284,24 @@ class InferenceRequest:
 
     def is_cancelled(self) -> bool:
         return self._sender.is_cancelled() if self._sender is not None else False
+
+    def set_release_flags(self, flags: int) -> None:
+        """``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: run this same request again in a later batch.
+
+        Request rescheduling, as in Triton: the model config needs ``sequence_batching {
+        iterative_sequence: true }``; a non-decoupled model returns ``None`` for the request in
+        ``execute``'s list, a decoupled one sets the flag before ``execute`` returns.  The request
+        keeps its id, correlation id and sequence slot; the backend reads the flag after ``execute``.
+        """
+        if flags not in (TRITONSERVER_REQUEST_RELEASE_ALL, TRITONSERVER_REQUEST_RELEASE_RESCHEDULE):
+            raise TritonModelException(
+                f"set_release_flags(): unknown flags {flags!r}; use TRITONSERVER_REQUEST_RELEASE_ALL "
+                "or TRITONSERVER_REQUEST_RELEASE_RESCHEDULE"
+            )
+        self._release_flags = flags
+
+    def release_flags(self) -> int:
+        return self._release_flags
 
     # -- BLS ------------------------------------------------------------------------------------
 

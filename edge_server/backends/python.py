@@ -44,7 +44,7 @@ from edge_server.errors import (
     Unavailable,
     Unsupported,
 )
-from edge_server.request import Outputs, ResponseSink
+from edge_server.request import Outputs, Rescheduled, ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -292,21 +292,61 @@ class PythonBackend(Backend):
                 raise error from exc
             for item in batch:  # ends every stream the model left open; finished ones refuse it
                 _stream(item).put(None, error, final=True)
-            responses = None
+            return [{} for _ in batch]  # nothing is rescheduled after a failed execute()
         finally:
             timing.compute_infer_ns += time.perf_counter_ns() - t0
         if self._config.decoupled:
             # Responses went through the senders (maybe still going, from the model's own threads).
             if responses is not None:
                 log.warning("%s: a decoupled model's execute() should return None; ignoring", self._name)
-            return [{} for _ in batch]
+            return [self._decoupled_result(r, item) for r, item in zip(requests, batch, strict=True)]
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
             raise ModelExecutionError(
                 f"model {self._config.name!r}: execute() must return one response per request "
                 f"({len(batch)}), returned {got}"
             )
-        return [self._convert(response, item) for response, item in zip(responses, batch, strict=True)]
+        return [
+            self._convert(response, item)
+            if request.release_flags() != pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
+            else self._rescheduled(response)
+            for response, item, request in zip(responses, batch, requests, strict=True)
+        ]
+
+    # -- request rescheduling (Triton >= 23.11) ---------------------------------------------------
+
+    def _reschedule_refused(self) -> EdgeServerError | None:
+        """The error for a RESCHEDULE release when the config does not allow it (None: allowed)."""
+        seq = self._config.sequence_batching
+        if seq is not None and seq.iterative_sequence:
+            return None
+        return ModelExecutionError(
+            f"model {self._config.name!r}: a request was released with "
+            "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, but the model is not configured for request "
+            "rescheduling; add sequence_batching { iterative_sequence: true } to its config.pbtxt"
+        )
+
+    def _rescheduled(self, response: Any) -> Result:
+        """A non-decoupled model's rescheduled request: it must have answered ``None``, as in Triton."""
+        refused = self._reschedule_refused()
+        if refused is not None:
+            return refused
+        if response is not None:
+            return ModelExecutionError(
+                f"model {self._config.name!r}: expected None in execute()'s return list for a "
+                f"rescheduled request, found {type(response).__name__}"
+            )
+        return Rescheduled()
+
+    def _decoupled_result(self, request: pb_utils.InferenceRequest, item: BatchItem) -> Result:
+        """``{}`` (the stream carries the answers), or Rescheduled: the stream stays open for the next run."""
+        if request.release_flags() != pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            return {}
+        refused = self._reschedule_refused()
+        if refused is not None:
+            _stream(item).put(None, refused, final=True)  # refused if the model already ended it
+            return {}
+        return Rescheduled()
 
     def _request(self, item: BatchItem) -> pb_utils.InferenceRequest:
         sender = None

@@ -49,7 +49,7 @@ from edge_server.errors import (
     Unavailable,
     Unsupported,
 )
-from edge_server.request import ResponseSink
+from edge_server.request import Rescheduled, ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -427,6 +427,8 @@ class IsolatedPythonBackend(Backend):
             for entry in reply["r"]:
                 if isinstance(entry, list):
                     results.append(_error(entry))
+                elif entry.get("r"):  # the model rescheduled the request
+                    results.append(Rescheduled())
                 else:
                     results.append(dict(read(desc, self._responses, copy=True) for desc in entry["o"]))
             return results

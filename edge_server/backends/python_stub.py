@@ -49,7 +49,7 @@ from edge_server.backends.base import BatchItem, Timing
 from edge_server.backends.python_bls import PipeModels
 from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, pack_inline, put, read
 from edge_server.errors import EdgeServerError, ServerShuttingDown
-from edge_server.request import ResponseSink
+from edge_server.request import Rescheduled, ResponseSink
 
 log = logging.getLogger("edge_server.backends.python_stub")
 
@@ -199,6 +199,8 @@ class _Stub:
                 encoded.append([result.code, result.message])
             elif isinstance(result, Exception):
                 encoded.append(["EXECUTION_FAILED", repr(result)])
+            elif isinstance(result, Rescheduled):  # released with RESCHEDULE: runs again, no outputs
+                encoded.append({"o": [], "r": 1})
             else:
                 encoded.append({"o": [next(descs) for _ in result]})
         # A request's outputs are {"o": [descriptor, ...]}, its error a [code, message] list.

@@ -51,6 +51,7 @@ _SUPPORTED: Mapping[str, object] = {
         "control_input": True,
         "direct": True,
         "oldest": True,
+        "iterative_sequence": True,
         "state": dict.fromkeys(("input_name", "output_name", "data_type", "dims", "initial_state"), True),
     },
     "version_policy": True,
@@ -185,8 +186,13 @@ def validate_config(config: ModelConfig, *, completed: bool = True) -> None:
         )
         if problem:
             raise _fail(config, *problem)
-        if config.decoupled:
-            raise _fail(config, "sequence_batching", "a decoupled model cannot use sequence batching here")
+        if config.decoupled and not config.sequence_batching.iterative_sequence:
+            raise _fail(
+                config,
+                "sequence_batching",
+                "a decoupled model can use sequence batching here only with iterative_sequence: true "
+                "(request rescheduling)",
+            )
     policy = config.version_policy
     if policy.kind == "latest" and policy.num_versions < 1:
         raise _fail(config, "version_policy.latest.num_versions", f"must be >= 1, got {policy.num_versions}")

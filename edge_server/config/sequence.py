@@ -93,6 +93,8 @@ class SequenceBatching:
     max_candidate_sequences: int = 0  # 0: no limit
     preferred_batch_size: tuple[int, ...] = ()
     preserve_ordering: bool = False
+    #: a Python model may release a request with RESCHEDULE to run it again (request rescheduling)
+    iterative_sequence: bool = False
 
     def control(self, kind: str) -> ControlInput | None:
         return next((c for c in self.control_inputs if c.control.kind == kind), None)
@@ -163,6 +165,7 @@ def convert(msg: Any, enum_name: EnumName) -> SequenceBatching:
         "max_sequence_idle_microseconds": msg.max_sequence_idle_microseconds or DEFAULT_IDLE_US,
         "control_inputs": tuple(controls),
         "states": tuple(states),
+        "iterative_sequence": msg.iterative_sequence,
     }
     if msg.WhichOneof("strategy_choice") == "oldest":
         oldest = msg.oldest

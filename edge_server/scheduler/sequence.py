@@ -39,13 +39,15 @@ from typing import Any
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig
 from edge_server.errors import (
+    Cancelled,
     EdgeServerError,
     InvalidArgument,
     ModelExecutionError,
     QueueFull,
+    RequestTimeout,
     ServerShuttingDown,
 )
-from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START
+from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, Rescheduled
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.scheduler import SchedulerClosed, close_instances
 from edge_server.scheduler.sequence_tensors import SequenceTensors, State
@@ -65,6 +67,7 @@ class _Request:
     shape_key: Hashable
     future: Future[dict]
     enqueue_ns: int
+    rescheduled: bool = False  # the model released it with RESCHEDULE: its future is already running
 
     @property
     def batch_size(self) -> int:
@@ -341,7 +344,7 @@ class SequenceScheduler:
             self._queued = 0
             self._cond.notify_all()
         for request in leftover:
-            if request.future.set_running_or_notify_cancel():
+            if request.rescheduled or request.future.set_running_or_notify_cancel():
                 request.future.set_exception(
                     ServerShuttingDown(f"model {self._name!r} was unloaded before the request ran")
                 )
@@ -433,7 +436,7 @@ class SequenceScheduler:
         cancelled: list[_Sequence] = []
         for seq, request in rows:
             if seq is not None and request is not None:
-                if request.future.set_running_or_notify_cancel():
+                if request.rescheduled or request.future.set_running_or_notify_cancel():
                     live.append((seq, request))
                 else:
                     cancelled.append(seq)
@@ -446,10 +449,20 @@ class SequenceScheduler:
                 log.exception("sequence batch of %r failed unexpectedly", self._name)
                 results = [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(live)
         end_ns = time.monotonic_ns()
+        results = [self._end_reschedule(r, res, end_ns) for (_, r), res in zip(live, results, strict=True)]
+        again: list[_Request] = []
         with self._lock:
             self._progress += 1
             if live:
                 self._busy_ns[backend] += end_ns - start_ns
+            for (seq, request), result in zip(live, results, strict=True):
+                if isinstance(result, Rescheduled):
+                    if seq in self._held:  # the same request runs again, first of its sequence
+                        request.rescheduled = True
+                        seq.pending.appendleft(request)
+                        self._queued += 1
+                    else:  # unloaded while it ran
+                        again.append(request)
             for seq in [s for s, _ in live] + cancelled:
                 seq.busy = False
                 seq.last_ns = end_ns
@@ -460,6 +473,11 @@ class SequenceScheduler:
         for (_, request), result in zip(live, results, strict=True):
             if isinstance(result, Exception):
                 request.future.set_exception(result)
+            elif isinstance(result, Rescheduled):
+                if request in again:
+                    request.future.set_exception(
+                        ServerShuttingDown(f"model {self._name!r} was unloaded; the request was rescheduled")
+                    )
             else:
                 request.future.set_result(result)
         if live:
@@ -470,6 +488,28 @@ class SequenceScheduler:
                 succeeded=[not isinstance(r, Exception) for r in results],
                 timing=timing,
             )
+
+    def _end_reschedule(self, request: _Request, result: Result, now: int) -> Result:
+        """What becomes of a request the model rescheduled: run again, or end it (its answer here).
+
+        It ends when its stream is already finished (the model sent the final response), when the
+        client cancelled its stream, or when the request's timeout passed since it was queued: an
+        endless reschedule loop is bounded by the request's own timeout or cancellation.
+        """
+        if not isinstance(result, Rescheduled):
+            return result
+        item = request.item
+        stream = item.stream
+        if stream is not None and stream.finished:
+            return {}
+        if stream is not None and stream.cancelled:
+            return Cancelled(f"model {self._name!r}: the request was cancelled while being rescheduled")
+        if item.timeout_us and now - request.enqueue_ns >= item.timeout_us * 1000:
+            return RequestTimeout(
+                f"model {self._name!r}: the request's timeout of {item.timeout_us} us passed while the "
+                "model rescheduled it"
+            )
+        return result
 
     def _execute(
         self, backend: Backend, rows: list[_Row], live: list[tuple[_Sequence, _Request]], timing: Timing
@@ -492,7 +532,7 @@ class SequenceScheduler:
         results = [all_results[i] for i in real]
         if tensors.has_state:
             for (seq, _), result in zip(live, results, strict=True):
-                if not isinstance(result, Exception) and seq.state is not None:
+                if not isinstance(result, Exception | Rescheduled) and seq.state is not None:
                     seq.state.update(tensors.take_state(result))
         return results
 

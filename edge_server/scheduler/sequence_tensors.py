@@ -109,6 +109,7 @@ class SequenceTensors:
             item.correlation_id if ready else 0,
             item.flags if ready else 0,
             item.timeout_us,
+            stream=item.stream if ready else None,  # a decoupled (iterative) model sends through it
         )
 
     def filler(self, like: BatchItem, state: State | None) -> BatchItem:

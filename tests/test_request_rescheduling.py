@@ -1,0 +1,333 @@
+"""Request rescheduling (Triton >= 23.11): a Python model runs a request again; IPC and in-process.
+
+The models are written as Triton's iterative-sequence examples are: ``execute`` calls
+``request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)``, keeps its state per
+request, and answers ``None`` for a rescheduled request (non-decoupled) or sends a response and
+reschedules before returning (decoupled).
+"""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_server import Server
+from edge_server.client import Client
+from edge_server.config.parser import parse_config_text
+from edge_server.errors import ConfigError, ModelExecutionError, RequestTimeout
+from tests.daemon import Daemon
+
+_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "N" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+{extra}
+"""
+_ITERATIVE = "sequence_batching { iterative_sequence: true oldest { max_candidate_sequences: 4 } }"
+_DECOUPLED = "model_transaction_policy { decoupled: true }"
+
+# Counts up to N, one step per execution, rescheduling until done; answers the number of steps.
+# State is keyed by request id, as Triton's iterative examples do; each run is logged with its id.
+_COUNTER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.steps = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy().reshape(-1)[0])
+            key = request.request_id()
+            self.steps[key] = self.steps.get(key, 0) + 1
+            if self.steps[key] < n:
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+                responses.append(None)
+            else:
+                out = pb_utils.Tensor("OUT", np.array([[self.steps.pop(key)]], np.int32))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+        return responses
+"""
+
+# Streams N responses (N-1, ..., 0), one per execution; the last one carries the final flag.
+_STREAMER = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.remaining = {}
+        self.log = LOG
+
+    def execute(self, requests):
+        for request in requests:
+            key = request.request_id()
+            if key not in self.remaining:
+                self.remaining[key] = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0, 0])
+            self.remaining[key] -= 1
+            left = self.remaining[key]
+            with open(self.log, "a") as f:
+                f.write(key + "\\n")
+            out = pb_utils.Tensor("OUT", np.array([[left]], np.int32))
+            sender = request.get_response_sender()
+            if left <= 0:
+                del self.remaining[key]
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+                time.sleep(0.005)
+        return None
+"""
+
+# Reschedules and still answers: Triton refuses that (a rescheduled request's response must be None).
+_ANSWERS_TOO = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+        out = pb_utils.Tensor("OUT", np.zeros((1, 1), np.int32))
+        return [pb_utils.InferenceResponse(output_tensors=[out]) for _ in requests]
+"""
+
+# Never finishes: bounded only by the request's timeout.
+_FOREVER = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+        return [None] * len(requests)
+"""
+
+_BAD_FLAGS = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            request.set_release_flags(7)
+        return [None] * len(requests)
+"""
+
+
+def _write(repo: Path, name: str, source: str, extra: str) -> None:
+    version = repo / name / "1"
+    version.mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(_CONFIG.format(name=name, extra=extra))
+    (version / "model.py").write_text(textwrap.dedent(source))
+
+
+def build(repo: Path, log: Path) -> Path:
+    _write(repo, "counter", _COUNTER, _ITERATIVE)
+    _write(
+        repo,
+        "counter_isolated",
+        _COUNTER,
+        _ITERATIVE + '\nparameters { key: "isolation" value: { string_value: "process" } }',
+    )
+    _write(repo, "streamer", _STREAMER.replace("LOG", repr(str(log))), _ITERATIVE + "\n" + _DECOUPLED)
+    _write(
+        repo,
+        "streamer_isolated",
+        _STREAMER.replace("LOG", repr(str(log))),
+        _ITERATIVE
+        + "\n"
+        + _DECOUPLED
+        + '\nparameters { key: "isolation" value: { string_value: "process" } }',
+    )
+    _write(repo, "counter_plain", _COUNTER, "")  # no iterative_sequence: rescheduling is refused
+    _write(repo, "streamer_plain", _STREAMER.replace("LOG", repr(str(log))), _DECOUPLED)
+    _write(repo, "answers_too", _ANSWERS_TOO, _ITERATIVE)
+    _write(repo, "forever", _FOREVER, _ITERATIVE)
+    _write(repo, "bad_flags", _BAD_FLAGS, _ITERATIVE)
+    return repo
+
+
+def _n(n: int) -> dict[str, np.ndarray]:
+    return {"N": np.array([[n]], np.int32)}
+
+
+_seq_ids = iter(range(1, 1 << 30))
+
+
+def _seq() -> dict:
+    """A fresh one-request sequence (an iterative sequence is started and ended by its one request)."""
+    return {"correlation_id": next(_seq_ids), "sequence_start": True, "sequence_end": True}
+
+
+def _ipc_seq() -> dict:
+    return {"sequence_id": next(_seq_ids), "sequence_start": True, "sequence_end": True}
+
+
+def _executions(log: Path, request_id: str) -> int:
+    return log.read_text().split().count(request_id) if log.exists() else 0
+
+
+def _settled(log: Path, request_id: str) -> int:
+    """The number of executions of ``request_id`` once it stops growing (10 s at most)."""
+    last, deadline = -1, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = _executions(log, request_id)
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.3)
+    return last
+
+
+# -- in-process ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    with Server(build(tmp_path / "repo", tmp_path / "runs.log")) as server:
+        yield server
+
+
+@pytest.mark.parametrize("model", ["counter", "counter_isolated"])
+def test_non_decoupled_request_runs_until_the_model_answers(server: Server, model: str) -> None:
+    out = server.infer(model, _n(5), request_id="a", **_seq())
+    assert out["OUT"].tolist() == [[5]]
+
+
+def test_concurrent_iterative_sequences_batch_together_and_keep_their_state(server: Server) -> None:
+    counts = [1, 3, 7, 12]
+    results: dict[int, int] = {}
+
+    def one(n: int) -> None:
+        results[n] = int(server.infer("counter", _n(n), request_id=f"r{n}", **_seq())["OUT"][0, 0])
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in counts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {n: n for n in counts}
+
+
+@pytest.mark.parametrize("model", ["streamer", "streamer_isolated"])
+def test_decoupled_model_streams_one_response_per_execution(
+    server: Server, tmp_path: Path, model: str
+) -> None:
+    responses = list(server.stream(model, _n(4), timeout=10, request_id=f"{model}4", **_seq()))
+    assert [int(r["OUT"][0, 0]) for r in responses] == [3, 2, 1, 0]
+    assert _executions(tmp_path / "runs.log", f"{model}4") == 4
+
+
+def test_reschedule_without_iterative_sequence_fails_precisely(server: Server) -> None:
+    with pytest.raises(ModelExecutionError, match=r"iterative_sequence: true"):
+        server.infer("counter_plain", _n(3), request_id="p")
+    stream = server.stream("streamer_plain", _n(3), timeout=10, request_id="q")
+    assert int(next(stream)["OUT"][0, 0]) == 2  # sent before execute returned
+    with pytest.raises(
+        ModelExecutionError, match=r"TRITONSERVER_REQUEST_RELEASE_RESCHEDULE.*iterative_sequence"
+    ):
+        next(stream)
+
+
+def test_rescheduled_request_with_a_response_fails(server: Server) -> None:
+    with pytest.raises(
+        ModelExecutionError, match="expected None .* rescheduled request, found InferenceResponse"
+    ):
+        server.infer("answers_too", _n(1), **_seq())
+
+
+def test_unknown_release_flags_fail_the_batch(server: Server) -> None:
+    with pytest.raises(ModelExecutionError, match="set_release_flags"):
+        server.infer("bad_flags", _n(1), **_seq())
+
+
+def test_endless_rescheduling_is_bounded_by_the_request_timeout(server: Server) -> None:
+    with pytest.raises(RequestTimeout, match="rescheduled"):
+        server.infer("forever", _n(1), timeout_us=300_000, **_seq())
+    assert server.infer("counter", _n(2), request_id="after", **_seq())["OUT"].tolist() == [[2]]
+
+
+def test_closing_the_stream_stops_the_iterations(server: Server, tmp_path: Path) -> None:
+    log = tmp_path / "runs.log"
+    stream = server.stream("streamer", _n(100_000), timeout=10, request_id="cancel-me", **_seq())
+    assert int(next(stream)["OUT"][0, 0]) == 99_999
+    stream.close()
+    assert _settled(log, "cancel-me") < 100_000
+    assert server.infer("counter", _n(2), request_id="next", **_seq())["OUT"].tolist() == [[2]]
+
+
+# -- the real daemon over IPC ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("resched")
+
+
+@pytest.fixture(scope="module")
+def daemon(root: Path) -> Iterator[Daemon]:
+    proc = Daemon(build(root / "repo", root / "runs.log"), f"ipc://{root}/r.sock", root / "r.log")
+    try:
+        proc.start()
+    except BaseException:
+        proc.kill()
+        raise
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[Client]:
+    with Client(daemon.address, timeout=30) as c:
+        yield c
+
+
+def test_ipc_non_decoupled_iterations(client: Client) -> None:
+    assert client.infer("counter", _n(6), request_id="i6", **_ipc_seq())["OUT"].tolist() == [[6]]
+    assert client.infer("counter_isolated", _n(3), request_id="i3", **_ipc_seq())["OUT"].tolist() == [[3]]
+
+
+def test_ipc_decoupled_stream(client: Client) -> None:
+    outs = [int(r["OUT"][0, 0]) for r in client.stream("streamer", _n(5), request_id="d5", **_ipc_seq())]
+    assert outs == [4, 3, 2, 1, 0]
+
+
+def test_ipc_errors(client: Client) -> None:
+    with pytest.raises(ModelExecutionError, match="iterative_sequence: true"):
+        client.infer("counter_plain", _n(2))
+    with pytest.raises(RequestTimeout, match="rescheduled"):
+        client.infer("forever", _n(1), queue_timeout_us=300_000, **_ipc_seq())
+
+
+def test_ipc_cancel_mid_iteration(client: Client, root: Path) -> None:
+    with client.stream("streamer", _n(100_000), request_id="ipc-cancel", **_ipc_seq()) as stream:
+        assert int(next(stream)["OUT"][0, 0]) == 99_999
+        assert int(next(stream)["OUT"][0, 0]) == 99_998
+    assert _settled(root / "runs.log", "ipc-cancel") < 100_000
+    assert client.infer("counter", _n(2), request_id="i2", **_ipc_seq())["OUT"].tolist() == [[2]]
+
+
+def test_decoupled_sequence_batching_needs_iterative_sequence() -> None:
+    text = _CONFIG.format(name="m", extra="sequence_batching { }\n" + _DECOUPLED)
+    with pytest.raises(ConfigError, match="only with iterative_sequence: true"):
+        parse_config_text(text, source="config.pbtxt", default_name="m")
+    config, warnings = parse_config_text(
+        _CONFIG.format(name="m", extra=_ITERATIVE + "\n" + _DECOUPLED),
+        source="config.pbtxt",
+        default_name="m",
+    )
+    assert warnings == [] and config.decoupled
+    assert config.sequence_batching is not None and config.sequence_batching.iterative_sequence
