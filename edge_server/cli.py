@@ -17,6 +17,7 @@ import numpy as np
 from edge_server import __version__, dtypes
 from edge_server.backends.base import ONNXRUNTIME_THREAD_POLICIES
 from edge_server.errors import EdgeServerError, InvalidArgument
+from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.metrics.options import metrics_config_item, summary_options
@@ -160,25 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-client-reply-bytes",
         type=positive,
-        default=256 << 20,
+        default=protocol.DEFAULT_MAX_CLIENT_REPLY_BYTES,
         help="IPC: a client with more bytes of replies waiting for it (it does not read) is disconnected",
     )
     serve.add_argument(
         "--max-client-requests",
         type=positive,
-        default=1024,
+        default=protocol.DEFAULT_MAX_CLIENT_REQUESTS,
         help="IPC: requests one client may have in flight (queued, running, open streams); more are refused",
     )
     serve.add_argument(
         "--max-client-regions",
         type=positive,
-        default=256,
+        default=protocol.DEFAULT_MAX_CLIENT_REGIONS,
         help="IPC: shared-memory regions one client may register (the descriptor budget bounds all of them)",
     )
     serve.add_argument(
         "--max-requests",
         type=positive,
-        default=8192,
+        default=protocol.DEFAULT_MAX_REQUESTS,
         help="IPC: requests all clients together may have in flight; more are refused",
     )
     serve.add_argument(
@@ -190,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-frames",
         type=positive,
-        default=1024,
+        default=protocol.MAX_FRAMES,
         help="IPC: frames in one message (a header and its tensors); more are dropped unread and refused",
     )
     serve.add_argument(

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from edge_server.errors import EdgeServerError, InvalidArgument
+from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
@@ -41,12 +42,14 @@ class DaemonOptions:
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-    max_client_reply_bytes: int = 256 << 20  # IPC: replies waiting for a client that does not read
-    max_client_requests: int = 1024  # IPC: requests in flight for one client
-    max_requests: int = 8192  # IPC: requests in flight for all clients together
-    max_client_regions: int = 256  # IPC: shared-memory regions one client may register
+    # IPC limits: replies waiting for a client that does not read; requests in flight for one client and
+    # for all together; shared-memory regions one client may register
+    max_client_reply_bytes: int = protocol.DEFAULT_MAX_CLIENT_REPLY_BYTES
+    max_client_requests: int = protocol.DEFAULT_MAX_CLIENT_REQUESTS
+    max_requests: int = protocol.DEFAULT_MAX_REQUESTS
+    max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS
     max_connections: int | None = None  # IPC: connections at once (None: the descriptor budget's)
-    max_frames: int = 1024  # IPC: frames in one message
+    max_frames: int = protocol.MAX_FRAMES  # IPC: frames in one message
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
     load_timeout: float = 600.0  # a model load running longer is abandoned (a stuck initialize())

@@ -42,7 +42,6 @@ from edge_server.errors import (
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
 from edge_server.ipc.peers import Peer, PeerTable, connection_of, same_connection
-from edge_server.ipc.shm import MAX_REGIONS_PER_CLIENT
 from edge_server.memory import trim_heap
 from edge_server.request import ResponseSink
 
@@ -52,12 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HWM = 10_000
-#: Default of ``--max-client-reply-bytes``: replies queued for one client that does not read them.
-DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
-#: Defaults of ``--max-client-requests`` and ``--max-requests``: requests in flight (queued or running,
-#: and open streams) for one client and for all clients together; a request over either is refused.
-DEFAULT_MAX_CLIENT_REQUESTS = 1024
-DEFAULT_MAX_REQUESTS = 8192
 _CONTROL_WORKERS = 4
 _ZERO_COPY = zmq.COPY_THRESHOLD  # frames this large are sent zero-copy, so tracking them is free
 #: Connections the kernel queues for accept: all of them may arrive after the cap is reached.
@@ -92,10 +85,10 @@ class IpcFrontend:
         max_connections: int | None = None,
         operator_gid: int | None = None,
         drain_timeout: float = 5.0,
-        max_reply_bytes: int = DEFAULT_MAX_CLIENT_REPLY_BYTES,
-        max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS,
-        max_requests: int = DEFAULT_MAX_REQUESTS,
-        max_client_regions: int = MAX_REGIONS_PER_CLIENT,
+        max_reply_bytes: int = protocol.DEFAULT_MAX_CLIENT_REPLY_BYTES,
+        max_client_requests: int = protocol.DEFAULT_MAX_CLIENT_REQUESTS,
+        max_requests: int = protocol.DEFAULT_MAX_REQUESTS,
+        max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS,
         max_frames: int = protocol.MAX_FRAMES,
     ) -> None:
         self.server = server

@@ -63,6 +63,13 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_HEADER_BYTES = 256 * 1024
 #: Frames of one request (the header and its tensors); the rest of a longer message is dropped unread.
 MAX_FRAMES = 1024
+#: Defaults of the per-client and total limits (``--max-client-reply-bytes``, ``--max-client-requests``,
+#: ``--max-requests``, ``--max-client-regions``): replies queued for a client that does not read them,
+#: requests in flight (queued, running, open streams) for one client and for all, regions per client.
+DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
+DEFAULT_MAX_CLIENT_REQUESTS = 1024
+DEFAULT_MAX_REQUESTS = 8192
+DEFAULT_MAX_CLIENT_REGIONS = 256
 #: Longest array or map msgpack may build in a header, and most dims of a tensor.
 MAX_CONTAINER_LEN = 65536
 MAX_DIMS = 32  # numpy 1.x's own limit

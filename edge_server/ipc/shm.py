@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
-MAX_REGIONS_PER_CLIENT = 256
+MAX_REGIONS_PER_CLIENT = protocol.DEFAULT_MAX_CLIENT_REGIONS  # --max-client-regions
 
 
 def check_name(name: object) -> str:
