@@ -42,6 +42,7 @@ from edge_server.errors import (
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
 from edge_server.ipc.peers import Peer, PeerTable, connection_of, same_connection
+from edge_server.ipc.wakeup import signal_eventfd
 from edge_server.memory import trim_heap
 from edge_server.request import ResponseSink
 
@@ -230,7 +231,7 @@ class IpcFrontend:
         # Under the lock so that a callback finishing after shutdown never writes to a reused fd number.
         with self._wake_lock:
             if self._wake_fd >= 0:
-                os.eventfd_write(self._wake_fd, 1)
+                signal_eventfd(self._wake_fd)
 
     def _run(self) -> None:
         assert self._sock is not None and self._monitor is not None
