@@ -18,7 +18,8 @@ The daemon runs with ``--onnxruntime-thread-policy default``: every model here i
 as if alone on the box (``--thread-policy auto`` shows the rule itself: the four models loaded here
 share the box, so every one gets split threads, ``cnn`` included).
 
-Single-stream cases alternate in blocks within a round; the 8-client throughput cases (8 threads, each
+Single-stream cases alternate in blocks within a round, each block after a few untimed requests of its
+own; the 8-client throughput cases (8 threads, each
 with its own connection) alternate round by round.  Medians over rounds; ratios are of the medians.
 Timing on a shared machine is noisy: compare within one table, not across tables.
 """
@@ -333,6 +334,10 @@ def measure(
         for _ in range(blocks):
             for name, call in single.items():
                 count = max((args.cnn_requests if name in cnn_cases else args.requests) // blocks, 1)
+                # Untimed first: the case before may have left its server's ONNX Runtime workers
+                # spinning on a core (they do so briefly after every run), a tax on whichever case
+                # happens to follow it, not a cost of this one.
+                per_request_us(call, 3 if name in cnn_cases else 50)
                 spent[name] += per_request_us(call, count) * count
                 done[name] += count
         for name in single:
