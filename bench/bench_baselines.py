@@ -18,9 +18,9 @@ The daemon runs with ``--onnxruntime-thread-policy default``: every model here i
 as if alone on the box (``--thread-policy auto`` shows the rule itself: the four models loaded here
 share the box, so every one gets split threads, ``cnn`` included).
 
-Single-stream cases alternate in blocks within a round, each block after a few untimed requests of its
-own; the 8-client throughput cases (8 threads, each
-with its own connection) alternate round by round.  Medians over rounds; ratios are of the medians.
+Single-stream cases alternate in blocks within a round, each block after 100 ms of idle and a few
+untimed requests of its own; the 8-client throughput cases (8 threads, each with its own connection)
+alternate round by round.  Medians over rounds; ratios are of the medians.
 Timing on a shared machine is noisy: compare within one table, not across tables.
 """
 
@@ -53,6 +53,7 @@ from edge_server.client import Client  # noqa: E402
 from tests.daemon import Daemon  # noqa: E402
 
 CLIENTS = 8
+SETTLE_S = 0.1  # idle before each timed block (see measure)
 
 # One thread, default SessionOptions; request = [model name, raw little-endian FP32 bytes].
 MINIMAL_SERVER = textwrap.dedent(
@@ -334,9 +335,12 @@ def measure(
         for _ in range(blocks):
             for name, call in single.items():
                 count = max((args.cnn_requests if name in cnn_cases else args.requests) // blocks, 1)
-                # Untimed first: the case before may have left its server's ONNX Runtime workers
-                # spinning on a core (they do so briefly after every run), a tax on whichever case
-                # happens to follow it, not a cost of this one.
+                # Each block starts from a settled machine.  Right after a server whose ONNX Runtime
+                # workers were still spinning (they do after every run), the next case's CNN ran at
+                # half speed for tens of milliseconds (its two intra-op threads on one core, as far as
+                # we can tell, until the kernel spread them): one request in ten took twice as long,
+                # a tax on whichever case came next, not a cost of it.  Then a few untimed requests.
+                time.sleep(SETTLE_S)
                 per_request_us(call, 3 if name in cnn_cases else 50)
                 spent[name] += per_request_us(call, count) * count
                 done[name] += count
