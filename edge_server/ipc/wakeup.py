@@ -6,8 +6,8 @@ and keeps it until it blocks in ``zmq_poll`` again, so the worker waits for the 
 (sending the reply, receiving the next request) before it can start its next execution, and the cores
 idle meanwhile.  With the GIL held over the write (the call takes a microsecond and never blocks on a
 non-blocking eventfd), the worker goes straight on to its next execution, which releases the GIL, and the
-frontend's turn overlaps it: 8 clients on a 4 ms CNN lost 4-6% of the throughput of a one-thread server
-to that wait (bench/bench_baselines.py).
+frontend's turn overlaps it: with 8 clients on a 4 ms CNN this won 1.5-4.5% of a one-thread server's
+throughput in two A/B runs (docs/benchmarks.md, "Minimal zmq + ONNX Runtime server").
 """
 
 from __future__ import annotations
