@@ -81,3 +81,11 @@ def test_signal_keeps_the_gil(eventfd: int) -> None:
 def test_os_fallback_adds_one(eventfd: int) -> None:
     wakeup._os_write(eventfd)
     assert os.eventfd_read(eventfd) == 1
+
+
+@pytest.mark.parametrize("signal", [wakeup.signal_eventfd, wakeup._os_write], ids=["chosen", "os"])
+def test_signal_on_a_closed_fd_is_ignored(signal) -> None:
+    """A client's close() may close the fd while another thread pokes it: nothing to wake, no error."""
+    fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    os.close(fd)
+    signal(fd)

@@ -44,6 +44,7 @@ from edge_server.client._common import (
 from edge_server.client.shm import SharedMemoryRegion
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, MessageTooLarge, ReplyTimeout
 from edge_server.ipc import protocol, zmqio
+from edge_server.ipc.wakeup import signal_eventfd
 
 log = logging.getLogger(__name__)
 
@@ -292,10 +293,7 @@ class Transport:
     def _poke(self) -> None:
         fd = self._wake_fd
         if fd >= 0:
-            try:
-                os.eventfd_write(fd, 1)
-            except OSError:  # closed by close() in the meantime
-                pass
+            signal_eventfd(fd)  # a failure (closed by close() in the meantime) is ignored
 
     def _release(self) -> None:
         self._io.release()

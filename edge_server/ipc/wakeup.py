@@ -29,8 +29,8 @@ def _gil_holding_write() -> Callable[[int], None] | None:
     address = ctypes.addressof(one)
 
     def signal(fd: int) -> None:
-        # EAGAIN (the counter is full) means the reader is awake already; any other failure is the fd's
-        # owner's to report, as os.eventfd_write would not have helped either.
+        # Failures are ignored: EAGAIN (the counter is full) means the reader is awake already, EBADF
+        # that its owner closed it meanwhile, and the waiter has nothing to wake then.
         write(fd, address, 8)
 
     signal.buffer = one  # type: ignore[attr-defined]  # keeps the buffer alive with the function
@@ -40,9 +40,10 @@ def _gil_holding_write() -> Callable[[int], None] | None:
 def _os_write(fd: int) -> None:
     try:
         os.eventfd_write(fd, 1)
-    except BlockingIOError:
+    except OSError:  # as in signal above: full, or closed meanwhile
         pass
 
 
-#: ``signal_eventfd(fd)``: add 1 to a non-blocking eventfd, keeping the GIL where the platform allows.
+#: ``signal_eventfd(fd)``: add 1 to a non-blocking eventfd (failures ignored), keeping the GIL where the
+#: platform allows.  The IPC frontend's workers and the client's callers both wake a poller with it.
 signal_eventfd: Callable[[int], None] = _gil_holding_write() or _os_write
