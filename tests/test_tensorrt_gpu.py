@@ -124,25 +124,19 @@ def test_shared_memory_outputs(tmp_path: Path, plan_repository: Path, example_re
         daemon.stop()
 
 
+def _build_cnn_for_dla(example_repository: Path, repo: Path, *extra: str) -> int:
+    """``edge-server build-engine`` of the example CNN for DLA core 0 (FP16, GPU fallback) into ``repo``."""
+    onnx = example_repository / "cnn" / "1" / "model.onnx"
+    return main(
+        ["build-engine", str(onnx), "--model-repository", str(repo), "--name", "cnn"]
+        + ["--fp16", "--dla-core", "0", "--gpu-fallback", *extra]
+    )
+
+
 @pytest.mark.jetson
 @pytest.mark.skipif(CAPS.dla_cores == 0, reason="needs a DLA core (Jetson AGX Orin, Orin NX, Xavier)")
 def test_dla_build_and_load(tmp_path: Path, example_repository: Path) -> None:
-    onnx = example_repository / "cnn" / "1" / "model.onnx"
-    code = main(
-        [
-            "build-engine",
-            str(onnx),
-            "--model-repository",
-            str(tmp_path),
-            "--name",
-            "cnn",
-            "--fp16",
-            "--dla-core",
-            "0",
-            "--gpu-fallback",
-        ]  # fmt: skip
-    )
-    assert code == 0
+    assert _build_cnn_for_dla(example_repository, tmp_path) == 0
     x = np.random.default_rng(3).random((1, 3, 64, 64), dtype=np.float32)
     with Server(tmp_path) as server:
         (status,) = server.models()
@@ -178,23 +172,7 @@ def test_stale_plan_is_rebuilt_on_load(
 @pytest.mark.skipif(CAPS.dla_cores == 0, reason="needs a DLA core (Jetson AGX Orin, Orin NX, Xavier)")
 def test_gpu_and_dla_instances_of_one_model(tmp_path: Path, example_repository: Path) -> None:
     """build-engine --also-gpu: model.plan on the GPU, model.dla.plan on every DLA core, one queue."""
-    onnx = example_repository / "cnn" / "1" / "model.onnx"
-    code = main(
-        [
-            "build-engine",
-            str(onnx),
-            "--model-repository",
-            str(tmp_path),
-            "--name",
-            "cnn",
-            "--fp16",
-            "--dla-core",
-            "0",
-            "--gpu-fallback",
-            "--also-gpu",
-        ]  # fmt: skip
-    )
-    assert code == 0
+    assert _build_cnn_for_dla(example_repository, tmp_path, "--also-gpu") == 0
     version = tmp_path / "cnn" / "1"
     assert cache.read_record(version / "model.plan").dla_core is None  # type: ignore[union-attr]
     assert cache.read_record(version / "model.dla.plan").dla_core == 0  # type: ignore[union-attr]
