@@ -46,7 +46,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_ipc import ECHO  # noqa: E402
+from bench.bench_ipc import ECHO, per_request_us  # noqa: E402
 from bench.bench_kserve import RawPost, free_port, kserve_binary, wait_http  # noqa: E402
 from bench.triton_models import cnn_graph, tiny_graph  # noqa: E402
 from edge_server.client import Client  # noqa: E402
@@ -147,13 +147,6 @@ def repository(root: Path) -> Path:
             (repo / name / "1" / "model.onnx").symlink_to(repo / "cnn" / "1" / "model.onnx")
         (repo / name / "config.pbtxt").write_text(CNN_CONFIG.format(name=name, extra=extra))
     return repo
-
-
-def per_request_us(call: Callable[[], Any], count: int) -> float:
-    start = time.perf_counter()
-    for _ in range(count):
-        call()
-    return (time.perf_counter() - start) / count * 1e6
 
 
 class Raw:
