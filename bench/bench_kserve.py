@@ -321,11 +321,11 @@ def report(results: dict[str, list[float]]) -> None:
     print("| case | median us | range us | x IPC | FastAPI / case |")
     print("|---|---|---|---|---|")
     for name, value in medians.items():
-        ipc, fastapi = BASES[name.split(":", 1)[0]]
+        ipc_case, fastapi_case = BASES[name.split(":", 1)[0]]
         low, high = min(results[name]), max(results[name])
         print(
-            f"| {name} | {value:.1f} | {low:.0f}-{high:.0f} | {value / medians[ipc]:.2f} | "
-            f"{medians[fastapi] / value:.2f} |"
+            f"| {name} | {value:.1f} | {low:.0f}-{high:.0f} | {value / medians[ipc_case]:.2f} | "
+            f"{medians[fastapi_case] / value:.2f} |"
         )
     ours, theirs = medians["tiny: http http.client (ours)"], medians["tiny: http http.client (FastAPI+ORT)"]
     ipc, http, grpc = (
