@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bench_baselines": (["--quick"], []),
     "bench_triton": (["--quick"], []),
     "bench_batching": (["--seconds", "1.5"], []),
+    "bench_batch_cost": (["--rounds", "1"], []),
     "bench_pipeline": (["--short"], []),
     "bench_sequence": (["--short"], []),
     "bench_python_isolation": (["--quick"], []),

@@ -120,21 +120,24 @@ def tiny_graph(path: Path) -> None:
     _save(graph, path)
 
 
-def cnn_flops() -> float:
+def cnn_flops(size: int = CNN_SIZE, channels: tuple[int, ...] = CNN_CHANNELS) -> float:
     """Multiply-adds x 2 of the convolutions and the head, per image."""
-    flops, size = 0.0, CNN_SIZE
-    for cin, cout in zip(CNN_CHANNELS[:-1], CNN_CHANNELS[1:], strict=True):
+    flops = 0.0
+    for cin, cout in zip(channels[:-1], channels[1:], strict=True):
         flops += 2 * size * size * cout * cin * 9
         size //= 2
-    return flops + 2 * CNN_CHANNELS[-1] * CNN_CLASSES
+    return flops + 2 * channels[-1] * CNN_CLASSES
 
 
-def cnn_graph(path: Path) -> None:
+def cnn_graph(
+    path: Path, size: int = CNN_SIZE, channels: tuple[int, ...] = CNN_CHANNELS, batch: int | str = 1
+) -> None:
+    """The anchor CNN; other sizes, channels and a named (dynamic) batch axis for bench_batch_cost.py."""
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(SEED)
     nodes, inits, x = [], [], "input"
-    for i, (cin, cout) in enumerate(zip(CNN_CHANNELS[:-1], CNN_CHANNELS[1:], strict=True), start=1):
+    for i, (cin, cout) in enumerate(zip(channels[:-1], channels[1:], strict=True), start=1):
         w = rng.normal(0.0, np.sqrt(2.0 / (cin * 9)), size=(cout, cin, 3, 3))
         inits += [_init(f"conv{i}.w", w), _init(f"conv{i}.b", np.zeros(cout))]
         nodes += [
@@ -145,7 +148,7 @@ def cnn_graph(path: Path) -> None:
             helper.make_node("MaxPool", [f"relu{i}"], [f"pool{i}"], kernel_shape=[2, 2], strides=[2, 2]),
         ]
         x = f"pool{i}"
-    fc_w = rng.normal(0.0, np.sqrt(2.0 / CNN_CHANNELS[-1]), size=(CNN_CLASSES, CNN_CHANNELS[-1]))
+    fc_w = rng.normal(0.0, np.sqrt(2.0 / channels[-1]), size=(CNN_CLASSES, channels[-1]))
     inits += [_init("fc.w", fc_w), _init("fc.b", np.zeros(CNN_CLASSES))]
     nodes += [
         helper.make_node("GlobalAveragePool", [x], ["gap"]),
@@ -155,8 +158,8 @@ def cnn_graph(path: Path) -> None:
     graph = helper.make_graph(
         nodes,
         "cnn",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, CNN_SIZE, CNN_SIZE])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, CNN_CLASSES])],
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, channels[0], size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, CNN_CLASSES])],
         inits,
     )
     _save(graph, path)
