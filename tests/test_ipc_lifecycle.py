@@ -251,3 +251,29 @@ def test_second_daemon_on_the_same_address_is_refused(daemon: Daemon, tmp_path: 
     assert "ADDRESS_IN_USE" in result.stderr
     with Client(daemon.address) as c:
         assert c.server_live()
+
+
+def test_a_daemon_at_its_connection_cap_keeps_its_address(tmp_path: Path) -> None:
+    """At the cap the socket file is renamed away (.NAME.full): a second daemon must not take the name."""
+    first = start_daemon(tmp_path, build_repository(tmp_path), "capped.sock", "--max-connections", "1")
+    try:
+        path = tmp_path / "capped.sock"
+        with Client(first.address, timeout=30) as held:
+            assert held.ipc_status()["connections"] == 1  # at the cap: the file is renamed away
+            assert not path.exists() and (tmp_path / ".capped.sock.full").exists()
+            result = subprocess.run(
+                [sys.executable, "-m", "edge_server", "serve", "--model-repository", str(first.repository)]
+                + ["--ipc", first.address, "--allow-http", "false", "--allow-grpc", "false"]
+                + ["--allow-metrics", "false"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert result.returncode != 0, result.stderr
+            assert "ADDRESS_IN_USE" in result.stderr and "connection cap" in result.stderr
+            assert held.server_live()
+        with Client(first.address, timeout=30) as again:  # the door opened again, on the first daemon
+            assert again.ipc_status()["connections"] == 1
+    finally:
+        assert stop_daemon(first) == 0, first.log()

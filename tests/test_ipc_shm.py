@@ -282,6 +282,23 @@ def test_prepare_bind_removes_stale_sockets_and_refuses_live_ones(tmp_path: Path
         addresses.prepare_bind(f"ipc://{tmp_path}/plain")
 
 
+def test_prepare_bind_sees_a_socket_renamed_away_at_the_connection_cap(tmp_path: Path) -> None:
+    """A daemon at its connection cap listens under ``.NAME.full``: live, it keeps the address; stale,
+    the file goes."""
+    path = tmp_path / "d.sock"
+    paused = addresses.paused_path(path)
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        live.bind(str(paused))
+        live.listen()
+        with pytest.raises(AddressInUse, match="connection cap"):
+            addresses.prepare_bind(f"ipc://{path}")
+    finally:
+        live.close()  # the file stays, nobody listens: a daemon killed while at its cap
+    addresses.prepare_bind(f"ipc://{path}")
+    assert not paused.exists()
+
+
 def test_peer_table_probes_only_clients_that_hold_state(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr(peers.time, "monotonic", lambda: now[0])

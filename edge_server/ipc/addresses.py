@@ -164,11 +164,17 @@ def check_address(address: str) -> None:
         )
 
 
+def paused_path(path: Path) -> Path:
+    """Where a daemon at its connection cap keeps its socket file, out of ``connect``'s way."""
+    return path.with_name(f".{path.name}.full")
+
+
 def prepare_bind(address: str) -> None:
     """Before binding: make the parent directory, and refuse if a live daemon already owns the socket.
 
     ZeroMQ silently replaces an existing socket file, which would steal the address from a running
-    daemon; a stale file left by a crash is removed here instead.
+    daemon; a stale file left by a crash is removed here instead.  A daemon at its connection cap
+    listens under :func:`paused_path` until a connection closes, and owns the address all the same.
     """
     check_address(address)
     path = ipc_path(address)
@@ -176,10 +182,28 @@ def prepare_bind(address: str) -> None:
         return
     if not path.parent.exists():
         path.parent.mkdir(mode=DIR_MODE, parents=True)
+    if _listened_on(path, strict=True):
+        raise AddressInUse(
+            f"another process is serving on {address}; stop it or choose another --ipc address"
+        )
+    if _listened_on(paused_path(path), strict=False):
+        raise AddressInUse(
+            f"another process is serving on {address} (at its connection cap, its socket file is "
+            f"{paused_path(path).name} until a connection closes); stop it or choose another --ipc address"
+        )
+
+
+def _listened_on(path: Path, *, strict: bool) -> bool:
+    """Whether a process listens on the socket file ``path``; a stale one is removed.
+
+    ``strict``: something there that is not a socket is an error (we would replace it by binding).
+    """
     if not path.exists() and not path.is_symlink():
-        return
+        return False
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise InvalidArgument(f"{path} exists and is not a socket; refusing to replace it")
+        if strict:
+            raise InvalidArgument(f"{path} exists and is not a socket; refusing to replace it")
+        return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
@@ -188,10 +212,10 @@ def prepare_bind(address: str) -> None:
             raise
         log.info("removing stale IPC socket %s", path)
         path.unlink(missing_ok=True)
-        return
+        return False
     finally:
         probe.close()
-    raise AddressInUse(f"another process is serving on {address}; stop it or choose another --ipc address")
+    return True
 
 
 def secure_socket(address: str) -> None:

@@ -23,7 +23,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
@@ -309,7 +308,7 @@ class IpcFrontend:
         if path is None:
             return
         try:
-            os.rename(path, _paused_path(path))
+            os.rename(path, addresses.paused_path(path))
         except OSError as exc:
             log.warning("IPC frontend: could not stop accepting at the connection cap: %s", exc)
             return
@@ -325,7 +324,7 @@ class IpcFrontend:
         path = addresses.ipc_path(self.address)
         assert path is not None
         try:
-            os.rename(_paused_path(path), path)
+            os.rename(addresses.paused_path(path), path)
         except OSError as exc:
             log.error("IPC frontend: could not accept connections again on %s: %s", path, exc)
             return
@@ -647,10 +646,6 @@ def fd_budget(max_connections: int) -> tuple[int, int]:
 
 
 _CREDS = struct.Struct("3i")
-
-
-def _paused_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.full")
 
 
 def peer_identity(frame: zmq.Frame) -> tuple[int, set[int]]:
