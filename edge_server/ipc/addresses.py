@@ -182,15 +182,17 @@ def prepare_bind(address: str) -> None:
         return
     if not path.parent.exists():
         path.parent.mkdir(mode=DIR_MODE, parents=True)
-    if _listened_on(path, strict=True):
-        raise AddressInUse(
-            f"another process is serving on {address}; stop it or choose another --ipc address"
-        )
-    if _listened_on(paused_path(path), strict=False):
-        raise AddressInUse(
-            f"another process is serving on {address} (at its connection cap, its socket file is "
-            f"{paused_path(path).name} until a connection closes); stop it or choose another --ipc address"
-        )
+    # The name again last: a daemon that resumed accepting between the first two looks is seen there.
+    for candidate, paused in ((path, False), (paused_path(path), True), (path, False)):
+        if _listened_on(candidate, strict=not paused):
+            at_cap = (
+                f" (at its connection cap, its socket file is {candidate.name} until a connection closes)"
+                if paused
+                else ""
+            )
+            raise AddressInUse(
+                f"another process is serving on {address}{at_cap}; stop it or choose another --ipc address"
+            )
 
 
 def _listened_on(path: Path, *, strict: bool) -> bool:
