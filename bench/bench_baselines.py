@@ -47,10 +47,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_ipc import ECHO, per_request_us  # noqa: E402
-from bench.bench_kserve import RawPost, free_port, kserve_binary, wait_http  # noqa: E402
+from bench.bench_kserve import RawPost, kserve_binary, wait_http  # noqa: E402
 from bench.triton_models import cnn_graph, tiny_graph  # noqa: E402
 from edge_server.client import Client  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from tests.daemon import Daemon, free_port  # noqa: E402
 
 CLIENTS = 8
 SETTLE_S = 0.1  # idle before each timed block (see measure)

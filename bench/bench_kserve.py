@@ -28,7 +28,6 @@ import http.client
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_ipc import repository  # noqa: E402
 from edge_server.client import Client  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from tests.daemon import Daemon, free_port, kserve_flags  # noqa: E402
 
 FASTAPI_APP = textwrap.dedent(
     """
@@ -75,12 +74,6 @@ FASTAPI_APP = textwrap.dedent(
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(port: int, path: str, timeout: float = 60.0) -> None:
@@ -270,14 +263,7 @@ def main() -> int:
             repo,
             f"ipc://{root}/bench.sock",
             root / "daemon.log",
-            "--allow-http",
-            "true",
-            "--http-port",
-            str(http_port),
-            "--allow-grpc",
-            "true",
-            "--grpc-port",
-            str(grpc_port),
+            *kserve_flags(http_port, grpc_port),
             "--allow-client-shm",
             "true",
         )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,12 +32,6 @@ from bench.triton_models import build_repository, sample_inputs  # noqa: E402
 
 TENSORS = {"tiny": ("INPUT", "OUTPUT", "FP32"), "frame": ("frame", "means", "UINT8")}
 TENSORS["frametx"] = ("frame", "shape", "UINT8")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         (repo / "frametx" / "config.pbtxt").write_text(config)
         try:
             for label, checkout in (("before", args.before.resolve()), ("after", ROOT)):
-                http_port, grpc_port = free_port(), free_port()
+                http_port, grpc_port = test_daemon.free_port(), test_daemon.free_port()
                 test_daemon.ROOT = checkout  # the daemon's working directory: its edge_server package
                 daemon = test_daemon.Daemon(
-                    repo, f"ipc://{root}/{label}.sock", root / f"{label}.log",
-                    "--allow-http", "true", "--http-port", str(http_port),
-                    "--allow-grpc", "true", "--grpc-port", str(grpc_port),
-                )  # fmt: skip
+                    repo,
+                    f"ipc://{root}/{label}.sock",
+                    root / f"{label}.log",
+                    *test_daemon.kserve_flags(http_port, grpc_port),
+                )
                 daemons[label] = (daemon.start(timeout=180), http_port, grpc_port)
             cases: dict[tuple[str, str, str], Callable[[], Any]] = {}
             for label, (_, http_port, grpc_port) in daemons.items():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,12 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 WORKLOADS = {"tiny": ("INPUT", "OUTPUT", "FP32"), "frame": ("frame", "means", "UINT8")}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- the bare servers (run as `bench_kserve_floor.py --serve KIND PORT`) ------------------------------
@@ -202,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from bench.triton_models import build_repository, sample_inputs
-    from tests.daemon import Daemon
+    from tests.daemon import Daemon, free_port, kserve_flags
 
     rounds = args.rounds or (2 if args.quick else 4)
     counts = {"tiny": 300, "frame": 10} if args.quick else {"tiny": 2000, "frame": 40}
@@ -224,10 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             repo = build_repository(root / "repo")
             http_port, grpc_port = free_port(), free_port()
             daemon = Daemon(
-                repo, f"ipc://{root}/edge.sock", root / "daemon.log",
-                "--allow-http", "true", "--http-port", str(http_port),
-                "--allow-grpc", "true", "--grpc-port", str(grpc_port),
-            )  # fmt: skip
+                repo, f"ipc://{root}/edge.sock", root / "daemon.log", *kserve_flags(http_port, grpc_port)
+            )
             stack.callback(daemon.stop)
             daemon.start(timeout=180)
             servers["edge-server model.py"] = (http_port, grpc_port, "_py")

@@ -35,8 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_ipc import repository  # noqa: E402
-from bench.bench_kserve import free_port  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from tests.daemon import Daemon, free_port, kserve_flags  # noqa: E402
 
 LEVELS = (1, 4)
 
@@ -185,14 +184,7 @@ def main() -> int:
             repo,
             f"ipc://{root}/pa.sock",
             root / "daemon.log",
-            "--allow-http",
-            "true",
-            "--http-port",
-            str(http_port),
-            "--allow-grpc",
-            "true",
-            "--grpc-port",
-            str(grpc_port),
+            *kserve_flags(http_port, grpc_port),
         )
         results: dict[str, list[dict[str, str]]] = {}
         notes: dict[str, str] = {}

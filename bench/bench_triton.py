@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from bench.triton_models import WORKLOADS, Workload, build_repository, cnn_flops
 from bench.triton_models import sample_inputs as make_inputs  # noqa: E402
 from bench.triton_server import Tritonserver, TritonUnavailable, find_tritonserver  # noqa: E402
 from edge_server.client import Client  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from tests.daemon import Daemon, free_port, kserve_flags  # noqa: E402
 
 COLUMNS = ("triton model.py", "edge model.py", "edge onnxruntime")
 TRANSPORTS = {
@@ -67,12 +66,6 @@ class Endpoint:
     ipc_address: str | None
     columns: dict[str, str]  # column -> model suffix
     clients: list[Any] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def reference_outputs(repo: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -412,8 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         http_port, grpc_port = free_port(), free_port()
         daemon = Daemon(
             repo, f"ipc://{root}/edge.sock", root / "daemon.log",
-            "--allow-http", "true", "--http-port", str(http_port),
-            "--allow-grpc", "true", "--grpc-port", str(grpc_port),
+            *kserve_flags(http_port, grpc_port),
             "--allow-client-shm", "true", "--strict-readiness", "true",
         )  # fmt: skip
         stack.callback(daemon.stop)

@@ -22,6 +22,7 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -313,6 +314,19 @@ class Daemon:
                     if path.startswith(prefix):
                         names.add(path[len(prefix) :].removesuffix(" (deleted)"))
         return names
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: for a frontend's port, or a server of a benchmark's own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kserve_flags(http_port: int, grpc_port: int) -> list[str]:
+    """The daemon's flags that turn its KServe HTTP and gRPC frontends on, on these ports."""
+    http = ["--allow-http", "true", "--http-port", str(http_port)]
+    return [*http, "--allow-grpc", "true", "--grpc-port", str(grpc_port)]
 
 
 def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:

@@ -5,7 +5,6 @@ PYTEST_DONT_REWRITE
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,14 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.daemon import Daemon, start_daemon, start_pyzmq_gc, stop_daemon
+from tests.daemon import Daemon, free_port, kserve_flags, start_daemon, start_pyzmq_gc, stop_daemon
 from tests.decoupled_models import add_decoupled_models, add_params_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -40,20 +33,7 @@ class KServeDaemon:
 
 def start_kserve_daemon(root: Path, repository: Path, name: str, *args: str) -> KServeDaemon:
     http_port, grpc_port = free_port(), free_port()
-    proc = start_daemon(
-        root,
-        repository,
-        name,
-        "--allow-http",
-        "true",
-        "--http-port",
-        str(http_port),
-        "--allow-grpc",
-        "true",
-        "--grpc-port",
-        str(grpc_port),
-        *args,
-    )
+    proc = start_daemon(root, repository, name, *kserve_flags(http_port, grpc_port), *args)
     return KServeDaemon(proc, http_port, grpc_port)
 
 

@@ -84,7 +84,7 @@ def test_tritonserver_serves_the_same_repository_when_installed(tmp_path: Path) 
         pytest.skip(str(exc))
     import tritonclient.http as httpclient
 
-    from bench.bench_triton import free_port
+    from tests.daemon import free_port
 
     repo = build_repository(tmp_path / "repo", onnx_backend=False)
     triton = Tritonserver(binary, repo, ["tiny_py"], tmp_path, free_port(), free_port())

@@ -5,7 +5,6 @@ recorded Jetson sysfs trees (the only test double: a Jetson cannot exist here)."
 from __future__ import annotations
 
 import shutil
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from edge_server.client import Client
 from edge_server.errors import EdgeServerError
 from edge_server.metrics.device import DeviceCollector
 from edge_server.metrics.endpoint import exposition, registry_with
-from tests.daemon import ROOT, Daemon, start_pyzmq_gc
+from tests.daemon import ROOT, Daemon, free_port, start_pyzmq_gc
 
 SYSFS = Path(__file__).parent / "data" / "jetson_sysfs"
 
@@ -62,12 +61,6 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x * 2)]))
         return responses
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> tuple[str, dict[str, dict[tuple[tuple[str, str], ...], float]]]:

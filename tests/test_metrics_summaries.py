@@ -26,8 +26,8 @@ from edge_server.scheduler.summaries import (
     parse_quantiles,
     weighted_quantiles,
 )
-from tests.daemon import ROOT, Daemon, start_pyzmq_gc
-from tests.test_metrics import free_port, scrape, value
+from tests.daemon import ROOT, Daemon, free_port, start_pyzmq_gc
+from tests.test_metrics import scrape, value
 
 QS = [q for q, _ in DEFAULT_QUANTILES]
 NAMES = {

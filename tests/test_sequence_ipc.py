@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -12,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from daemon import Daemon
+from daemon import Daemon, free_port, kserve_flags
 from sequence_models import (
     DIRECT,
     OLDEST,
@@ -29,20 +28,14 @@ from edge_server.client import AsyncClient, Client
 from edge_server.errors import InvalidArgument
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def http_port() -> int:
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="module")
 def grpc_port() -> int:
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +46,7 @@ def seq_daemon(tmp_path_factory: pytest.TempPathFactory, http_port: int, grpc_po
     write_model(repo, "simple_oldest", simple_sequence_config("simple_oldest", OLDEST), simple_sequence_onnx)
     write_model(repo, "acc", accumulate_config("acc", OLDEST), accumulate_onnx)
     write_model(repo, "acc_idle", accumulate_config("acc_idle", DIRECT, idle_us=100_000), accumulate_onnx)
-    args = (
-        "--allow-http",
-        "true",
-        "--http-port",
-        str(http_port),
-        "--allow-grpc",
-        "true",
-        "--grpc-port",
-        str(grpc_port),
-    )
-    proc = Daemon(repo, f"ipc://{root}/seq.sock", root / "seq.log", *args)
+    proc = Daemon(repo, f"ipc://{root}/seq.sock", root / "seq.log", *kserve_flags(http_port, grpc_port))
     try:
         proc.start()
     except BaseException:
