@@ -266,7 +266,11 @@ class Daemon:
             self.proc = subprocess.Popen(
                 command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit
             )
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:  # not ready in time (or interrupted): leave no daemon behind
+            self.kill()
+            raise
         return self
 
     def wait_ready(self, timeout: float) -> None:
@@ -438,7 +442,6 @@ def start_daemon(
         proc.start()
     except BaseException:
         proc.gate.close()
-        proc.kill()
         raise
     return proc
 

@@ -280,11 +280,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def daemon(root: Path) -> Iterator[Daemon]:
     proc = Daemon(build(root / "repo", root / "runs.log"), f"ipc://{root}/r.sock", root / "r.log")
-    try:
-        proc.start()
-    except BaseException:
-        proc.kill()
-        raise
+    proc.start()
     yield proc
     assert proc.stop() == 0, proc.log()
 

@@ -47,11 +47,7 @@ def seq_daemon(tmp_path_factory: pytest.TempPathFactory, http_port: int, grpc_po
     write_model(repo, "acc", accumulate_config("acc", OLDEST), accumulate_onnx)
     write_model(repo, "acc_idle", accumulate_config("acc_idle", DIRECT, idle_us=100_000), accumulate_onnx)
     proc = Daemon(repo, f"ipc://{root}/seq.sock", root / "seq.log", *kserve_flags(http_port, grpc_port))
-    try:
-        proc.start()
-    except BaseException:
-        proc.kill()
-        raise
+    proc.start()
     yield proc
     assert proc.stop() == 0, proc.log()
 
