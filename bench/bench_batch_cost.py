@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.triton_models import cnn_flops, cnn_graph  # noqa: E402
+from edge_server.examples.make_models import median_run_seconds  # noqa: E402
 
 CROP_SIZE = 64
 CROP_CHANNELS = (3, 32, 64, 128, 128)
@@ -66,19 +66,6 @@ def session(case: Case) -> Any:
         options.intra_op_num_threads = case.threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(case.path), options, providers=["CPUExecutionProvider"])
-
-
-def run_time(sess: Any, feed: dict[str, np.ndarray], budget_s: float) -> float:
-    """Median seconds per run over at least 5 runs and about ``budget_s``, after two untimed ones."""
-    for _ in range(2):
-        sess.run(None, feed)
-    times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < 5 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        sess.run(None, feed)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def cases(workdir: Path) -> list[Case]:
@@ -113,7 +100,7 @@ def main() -> int:
             for index, (case, sess) in enumerate(zip(table, sessions, strict=True)):
                 for batch in case.batches:
                     x = rng.random((batch, *case.row_shape), dtype=np.float32)
-                    seconds = run_time(sess, {case.input_name: x}, args.budget)
+                    seconds = median_run_seconds(sess, {case.input_name: x}, args.budget)
                     per_run.setdefault((index, batch), []).append(seconds)
     print(f"\nONNX Runtime alone, median of {args.rounds} round(s); cpu count {os.cpu_count()}")
     print(

@@ -302,7 +302,7 @@ def build_cnn_model(path: Path) -> None:
     _save_model(_make_model(graph), path)
 
 
-def _time_run(sess, feed: dict[str, np.ndarray], budget_s: float = 0.4) -> float:
+def median_run_seconds(sess, feed: dict[str, np.ndarray], budget_s: float = 0.4) -> float:
     """Median seconds per call; the median resists the odd scheduler hiccup on a busy machine."""
     for _ in range(5):
         sess.run(None, feed)
@@ -320,8 +320,8 @@ def measure_cnn(path: Path) -> tuple[float, float, float]:
     sess = _session(path, threads=1)
     rng = np.random.default_rng(SEED + 1)
     x8 = rng.random((8, 3, CNN_SIZE, CNN_SIZE), dtype=np.float32)
-    t1 = _time_run(sess, {"input": x8[:1]})
-    t8 = _time_run(sess, {"input": x8})
+    t1 = median_run_seconds(sess, {"input": x8[:1]})
+    t8 = median_run_seconds(sess, {"input": x8})
     return t1, t8, t8 / (8 * t1)
 
 
