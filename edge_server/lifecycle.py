@@ -443,8 +443,15 @@ class ModelManager:
             old = self._serving.get(name, {})
             table = dict(self._serving)
             table.pop(name, None)
-            self._serving = table
+            self._switch(table)
         self._retire(list(old.values()))
+
+    def _switch(self, table: dict[str, dict[int, LoadedVersion]]) -> None:
+        """Serve ``table`` from now on (``_tables`` held), telling its versions whether one is alone."""
+        self._serving = table
+        versions = [loaded for versions in table.values() for loaded in versions.values()]
+        for loaded in versions:
+            loaded.scheduler.set_alone(len(versions) == 1)
 
     def _retire(
         self, versions: list[LoadedVersion], *, finish_sequences: bool = False, deadline: float | None = None
@@ -542,7 +549,7 @@ class ModelManager:
                     table[name] = ready
                 else:
                     table.pop(name, None)
-                self._serving = table  # the atomic switch: new requests go to the new versions from here on
+                self._switch(table)  # the atomic switch: new requests go to the new versions from here on
         if closing:
             self._hold_sequences(retiring, held=False)
             for loaded in fresh:

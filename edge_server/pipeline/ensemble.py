@@ -160,6 +160,9 @@ class EnsembleScheduler:
         with self._lock:
             return len(self._waiting)
 
+    def set_alone(self, alone: bool) -> None:
+        """Nothing to change: an ensemble is never alone (its members are served beside it)."""
+
     # -- walking the graph ----------------------------------------------------------------------
 
     def _start(self, run: _Run) -> None:

@@ -29,6 +29,10 @@ class RequestScheduler(Protocol):
 
     def queue_size(self) -> int: ...
 
+    def set_alone(self, alone: bool) -> None:
+        """Told on every change of what is served: whether this is the daemon's only model version."""
+        ...
+
     def close_intake(self) -> None:
         """Take no new requests (``SchedulerClosed``); what is queued still runs."""
         ...

@@ -219,6 +219,9 @@ class SequenceScheduler:
         with self._lock:
             return self._queued
 
+    def set_alone(self, alone: bool) -> None:
+        """Nothing to change: a sequence's requests always run on its slots' workers."""
+
     def liveness(self) -> tuple[int, bool]:
         """(executions finished, whether one is running): see service.liveness.
 
