@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import textwrap
 import threading
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 
 from edge_server import Server
 from edge_server.client import Client
-from edge_server.request import InferRequest
 from edge_server.scheduler.scheduler import ALONE_INLINE_BUDGET_NS, INLINE_BUDGET_NS
 from tests.daemon import Daemon
+from tests.test_python_inline import threads_that_ran
 
 CONFIG = """
 name: "{name}"
@@ -55,31 +54,21 @@ def _model(repo: Path, name: str, seconds: float, count: int = 1) -> None:
     (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, count=count))
 
 
-def _threads(server: Server, model: str, count: int) -> list[str]:
-    x = np.ones(2, np.float32)
-    names = []
-    for _ in range(count):
-        outcome = server.dataplane.dispatch(InferRequest(model=model, inputs={"IN": x}))
-        out = outcome.result() if isinstance(outcome, Future) else outcome
-        names.append(out["OUT"][0].decode())
-    return names
-
-
 def test_the_only_model_runs_on_the_callers_thread_until_another_is_loaded(tmp_path: Path) -> None:
     _model(tmp_path, "slow", SLOW_S)
     _model(tmp_path, "other", 0.0)
     me = threading.current_thread().name
     with Server(tmp_path, model_control_mode="explicit", load_models=["slow"]) as server:
-        alone = _threads(server, "slow", 12)
+        alone = threads_that_ran(server, "slow", 12)
         assert alone[0] != me  # measured on the instance's worker first
         assert alone[-5:] == [me] * 5, alone
 
         server.load_model("other")  # now a run on this thread could hold the other model's requests
-        shared = _threads(server, "slow", 8)
+        shared = threads_that_ran(server, "slow", 8)
         assert me not in shared, shared
 
         server.unload_model("other")
-        assert _threads(server, "slow", 8)[-5:] == [me] * 5
+        assert threads_that_ran(server, "slow", 8)[-5:] == [me] * 5
         stats = server.statistics("slow")[0]["inference_stats"]
         assert stats["success"]["count"] == 28 and stats["fail"]["count"] == 0
 
@@ -88,13 +77,13 @@ def test_the_only_model_with_two_instances_keeps_its_workers(tmp_path: Path) -> 
     # A second request could run on the other instance while the first holds the caller's thread.
     _model(tmp_path, "slow", SLOW_S, count=2)
     with Server(tmp_path) as server:
-        assert threading.current_thread().name not in _threads(server, "slow", 12)
+        assert threading.current_thread().name not in threads_that_ran(server, "slow", 12)
 
 
 def test_the_only_model_over_the_budget_keeps_its_worker(tmp_path: Path) -> None:
     _model(tmp_path, "slower", 1.5 * ALONE_INLINE_BUDGET_NS / 1e9)
     with Server(tmp_path) as server:
-        assert threading.current_thread().name not in _threads(server, "slower", 4)
+        assert threading.current_thread().name not in threads_that_ran(server, "slower", 4)
 
 
 def test_the_daemons_only_model_runs_on_its_ipc_thread(tmp_path: Path) -> None:

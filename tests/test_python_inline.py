@@ -75,7 +75,8 @@ def server(tmp_path: Path) -> Iterator[Server]:
         yield srv
 
 
-def _threads(server: Server, model: str, count: int = 60) -> list[str]:
+def threads_that_ran(server: Server, model: str, count: int = 60) -> list[str]:
+    """Dispatch ``count`` requests (inline or queued, as the scheduler decides): the threads that ran them."""
     x = np.ones(2, np.float32)
     names = []
     for _ in range(count):
@@ -86,7 +87,7 @@ def _threads(server: Server, model: str, count: int = 60) -> list[str]:
 
 
 def test_cheap_python_model_runs_inline_once_measured(server: Server) -> None:
-    names = _threads(server, "plain")
+    names = threads_that_ran(server, "plain")
     me = threading.current_thread().name
     assert names[0] != me  # the first run is measured on the instance's worker
     assert names[-5:] == [me] * 5, names
@@ -96,11 +97,11 @@ def test_cheap_python_model_runs_inline_once_measured(server: Server) -> None:
 
 def test_async_python_model_stays_off_the_callers_thread(server: Server) -> None:
     me = threading.current_thread().name
-    assert me not in _threads(server, "coro", 30)
+    assert me not in threads_that_ran(server, "coro", 30)
 
 
 def test_isolated_python_model_is_not_lent_to_the_caller(server: Server) -> None:
-    assert _threads(server, "isolated", 3) == ["MainThread"] * 3  # the child process's own thread
+    assert threads_that_ran(server, "isolated", 3) == ["MainThread"] * 3  # the child process's own thread
     assert not IsolatedPythonBackend.allows_inline  # a round trip to the child is no cheap model
 
 
