@@ -449,9 +449,10 @@ class ModelManager:
     def _switch(self, table: dict[str, dict[int, LoadedVersion]]) -> None:
         """Serve ``table`` from now on (``_tables`` held), telling its versions whether one is alone."""
         self._serving = table
-        versions = [loaded for versions in table.values() for loaded in versions.values()]
-        for loaded in versions:
-            loaded.scheduler.set_alone(len(versions) == 1)
+        alone = sum(len(versions) for versions in table.values()) == 1
+        for versions in table.values():
+            for loaded in versions.values():
+                loaded.scheduler.set_alone(alone)
 
     def _retire(
         self, versions: list[LoadedVersion], *, finish_sequences: bool = False, deadline: float | None = None
