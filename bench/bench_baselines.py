@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -271,7 +272,7 @@ def main() -> int:
             daemon.start(timeout=120)
             alone.start(timeout=120)
             wait_http(http_port, "/v2/health/ready")
-            results = measure(ctx, root, daemon.address, alone.address, http_port, args)
+            results = measure(ctx, root, repo, daemon.address, alone.address, http_port, args)
         finally:
             for key in started:
                 if started[key].poll() is not None:
@@ -296,6 +297,7 @@ def main() -> int:
 def measure(
     ctx: zmq.Context[Any],
     root: Path,
+    repo: Path,
     address: str,
     alone_address: str,
     http_port: int,
@@ -346,9 +348,8 @@ def measure(
     for name, call in single.items():  # warm-up
         per_request_us(call, 5 if name in cnn_cases else 100)
     results: dict[str, list[float]] = {name: [] for name in [*single, *multi, "ort_row_1", "ort_row_8"]}
-    import onnxruntime as ort  # the bench's own session: ONNX Runtime's cost per row, no server
-
-    ort_cnn = ort.InferenceSession(str(root / "repo" / "cnn" / "1" / "model.onnx"))
+    # The bench's own session (ONNX Runtime's defaults, as the minimal server's): its cost per row.
+    ort_cnn = ort.InferenceSession(str(repo / "cnn" / "1" / "model.onnx"))
     blocks = 5
     for run in range(args.runs):
         spent = dict.fromkeys(single, 0.0)
