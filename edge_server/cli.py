@@ -332,6 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Modules a model.py imports from the repository leave no bytecode there: the repository belongs to
+    # its owner and its OTA agent, and may be read-only (model files themselves: backends/python.py).
+    sys.dont_write_bytecode = True
     from edge_server.daemon import Daemon, DaemonOptions
     from edge_server.server import default_repository
 

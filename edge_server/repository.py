@@ -72,8 +72,18 @@ def check_model_name(name: object) -> str:
 
 
 def is_ignored(name: str) -> bool:
-    """Hidden and temporary files never count as part of a model."""
-    return name.startswith(".") or name.endswith(_TEMP_SUFFIXES)
+    """Hidden and temporary files, and Python's bytecode caches, never count as part of a model.
+
+    The daemon writes no bytecode into the repository (model files are compiled from source, and the
+    daemon and its Python stubs run with bytecode writing off), but a ``__pycache__`` left by anyone
+    else (a developer running ``model.py`` by hand, an in-process application) must not look like a
+    new version either.
+    """
+    return name.startswith(".") or name.endswith(_TEMP_SUFFIXES) or _is_bytecode(name)
+
+
+def _is_bytecode(name: str) -> bool:
+    return name == "__pycache__" or name.endswith(".pyc")
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,7 @@ class Daemon:
         self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
         self.nofile: int | None = None  # RLIMIT_NOFILE (soft and hard) for the daemon, when set
+        self.env: dict[str, str] | None = None  # the daemon's environment, when not the test's own
 
     @property
     def pid(self) -> int:
@@ -264,7 +265,7 @@ class Daemon:
         )
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit
+                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit, env=self.env
             )
         try:
             self.wait_ready(timeout)

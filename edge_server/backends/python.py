@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.machinery
 import importlib.util
 import inspect
 import itertools
@@ -24,7 +25,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 import numpy as np
@@ -58,10 +59,24 @@ _INSTANCE_KINDS = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_DLA": "GPU"}
 _module_numbers = itertools.count(1)
 
 
+class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):
+    """Compiles ``model.py`` from its source on every import: no bytecode is read or written.
+
+    The repository is the OTA agent's folder, may be read-only or another user's, and its content hash
+    decides whether a version changed; a ``__pycache__`` written beside ``model.py`` changed that hash
+    while the model loaded (issue #22).  Compiling a model file costs milliseconds, once per load.
+    """
+
+    def get_code(self, fullname: str) -> CodeType:
+        return compile(self.get_data(self.path), self.path, "exec", dont_inherit=True)
+
+
 def _import_model(path: Path) -> ModuleType:
     number = next(_module_numbers)
     module_name = f"_edge_server_model_{path.parent.parent.name}_{path.parent.name}_{number}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
+    spec = importlib.util.spec_from_file_location(
+        module_name, path, loader=_SourceOnlyLoader(module_name, str(path))
+    )
     if spec is None or spec.loader is None:
         raise ConfigError(f"{path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)

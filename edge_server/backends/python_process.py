@@ -126,6 +126,8 @@ class _Child:
         env = dict(os.environ)
         # The child imports edge_server from where this daemon did, installed or not.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        # Modules that user code imports from the repository leave no bytecode there (see repository.py).
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
         fds = [theirs.fileno(), *(arena.fd for arena in arenas)]
         command = [sys.executable, "-m", "edge_server.backends.python_stub", label, str(os.getpid())]
         try:
