@@ -130,3 +130,38 @@ def test_the_example_client_reads_the_sample_folder(repo: Path, daemon: Daemon, 
     assert "frame_0.png (320x240): 2 lines" in result.stdout
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["frame_0.png", "frame_1.png", "frame_2.png"]
+
+
+def test_the_example_client_reads_every_nth_frame_of_a_video(
+    repo: Path, daemon: Daemon, tmp_path: Path
+) -> None:
+    frame = cv2.imread(str(repo / "ocr" / "samples" / "frame_0.png"), cv2.IMREAD_COLOR)
+    video = tmp_path / "clip.avi"
+    writer = cv2.VideoWriter(
+        str(video), cv2.VideoWriter_fourcc(*"MJPG"), 10, (frame.shape[1], frame.shape[0])
+    )
+    assert writer.isOpened()
+    for _ in range(3):
+        writer.write(frame)
+    writer.release()
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "ocr.py"),
+            str(video),
+            "--every",
+            "2",
+            "--ipc",
+            daemon.address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [line.split(" (")[0] for line in result.stdout.splitlines() if not line.startswith(" ")] == [
+        "clip.avi#0",
+        "clip.avi#2",
+    ]
+    assert "'KA01AB1234'" in result.stdout
