@@ -69,7 +69,9 @@ def annotate(frame: np.ndarray, outputs: dict[str, Any]) -> np.ndarray:
 
 
 def describe(name: str, frame: np.ndarray, outputs: dict[str, Any], seconds: float) -> str:
-    lines = [f"{name} ({frame.shape[1]}x{frame.shape[0]}): {len(outputs['texts'])} lines in {seconds:.2f} s"]
+    count = len(outputs["texts"])
+    plural = "" if count == 1 else "s"
+    lines = [f"{name} ({frame.shape[1]}x{frame.shape[0]}): {count} line{plural} in {seconds:.2f} s"]
     for box, text, score in zip(outputs["boxes"], outputs["texts"], outputs["scores"], strict=True):
         corners = " ".join(f"({x:.0f},{y:.0f})" for x, y in box)
         lines.append(f"  {text.decode()!r:<24} {float(score):.3f}  {corners}")
