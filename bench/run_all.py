@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bench_batching": (["--seconds", "1.5"], []),
     "bench_batch_cost": (["--rounds", "1"], []),
     "bench_pipeline": (["--short"], []),
+    "bench_ocr": (["--quick"], []),
     "bench_sequence": (["--short"], []),
     "bench_python_isolation": (["--quick"], []),
     "bench_reload": (["--reloads", "10", "--warmup", "1"], []),

@@ -250,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--image", type=Path, default=None, help="an image file for a one-input image model"
             )
+            sub.add_argument(
+                "--channel-order",
+                choices=CHANNEL_ORDERS,
+                default="bgr",
+                help="the order of a colour --image's channels: bgr (default, as OpenCV reads images and "
+                "OpenCV-based pipelines expect them) or rgb",
+            )
             sub.add_argument("--output", action="append", default=None, metavar="NAME")
             sub.add_argument("--top", type=int, default=3, help="classes to print for classification outputs")
     _add_tools(commands)
@@ -412,13 +419,15 @@ def _models(args: argparse.Namespace) -> int:
 def _infer(args: argparse.Namespace) -> int:
     with _target(args) as (target, remote):
         metadata = target.model_metadata(args.model)
-        inputs = _read_inputs(args, metadata)
-        outputs = target.infer(args.model, inputs, version=args.model_version, outputs=args.output)
         if remote:  # label files are read from the daemon's repository, on this same box
             config, repository = target.model_config(args.model), Path(target.status()["repository"])
         else:
             config, repository = target.model_config(args.model).to_triton_dict(), target.repository
+        inputs, notes = _read_inputs(args, metadata, config)
+        outputs = target.infer(args.model, inputs, version=args.model_version, outputs=args.output)
         labels = _labels(config, repository / args.model)
+    for note in notes:  # what was sent, where it is not plain (an image's channel order)
+        print(note)
     for name, array in outputs.items():
         print(f"{name}: {array.dtype} {list(array.shape)}")
         print(np.array2string(array, threshold=64, precision=5))
@@ -430,8 +439,12 @@ def _infer(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_inputs(args: argparse.Namespace, metadata: dict[str, Any]) -> dict[str, np.ndarray]:
+def _read_inputs(
+    args: argparse.Namespace, metadata: dict[str, Any], config: dict[str, Any]
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The request's tensors from --input and --image, and lines saying how an image was converted."""
     inputs: dict[str, np.ndarray] = {}
+    notes: list[str] = []
     for item in args.input:
         name, sep, path = item.partition("=")
         if not sep:
@@ -450,18 +463,46 @@ def _read_inputs(args: argparse.Namespace, metadata: dict[str, Any]) -> dict[str
                 f"--image needs a model with one input; {args.model!r} has {metadata['inputs']}"
             )
         spec = metadata["inputs"][0]
-        inputs[spec["name"]] = image_tensor(args.image, spec)
+        layout = next(
+            (t.get("format", "") for t in config.get("input", []) if t.get("name") == spec["name"]), ""
+        )
+        array, described = image_tensor(
+            args.image,
+            spec,
+            channel_order=args.channel_order,
+            batched=int(config.get("max_batch_size", 0)) > 0,
+            layout=str(layout),
+        )
+        inputs[spec["name"]] = array
+        notes.append(f"image {args.image} -> input {spec['name']!r}: {described}")
     if not inputs:
         raise UsageError("give --input NAME=FILE.npy (repeatable) or --image FILE")
-    return inputs
+    return inputs, notes
 
 
-def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
+CHANNEL_ORDERS = ("bgr", "rgb")
+
+
+def image_tensor(
+    path: Path,
+    spec: dict[str, Any],
+    *,
+    channel_order: str = "bgr",
+    batched: bool | None = None,
+    layout: str = "",
+) -> tuple[np.ndarray, str]:
     """Load an image as the tensor a KServe input spec asks for: CHW or HWC, 1 or 3 channels, resized.
 
     Float inputs are scaled to [0, 1]; integer inputs keep 0..255.  A leading -1 in the shape is the
-    batch axis and becomes 1.
+    batch axis and becomes 1 (``batched``: the model's ``max_batch_size`` is above 0; None: guessed
+    from the shape); ``layout`` is the input's config ``format`` (``FORMAT_NCHW``, ``FORMAT_NHWC``),
+    which says where the channels are when the dims cannot.  Colour channels stay in OpenCV's BGR
+    order unless ``channel_order`` is ``rgb``: a model cannot say which it expects (Triton's
+    ``format`` is the layout only), and camera pipelines built on OpenCV feed BGR.  Returns the array
+    and a line that says what was sent.
     """
+    if channel_order not in CHANNEL_ORDERS:
+        raise InvalidArgument(f"--channel-order is {channel_order!r}; expected one of {list(CHANNEL_ORDERS)}")
     try:
         import cv2
     except ImportError:
@@ -470,10 +511,13 @@ def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
         ) from None
 
     shape = list(spec["shape"])
-    batched = len(shape) == 4 or (len(shape) == 3 and shape[0] == -1)
+    if batched is None:
+        batched = len(shape) == 4 or (len(shape) == 3 and shape[0] == -1 and shape[-1] not in (1, 3))
     dims = shape[1:] if batched else shape
     if len(dims) == 2:
         channels, chw, (height, width) = 1, False, dims
+    elif layout == "FORMAT_NHWC" and dims[-1] in (1, 3):
+        channels, chw, height, width = dims[-1], False, dims[0], dims[1]
     elif dims[0] in (1, 3):
         channels, chw, height, width = dims[0], True, dims[1], dims[2]
     elif dims[-1] in (1, 3):
@@ -483,7 +527,7 @@ def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
     image = cv2.imread(str(path), cv2.IMREAD_GRAYSCALE if channels == 1 else cv2.IMREAD_COLOR)
     if image is None:
         raise InvalidArgument(f"--image: cannot read {path} as an image")
-    if channels == 3:
+    if channels == 3 and channel_order == "rgb":
         image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
     if height > 0 and width > 0:
         image = cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA)
@@ -494,7 +538,10 @@ def image_tensor(path: Path, spec: dict[str, Any]) -> np.ndarray:
     elif chw:
         array = array.transpose(2, 0, 1)
     array = np.ascontiguousarray(array, dtype=dtype)
-    return array[None] if batched else array
+    array = array[None] if batched else array
+    order = channel_order.upper() if channels == 3 else "grayscale"
+    scale = " scaled to [0, 1]" if dtype.kind == "f" else ""
+    return array, f"{order} {array.dtype} {list(array.shape)}{scale}"
 
 
 def _labels(config: dict[str, Any], model_dir: Path) -> dict[str, list[str]]:

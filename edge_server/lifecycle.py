@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -639,14 +640,23 @@ class ModelManager:
         if self.latency_summaries is not None:
             loaded.stats.enable_summaries(self.latency_summaries)
         log.info(
-            "%s v%d ready on %s in %.2f s",
+            "%s v%d ready: %s, in %.2f s",
             name,
             version,
-            ", ".join(loaded.devices),
+            describe_placement(loaded.devices, ensemble=bool(loaded.members) or not loaded.devices),
             time.monotonic() - began,
             extra={"model": name, "version": version},
         )
         return loaded
+
+    @property
+    def cpu_count(self) -> int:
+        """The cores the ONNX Runtime thread rule divides (the loader's default: this machine's)."""
+        return self._cpu_count or os.cpu_count() or 1
+
+    def cpu_onnxruntime_instances(self) -> int:
+        """CPU ONNX Runtime sessions of every serving version (the thread rule's count, as it is now)."""
+        return self._cpu_onnxruntime_instances()
 
     def _cpu_onnxruntime_instances(self, *, exclude: tuple[str, int] | None = None) -> int:
         """CPU ONNX Runtime sessions of every serving version but ``exclude`` (the one being replaced)."""
@@ -736,6 +746,22 @@ class ModelManager:
         ]
         rows.append(VersionStatus(name, None, ModelState.UNAVAILABLE, exc.message))
         self._publish(name, rows)
+
+
+def describe_placement(devices: tuple[str, ...], *, ensemble: bool) -> str:
+    """Where a version's instances run, for its ready line: ``2 instances on cpu``, ``an ensemble``.
+
+    ``devices`` holds one entry per instance; counted per device, in order of first appearance.
+    """
+    if ensemble or not devices:
+        return "an ensemble"
+    counts: dict[str, int] = {}
+    for device in devices:
+        counts[device] = counts.get(device, 0) + 1
+    total = len(devices)
+    if len(counts) == 1:
+        return f"{total} instance{'s' if total > 1 else ''} on {devices[0]}"
+    return f"{total} instances: " + ", ".join(f"{n} on {device}" for device, n in counts.items())
 
 
 def _close_abandoned(future: Future[LoadedVersion]) -> None:

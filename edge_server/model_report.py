@@ -1,12 +1,16 @@
 """Per-model figures for ``edge-server status``: states, requests and errors, queue depth, busy time.
 
-Read from what the lifecycle and the schedulers keep anyway; nothing is counted for it.
+Read from what the lifecycle and the schedulers keep anyway; nothing is counted for it.  The ONNX
+Runtime thread rule is reported twice, and labelled so: per model as it was when that model's
+sessions were built (a session cannot change its threads, and the count of sessions on the box
+changes as models load), and once for the box as it is now (:func:`thread_rule`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from edge_server.backends.base import AUTO_ALONE_RULE
 from edge_server.lifecycle import ModelManager
 
 
@@ -34,6 +38,21 @@ def model_report(manager: ModelManager) -> list[dict[str, Any]]:
                 last_inference_ms=stats["last_inference"],
             )
             if loaded.thread_settings is not None:
-                row["threads"] = loaded.thread_settings
+                threads = dict(loaded.thread_settings)
+                threads["rule_at_load"] = threads.pop("rule")
+                row["threads"] = threads
         rows.append(row)
     return rows
+
+
+def thread_rule(manager: ModelManager) -> dict[str, Any]:
+    """The ONNX Runtime thread rule as it stands now: the daemon's policy and what ``auto`` counts."""
+    policy = manager.onnxruntime_thread_policy
+    sessions, cores = manager.cpu_onnxruntime_instances(), manager.cpu_count
+    if policy != "auto":
+        rule = f"--onnxruntime-thread-policy {policy}"
+    elif sessions <= 1:
+        rule = AUTO_ALONE_RULE if sessions else "auto: no CPU ONNX Runtime instance"
+    else:
+        rule = f"auto: {sessions} CPU ONNX Runtime instances share {cores} cores"
+    return {"policy": policy, "cpu_onnxruntime_instances": sessions, "cores": cores, "rule": rule}

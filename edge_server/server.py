@@ -234,13 +234,18 @@ class Server:
 
     def status(self) -> dict[str, Any]:
         """What ``edge-server status`` shows: the daemon's state and uptime, and every model's figures."""
-        from edge_server.model_report import model_report
+        from edge_server.model_report import model_report, thread_rule
 
         if self.service is not None:
             info = self.service.describe()
         else:
             info = {"state": "stopped" if self._closed.is_set() else "serving"}
-        return {**info, "repository": str(self.repository), "models": model_report(self._manager)}
+        return {
+            **info,
+            "repository": str(self.repository),
+            "onnxruntime_threads": thread_rule(self._manager),
+            "models": model_report(self._manager),
+        }
 
     def load_model(self, model: str, *, config_override: str | None = None) -> list[VersionStatus]:
         """Load or reload ``model`` from the repository (explicit and poll modes).

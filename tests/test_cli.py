@@ -89,3 +89,50 @@ def test_models_and_infer_through_a_running_daemon(daemon: Daemon, example_repos
     result = cli("infer", "nope", "--image", str(image), "--ipc", daemon.address)
     assert result.returncode == 1
     assert "error [MODEL_NOT_FOUND]" in result.stderr
+
+
+PIXEL_CONFIG = """
+name: "pixel"
+backend: "python"
+max_batch_size: 0
+input [ { name: "image", data_type: TYPE_UINT8, dims: [ -1, -1, 3 ] } ]
+output [ { name: "first", data_type: TYPE_UINT8, dims: [ 3 ] } ]
+"""
+
+PIXEL_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("first", pb_utils.get_input_tensor_by_name(r, "image").as_numpy()[0, 0])]
+            )
+            for r in requests
+        ]
+"""
+
+
+def test_infer_image_sends_bgr_as_opencv_reads_unless_told(tmp_path: Path) -> None:
+    import cv2
+
+    repo = tmp_path / "repo"
+    (repo / "pixel" / "1").mkdir(parents=True)
+    (repo / "pixel" / "config.pbtxt").write_text(PIXEL_CONFIG)
+    (repo / "pixel" / "1" / "model.py").write_text(PIXEL_MODEL)
+    image = np.zeros((4, 6, 3), np.uint8)
+    image[0, 0] = (10, 20, 30)  # blue, green, red: OpenCV's order
+    cv2.imwrite(str(tmp_path / "px.png"), image)
+    result = cli("infer", "pixel", "--image", str(tmp_path / "px.png"), "--model-repository", str(repo))
+    assert result.returncode == 0, result.stderr
+    assert "[10 20 30]" in result.stdout  # as cv2.imread gives it, as OpenCV-based models expect
+    assert f"image {tmp_path / 'px.png'} -> input 'image': BGR uint8 [4, 6, 3]" in result.stdout
+    result = cli(
+        "infer", "pixel", "--image", str(tmp_path / "px.png"), "--channel-order", "rgb",
+        "--model-repository", str(repo),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "[30 20 10]" in result.stdout and "input 'image': RGB uint8" in result.stdout
+    result = cli("infer", "pixel", "--image", str(tmp_path / "px.png"), "--channel-order", "hsv")
+    assert result.returncode == 2 and "invalid choice: 'hsv'" in result.stderr

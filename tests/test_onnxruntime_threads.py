@@ -105,7 +105,7 @@ def test_a_model_alone_on_the_box_keeps_onnxruntime_defaults(tmp_path: Path) -> 
         threads = _threads(server)["a"]
         assert threads["policy"] == "default" and threads["spinning"] is True
         assert threads["intra_op_threads"] == 0  # ONNX Runtime picks one per core
-        assert str(threads["rule"]).startswith("auto: the only")
+        assert str(threads["rule_at_load"]).startswith("auto: the only")
         _check_works(server, "a")
 
 
@@ -115,7 +115,7 @@ def test_two_models_split_the_cores_and_the_first_is_rebuilt(tmp_path: Path) -> 
             assert threads["policy"] == "split", name
             assert threads["intra_op_threads"] == max(1, CPUS // 2) and threads["inter_op_threads"] == 1
             assert threads["spinning"] is False
-            assert threads["rule"] == f"auto: 2 CPU ONNX Runtime instances share {CPUS} cores"
+            assert threads["rule_at_load"] == f"auto: 2 CPU ONNX Runtime instances share {CPUS} cores"
             _check_works(server, name)
 
 
@@ -141,10 +141,11 @@ def test_per_model_and_triton_parameters_win_over_the_daemon_rule(tmp_path: Path
     with Server(_repo(tmp_path, "a", "b", "c", params=params)) as server:
         threads = _threads(server)
         assert threads["a"]["policy"] == "default" and threads["a"]["spinning"] is True
-        assert threads["a"]["rule"] == "the model's thread_policy parameter"
+        assert threads["a"]["rule_at_load"] == "the model's thread_policy parameter"
         assert threads["b"]["policy"] == "split" and threads["b"]["intra_op_threads"] == 3
         assert threads["b"]["spinning"] is True
-        assert "explicit intra_op_thread_count, session.intra_op.allow_spinning" in str(threads["b"]["rule"])
+        explicit = "explicit intra_op_thread_count, session.intra_op.allow_spinning"
+        assert explicit in str(threads["b"]["rule_at_load"])
         assert threads["c"]["policy"] == "split" and threads["c"]["intra_op_threads"] == max(1, CPUS // 3)
 
 
@@ -154,7 +155,7 @@ def test_the_daemon_policy_forces_one_rule(tmp_path: Path, policy: str) -> None:
     with Server(_repo(tmp_path, *names), onnxruntime_thread_policy=policy) as server:
         threads = _threads(server)
         assert {t["policy"] for t in threads.values()} == {policy}
-        assert {t["rule"] for t in threads.values()} == {"--onnxruntime-thread-policy"}
+        assert {t["rule_at_load"] for t in threads.values()} == {"--onnxruntime-thread-policy"}
         if policy == "split":
             assert threads["a"]["intra_op_threads"] == CPUS and threads["a"]["spinning"] is False
 
@@ -180,7 +181,8 @@ def test_the_daemon_reads_the_setting_and_status_shows_it(tmp_path: Path) -> Non
         result = _cli("status", "--ipc", address, "--json")
         assert result.returncode == 0, result.stderr
         (row,) = json.loads(result.stdout)["models"]
-        assert row["threads"]["policy"] == "split" and row["threads"]["rule"] == "--onnxruntime-thread-policy"
+        assert row["threads"]["policy"] == "split"
+        assert row["threads"]["rule_at_load"] == "--onnxruntime-thread-policy"
     finally:
         assert daemon.stop() == 0, daemon.log()
 
@@ -194,3 +196,20 @@ def test_bad_flag_and_setting_values_are_clear_errors(tmp_path: Path) -> None:
     result = _cli("serve", "--model-repository", str(tmp_path), "--settings", str(settings))
     assert result.returncode == 1  # as every bad settings-file value (edge_server/service/settings.py)
     assert "onnxruntime-thread-policy = 'fast': expected one of ['auto', 'default', 'split']" in result.stderr
+
+
+def test_status_labels_each_model_rule_as_at_load_and_shows_the_current_one(tmp_path: Path) -> None:
+    # a loads alone, b beside it (2 share), c last (3 share); a is rebuilt once c is there.  What each
+    # model was built with stays what it was; the box's rule is reported once, as it is now.
+    with Server(_repo(tmp_path, "a", "b", "c")) as server:
+        status = server.status()
+        rows = {row["name"]: row["threads"] for row in status["models"]}
+        assert {name: "rule" in threads for name, threads in rows.items()} == dict.fromkeys("abc", False)
+        assert rows["c"]["rule_at_load"] == f"auto: 3 CPU ONNX Runtime instances share {CPUS} cores"
+        assert str(rows["b"]["rule_at_load"]).startswith("auto: ")
+        assert status["onnxruntime_threads"] == {
+            "policy": "auto",
+            "cpu_onnxruntime_instances": 3,
+            "cores": CPUS,
+            "rule": f"auto: 3 CPU ONNX Runtime instances share {CPUS} cores",
+        }

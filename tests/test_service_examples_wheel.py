@@ -4,6 +4,7 @@ make-examples DIR``), as an installed edge-server runs it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -75,3 +76,21 @@ def test_the_wheel_ships_the_generator_and_makes_the_examples(tmp_path: Path) ->
         assert (repo / model / "1" / "model.onnx").stat().st_size > 0
     assert (repo / "digits" / "samples" / "digit_7.png").is_file()
     assert not (repo / "make_models.py").exists()
+
+    # The OCR example: its hand-written files ship too; its models come from rapidocr_onnxruntime.
+    from edge_server.examples import make_ocr
+
+    assert {f"edge_server/examples/ocr_repository/{rel}" for rel in make_ocr.STATIC_FILES} <= names
+    if importlib.util.find_spec("rapidocr_onnxruntime") is None:
+        return
+    ocr = outside / "ocr"
+    made = subprocess.run(
+        [sys.executable, "-m", "edge_server", "make-examples", "--ocr", str(ocr)],
+        cwd=outside, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    for rel in make_ocr.STATIC_FILES:
+        assert (ocr / rel).read_bytes() == (ROOT / "models_ocr" / rel).read_bytes()
+    for model in make_ocr.ONNX_FILES:
+        assert (ocr / model / "1" / "model.onnx").stat().st_size > 0
+    assert (ocr / "ocr" / "characters.txt").is_file() and (ocr / "ocr" / "samples" / "frame_0.png").is_file()
