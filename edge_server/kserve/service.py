@@ -23,7 +23,7 @@ import edge_server
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
-from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid, user_groups
+from edge_server.kserve.shm import Peer, SystemSharedMemory, peer_uid, user_groups
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.validation import check_parameters
@@ -106,7 +106,7 @@ class KServeService:
     """One per daemon; shared by the HTTP and gRPC frontends."""
 
     def __init__(
-        self, server: Server, *, shm: SystemShmRegistry | None = None, operator_gid: int | None = None
+        self, server: Server, *, shm: SystemSharedMemory | None = None, operator_gid: int | None = None
     ) -> None:
         self.server = server
         self.dataplane = server.dataplane
@@ -255,7 +255,7 @@ class KServeService:
 
     # -- system shared memory -------------------------------------------------------------------
 
-    def registry(self) -> SystemShmRegistry:
+    def registry(self) -> SystemSharedMemory:
         if self.shm is None:
             raise Unsupported(
                 "system shared memory is disabled on this server; start it with --allow-client-shm=true"
@@ -266,8 +266,13 @@ class KServeService:
         self, ref: tuple[object, object, object], datatype: str, shape: tuple[int, ...], name: str, peer: Peer
     ) -> np.ndarray:
         region, offset, byte_size = ref
-        data = self.registry().read(region, offset, byte_size, peer, f"input {name!r}")
+        want = codec.raw_size(datatype, shape)  # compared before a byte is read; None: strings
+        data = self.registry().read(region, offset, byte_size, want, peer, f"input {name!r}")
         return codec.from_raw(data, datatype, shape, name)
+
+    def shm_status(self, name: str, peer: Peer) -> list[dict[str, Any]]:
+        """The caller's own regions; an empty list while client shared memory is off (as Triton)."""
+        return [] if self.shm is None else self.shm.status(name, peer)
 
     def check_output(self, want: OutputWant, peer: Peer) -> None:
         if want.shm is not None:

@@ -1,0 +1,209 @@
+"""The descriptor hand-off next to strangers: per-peer pending pools, no peer delays another's hand-off,
+descriptors refused by what they are, and unsealed regions never read past what a tensor needs.
+
+The hand-off tests run :class:`~edge_server.ipc.handoff.FdHandoff` in this process on a real Unix
+socket; the last one runs the real daemon.  A second local user is a forked child that dropped to
+uid 65534 (the tests run as root in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edge_server.client import SharedMemoryRegion
+from edge_server.errors import ShmUnavailable
+from edge_server.ipc.handoff import MAX_PENDING_PER_PEER, FdHandoff, hand_over
+from tests.daemon import Daemon, RawPeer, build_repository, header, start_daemon, stop_daemon
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a second local user (uid 65534)")
+
+
+def as_nobody(function: Callable[..., Any], *args: Any) -> Any:
+    """Run ``function(*args)`` in a forked child that dropped to uid/gid 65534; its JSON result."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(write, json.dumps(function(*args)).encode())
+            code = 0
+        except BaseException:
+            os.write(write, traceback.format_exc().encode())
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the second user's process failed: {data.decode()}"
+    return json.loads(data)
+
+
+def open_to_everyone(path: Path) -> None:
+    for parent in [path, *path.parents]:
+        if str(parent).startswith("/tmp/"):
+            os.chmod(parent, os.stat(parent).st_mode | 0o005)
+
+
+@pytest.fixture
+def handoff(tmp_path: Path) -> Iterator[FdHandoff]:
+    public = tmp_path / "public"
+    public.mkdir()
+    os.chmod(public, 0o777)
+    open_to_everyone(public)
+    server = FdHandoff(public / "d.sock.shm")
+    server.start(0o666)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def flood(path: str, times: int) -> dict[str, int]:
+    """Hand one descriptor over ``times`` times and never register it: what a hoarder does."""
+    fd = os.memfd_create("hoard")
+    os.ftruncate(fd, 4096)
+    taken = refused = 0
+    for _ in range(times):
+        try:
+            hand_over(Path(path), fd)
+            taken += 1
+        except ShmUnavailable:
+            refused += 1
+    return {"taken": taken, "refused": refused}
+
+
+@needs_root
+def test_one_peer_hoarding_tokens_does_not_lock_the_others_out(handoff: FdHandoff) -> None:
+    seen = as_nobody(flood, str(handoff.path), MAX_PENDING_PER_PEER + 20)
+    assert seen == {"taken": MAX_PENDING_PER_PEER, "refused": 20}  # its own pool is full
+    fd = os.memfd_create("legit")
+    try:
+        os.ftruncate(fd, 4096)
+        token = hand_over(handoff.path, fd)  # another user's pool is its own
+        assert handoff.claim(token, uid=os.geteuid()).size == 4096
+    finally:
+        os.close(fd)
+
+
+def test_a_token_is_claimed_only_by_the_user_that_handed_the_descriptor(handoff: FdHandoff) -> None:
+    fd = os.memfd_create("mine")
+    try:
+        os.ftruncate(fd, 4096)
+        token = hand_over(handoff.path, fd)
+        with pytest.raises(ShmUnavailable, match="another user"):
+            handoff.claim(token, uid=NOBODY)
+        with pytest.raises(ShmUnavailable, match="unknown or expired"):  # and it is gone: it worked once
+            handoff.claim(token, uid=os.geteuid())
+    finally:
+        os.close(fd)
+
+
+def test_idle_connections_do_not_delay_a_hand_off(handoff: FdHandoff) -> None:
+    idle = []
+    fd = os.memfd_create("legit")
+    try:
+        for _ in range(20):  # each would cost one second of the hand-off's attention if served in turn
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.connect(str(handoff.path))
+            idle.append(sock)
+        os.ftruncate(fd, 4096)
+        token = hand_over(handoff.path, fd, timeout=5.0)  # the client's own default timeout
+        assert handoff.claim(token, uid=os.geteuid()).size == 4096
+    finally:
+        os.close(fd)
+        for sock in idle:
+            sock.close()
+
+
+def test_descriptors_that_are_not_readable_shared_memory_are_refused_at_hand_off(
+    handoff: FdHandoff, tmp_path: Path
+) -> None:
+    segment = f"/dev/shm/edge-handoff-test-{os.getpid()}"
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(b"\0" * 4096)
+    fds = []
+    try:
+        fd = os.open(segment, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 4096)
+        os.close(fd)
+        cases = {
+            "O_PATH": os.open(segment, os.O_PATH),
+            "write-only": os.open(segment, os.O_WRONLY),
+            "plain file": os.open(plain, os.O_RDWR),
+        }
+        fds = list(cases.values())
+        refused_before = handoff.refused
+        for what, fd in cases.items():
+            with pytest.raises(ShmUnavailable) as caught:
+                hand_over(handoff.path, fd)
+            assert "refused" in caught.value.message, what
+        assert handoff.refused == refused_before + 3
+        ok = os.open(segment, os.O_RDONLY)  # read-only shared memory is fine (inputs only)
+        fds.append(ok)
+        assert not handoff.claim(hand_over(handoff.path, ok), uid=os.geteuid()).writable
+    finally:
+        for fd in fds:
+            os.close(fd)
+        os.unlink(segment)
+
+
+# -- the daemon ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("handoff")
+    proc = start_daemon(root, build_repository(root), "d.sock")
+    try:
+        yield proc
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()
+
+
+def peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_an_unsealed_region_is_not_read_past_what_the_tensor_needs(daemon: Daemon) -> None:
+    from edge_server.client._common import register_fields
+
+    big = 512 << 20
+    region = SharedMemoryRegion(big, posix=True)  # /dev/shm: unsealed, so copied, never mapped
+    peer = RawPeer(daemon.address)
+    try:
+        assert peer.ask([header(op="shm_register", **register_fields(daemon.address, region))])["ok"]
+        before = peak_rss(daemon.pid)
+        desc = {
+            "name": "INPUT0",
+            "datatype": "FP32",
+            "shape": [4],
+            "shm": {"region": region.name, "offset": 0, "byte_size": big},
+        }
+        reply = peer.ask([header(op="infer", model="identity", inputs=[desc])])
+        assert reply["error"]["code"] == "TENSOR_SIZE_MISMATCH"
+        assert peak_rss(daemon.pid) - before < 64 << 20  # the sparse 512 MiB were never read
+        desc["shm"]["byte_size"] = 16
+        region.array(np.float32, (4,))[...] = [1, 2, 3, 4]
+        assert peer.ask([header(op="infer", model="identity", inputs=[desc])])["ok"]
+    finally:
+        peer.close()
+        region.close()
