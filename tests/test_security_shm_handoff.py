@@ -207,3 +207,54 @@ def test_an_unsealed_region_is_not_read_past_what_the_tensor_needs(daemon: Daemo
     finally:
         peer.close()
         region.close()
+
+
+def test_a_mapped_region_counts_two_descriptors_and_a_refused_one_keeps_none(tmp_path: Path) -> None:
+    """At a small descriptor limit the daemon stops at what its budget holds, counting a mapped region's
+    two descriptors (the one handed over and mmap's own), and a refused registration's descriptor is
+    closed at once instead of waiting for its token to expire."""
+    from edge_server.client._common import register_fields
+    from edge_server.ipc.frontend import FD_RESERVE
+
+    nofile = FD_RESERVE + 80  # room for 40 connections and 40 shared-memory descriptors
+    proc = start_daemon(tmp_path, build_repository(tmp_path), "fd.sock", nofile=nofile)
+    regions = [SharedMemoryRegion(4096) for _ in range(30)]  # sealed memfds: mapped
+    peer = RawPeer(proc.address)
+    try:
+        codes = []
+        for region in regions:
+            reply = peer.ask([header(op="shm_register", **register_fields(proc.address, region))])
+            codes.append("ok" if reply["ok"] else reply["error"]["code"])
+        room = (nofile - FD_RESERVE) // 2
+        assert codes == ["ok"] * (room // 2) + ["SHM_UNAVAILABLE"] * (len(regions) - room // 2)
+        status = peer.ask([header(op="ipc_status")])["ipc"]
+        assert status["regions"] == room // 2 and status["region_descriptors"] == room
+        assert status["pending_handoffs"] == 0  # the refused ones' descriptors are closed already
+        assert peer.ask([header(op="live")])["ok"]
+    finally:
+        peer.close()
+        for region in regions:
+            region.close()
+        assert stop_daemon(proc) == 0, proc.log()
+
+
+@pytest.mark.skipif(
+    os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") < 8 << 30, reason="needs 8 GiB of free memory"
+)
+def test_an_input_of_2_gib_or_more_is_read_whole_from_a_copied_region() -> None:
+    """preadv moves at most 2 GiB - 4 KiB per call: the read loops, and a short read is not a shrink."""
+    from edge_server.ipc.handoff import inspect_fd
+    from edge_server.shm import Owner, Registry
+
+    size = (2 << 30) + 4096
+    region = SharedMemoryRegion(size, posix=True)
+    registry = Registry().client(Owner(0))
+    try:
+        os.pwrite(region.fd, b"end!", size - 4)
+        copied = registry.register("big", inspect_fd(os.dup(region.fd), uid=0, pid=0), None)
+        data = copied.read(0, size, "input 'BIG'")
+        assert len(data) == size and bytes(data[-4:]) == b"end!"
+        del data
+    finally:
+        registry.close()
+        region.close()

@@ -24,7 +24,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
 from edge_server.shm import DEFAULT_MAX_REGIONS_PER_USER
-from tests.daemon import stop_daemon
+from tests.daemon import build_repository, stop_daemon
 from tests.kserve_daemon import KServeDaemon, start_kserve_daemon
 
 KEY = f"/edge-owner-test-{os.getpid()}-"
@@ -214,8 +214,9 @@ def test_a_sparse_segment_named_as_an_input_is_not_read_whole(kserve: KServeDaem
         os.unlink(shm_path("sparse"))
 
 
-def test_status_with_client_shm_off_is_an_empty_list(ipc_root: Path, ipc_repository: Path) -> None:
-    server = start_kserve_daemon(ipc_root, ipc_repository, "noshm-owners.sock")
+def test_status_with_client_shm_off_is_an_empty_list(tmp_path: Path) -> None:
+    # its own repository: stopping a daemon opens the gate FIFO of the repository it served
+    server = start_kserve_daemon(tmp_path, build_repository(tmp_path), "noshm.sock")
     try:
         c = httpclient.InferenceServerClient(server.http_url)
         try:
@@ -224,3 +225,38 @@ def test_status_with_client_shm_off_is_an_empty_list(ipc_root: Path, ipc_reposit
             c.close()
     finally:
         assert stop_daemon(server.daemon) == 0
+
+
+def test_unregistering_during_an_inference_keeps_the_region_until_it_ends(
+    kserve: KServeDaemon, segments: list[object]
+) -> None:
+    """As in Triton: the region stays listed (and receives the output) until the inference that writes
+    into it is done; only then is it gone."""
+    import threading
+
+    gate = kserve.daemon.gate
+    assert gate is not None
+    out = segment(segments, "held", 16)
+    port = kserve.http_port
+    assert as_me(port, [register("held", "held", 16)])[0][0] == 200
+    ref = {"shared_memory_region": "held", "shared_memory_byte_size": 16}
+    body = {"inputs": [dict(INPUT, data=[5, 6, 7, 8])], "outputs": [{"name": "OUTPUT0", "parameters": ref}]}
+    answer: list[list[Any]] = []
+    worker = threading.Thread(
+        target=lambda: answer.extend(as_me(port, [("POST", "/v2/models/gate/infer", body)]))
+    )
+    worker.start()
+    try:
+        gate.wait_started()
+        during = as_me(port, [("POST", "/v2/systemsharedmemory/region/held/unregister", {}), STATUS])
+        assert during[0][0] == 200
+        assert [r["name"] for r in json.loads(during[1][1])] == ["held"]  # still listed: in use
+        refused = as_me(port, [infer_into("held")])  # but no new request may start using it
+        assert refused[0][0] == 400 and "SHM_NOT_REGISTERED" in refused[0][1]
+    finally:
+        gate.release(1)
+        worker.join()
+        gate.settle()
+    assert answer[0][0] == 200, answer
+    assert shm.get_contents_as_numpy(out, np.float32, [4]).tolist() == [5, 6, 7, 8]
+    assert as_me(port, [STATUS])[0] == [200, "[]"]

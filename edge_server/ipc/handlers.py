@@ -24,7 +24,7 @@ from edge_server.errors import (
 from edge_server.ipc import protocol
 from edge_server.ipc.handoff import FdHandoff
 from edge_server.request import InferRequest, OutputBuffer, response_parameters
-from edge_server.shm import ClientRegions, Owner, Region, Registry, check_name
+from edge_server.shm import ClientRegions, Lease, Owner, Region, Registry, check_name
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -42,6 +42,8 @@ class InferContext:
     shm_outputs: dict[str, tuple[Region, int, int]] = field(default_factory=dict)
     #: the views of mapped output spans handed to the request (its instance may fill them)
     destinations: dict[str, OutputBuffer] | None = None
+    #: the output regions, held registered until the reply is written (they go with this context)
+    leases: list[Lease] = field(default_factory=list)
 
 
 def decode_infer(
@@ -91,7 +93,8 @@ def decode_infer(
             f"the message has {len(frames)} tensor frames but the header refers to {sum(used)} of them"
         )
     outputs = header.get("outputs")
-    order, shm_outputs = (None, {}) if outputs is None else _decode_outputs(outputs, registry)
+    leases: list[Lease] = []
+    order, shm_outputs = (None, {}) if outputs is None else _decode_outputs(outputs, registry, leases)
     destinations = _destinations(shm_outputs) if shm_outputs else None
     request = InferRequest(
         model=model,
@@ -105,7 +108,7 @@ def decode_infer(
     )
     if not _RARE_FIELDS.isdisjoint(header):
         _optional_fields(header, request)
-    return request, InferContext(rid, order, shm_outputs, destinations)
+    return request, InferContext(rid, order, shm_outputs, destinations, leases)
 
 
 def _destinations(shm_outputs: Mapping[str, tuple[Region, int, int]]) -> dict[str, OutputBuffer] | None:
@@ -201,7 +204,7 @@ def _registry(registry: ClientRegions | None) -> ClientRegions:
 
 
 def _decode_outputs(
-    descs: Any, registry: ClientRegions | None
+    descs: Any, registry: ClientRegions | None, leases: list[Lease]
 ) -> tuple[list[str], dict[str, tuple[Region, int, int]]]:
     if not isinstance(descs, list):
         raise MalformedMessage("field 'outputs' must be an array of maps")
@@ -217,8 +220,9 @@ def _decode_outputs(
         if desc.get("shm") is not None:
             where = f"output {name!r}"
             region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
-            region = _registry(registry).resolve(region_name, offset, byte_size, where)
-            shm[name] = (region, offset, byte_size)
+            lease = _registry(registry).hold(region_name, offset, byte_size, where)
+            leases.append(lease)
+            shm[name] = (lease.region, offset, byte_size)
     return order, shm
 
 

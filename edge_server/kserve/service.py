@@ -26,6 +26,7 @@ from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import Peer, SystemSharedMemory, peer_uid, user_groups
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
+from edge_server.shm import Lease
 from edge_server.validation import check_parameters
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class OutputWant:
     name: str
     binary: bool = False
     shm: tuple[object, object, object] | None = None  # region, offset, byte_size (checked on use)
+    lease: Lease | None = None  # the region it is written into, held until the request is done
 
 
 def parse_version(version: str | int | None) -> int | None:
@@ -275,14 +277,17 @@ class KServeService:
         return [] if self.shm is None else self.shm.status(name, peer)
 
     def check_output(self, want: OutputWant, peer: Peer) -> None:
+        """Refuse a bad output reference before the request runs; hold its region until it is written."""
         if want.shm is not None:
-            self.registry().check_output(*want.shm, peer, f"output {want.name!r}")
+            want.lease = self.registry().check_output(*want.shm, peer, f"output {want.name!r}")
 
     def write_output(self, want: OutputWant, raw: bytes, peer: Peer) -> dict[str, Any]:
         """Write an output into its region; the parameters its response entry carries."""
         assert want.shm is not None
         region, offset, byte_size = want.shm
-        self.registry().write(region, offset, byte_size, raw, peer, f"output {want.name!r}")
+        self.registry().write(region, offset, byte_size, raw, peer, f"output {want.name!r}", want.lease)
+        if want.lease is not None:
+            want.lease.close()
         return {
             "shared_memory_region": region,
             "shared_memory_offset": offset or 0,

@@ -40,7 +40,7 @@ from edge_server.errors import (
     ShmUnavailable,
     TensorSizeMismatch,
 )
-from edge_server.shm import Owner, Registry, Segment, may_access, user_groups
+from edge_server.shm import Lease, Owner, Registry, Segment, may_access, may_use, user_groups
 
 __all__ = ["Peer", "SystemSharedMemory", "may_access", "peer_uid", "user_groups"]
 
@@ -264,22 +264,44 @@ class SystemSharedMemory:
         return bytes(region.read(offset, byte_size, where))
 
     def write(
-        self, name: object, offset: object, byte_size: object, data: bytes, peer: Peer, where: str
+        self,
+        name: object,
+        offset: object,
+        byte_size: object,
+        data: bytes,
+        peer: Peer,
+        where: str,
+        lease: Lease | None = None,
     ) -> None:
-        """Write an output tensor's bytes into the segment with ``pwrite``; they must fit ``byte_size``."""
+        """Write an output tensor's bytes into the segment with ``pwrite``; they must fit ``byte_size``.
+
+        ``lease``: the region the request held since :meth:`check_output` (still there if the client
+        unregistered it meanwhile); without one the region is looked up by name now.
+        """
         offset, byte_size = _span(offset, byte_size, where)
-        region = self.registry.use(self.owner(peer), name, where, write=True)
+        if lease is not None:
+            region = lease.region
+            if not may_use(self.owner(peer), region, write=True):
+                raise ShmUnavailable(
+                    f"{where}: the client's user may not write segment {region.segment.key!r}"
+                )
+        else:
+            region = self.registry.use(self.owner(peer), name, where, write=True)
         if len(data) > byte_size:
             raise ShmOutOfBounds(
                 f"{where}: the output has {len(data)} bytes, the shared-memory span holds {byte_size}"
             )
         region.write(offset, data, where)
 
-    def check_output(self, name: object, offset: object, byte_size: object, peer: Peer, where: str) -> None:
-        """Refuse an output reference before the request runs (unknown region, bounds, permission)."""
+    def check_output(self, name: object, offset: object, byte_size: object, peer: Peer, where: str) -> Lease:
+        """Refuse an output reference before the request runs (unknown region, bounds, permission).
+
+        The lease keeps the region registered until the output is written (or the request is dropped).
+        """
         offset, byte_size = _span(offset, byte_size, where)
-        region = self.registry.use(self.owner(peer), name, where, write=True)
-        region.check(offset, byte_size, where, output=True)
+        lease = self.registry.hold(self.owner(peer), name, where)
+        lease.region.check(offset, byte_size, where, output=True)
+        return lease
 
     def close(self) -> None:
         self.registry.close()

@@ -101,6 +101,8 @@ class Region(abc.ABC):
         self.base = base
         self.segment = segment
         self.owner: object = None  # set by the registry (an Owner)
+        self.holds = 0  # requests in flight that will write outputs here (the registry's lock)
+        self.retired = False  # unregistered while held: listed, not usable, until the last hold goes
         # The fd lives as long as this object: in-flight requests hold the region (for their outputs)
         # after it is unregistered, so closing it earlier could let a reused number be read.
         self._close_fd = weakref.finalize(self, os.close, segment.fd)

@@ -13,6 +13,11 @@ sees it in a status, uses it in a request, unregisters it or replaces it; unregi
 drops only the caller's own.  Names are per owner, so another user registering the same name gets a
 region of its own and never receives the first user's outputs.  Quotas bound what one client and one
 user may hold, beside the daemon-wide table and the descriptor budget (a mapped region holds two).
+
+**Unregistering waits for the requests that write into a region** (as Triton does): a request holds
+the regions its outputs go to (:meth:`Registry.hold`, a :class:`Lease` that lets go when the request
+is done with it), and a region unregistered meanwhile stays listed, unusable by new requests and its
+name taken, until the last lease goes.
 """
 
 from __future__ import annotations
@@ -143,18 +148,50 @@ class Registry:
                 names = []
             else:
                 raise ShmNotRegistered(f"region {name[:60]!r} is not registered by this client")
-            gone = [mine.pop(key) for key in names]
-            if not mine:
-                self._owned.pop(owner, None)
-            for region in gone:
-                self._per_uid[owner.uid] -= 1
-                self._count -= 1
-                self._descriptors -= region.descriptors
-            if self._per_uid[owner.uid] <= 0:
-                del self._per_uid[owner.uid]
+            gone = []
+            for key in names:
+                region = mine[key]
+                region.retired = True
+                if region.holds == 0:  # else the last lease removes it
+                    self._remove(region)
+                    gone.append(region)
         for region in gone:
             region.release()
         return names
+
+    def _remove(self, region: Region) -> None:
+        """Take ``region`` out of the table (called under the lock)."""
+        owner = region.owner
+        assert isinstance(owner, Owner)
+        mine = self._owned.get(owner, {})
+        if mine.get(region.name) is not region:
+            return
+        del mine[region.name]
+        if not mine:
+            self._owned.pop(owner, None)
+        self._per_uid[owner.uid] -= 1
+        if self._per_uid[owner.uid] <= 0:
+            del self._per_uid[owner.uid]
+        self._count -= 1
+        self._descriptors -= region.descriptors
+
+    def hold(self, owner: Owner, name: object, where: str) -> Lease:
+        """``owner``'s region ``name`` for a request's outputs, kept registered until the lease goes."""
+        region = self.use(owner, name, where, write=True)
+        with self._lock:
+            if region.retired:  # unregistered between the lookup and now
+                raise ShmNotRegistered(f"{where}: region {region.name!r} is not registered by this client")
+            region.holds += 1
+        return Lease(self, region)
+
+    def _let_go(self, region: Region) -> None:
+        with self._lock:
+            region.holds -= 1
+            done = region.retired and region.holds == 0
+            if done:
+                self._remove(region)
+        if done:
+            region.release()
 
     # -- looking up -------------------------------------------------------------------------------
 
@@ -179,8 +216,8 @@ class Registry:
         with self._lock:
             mine = self._owned.get(owner, {})
             region = mine.get(name)
-            known = sorted(mine)[:20]
-        if region is None:
+            known = sorted(k for k, r in mine.items() if not r.retired)[:20]
+        if region is None or region.retired:
             raise ShmNotRegistered(
                 f"{where}: region {name[:60]!r} is not registered by this client (registered: {known})"
             )
@@ -210,6 +247,24 @@ class Registry:
             owners = list(self._owned)
         for owner in owners:
             self.unregister(owner, None)
+
+
+class Lease:
+    """A request's hold on a region it writes outputs into; lets go when dropped (or :meth:`close`)."""
+
+    __slots__ = ("region", "_registry")
+
+    def __init__(self, registry: Registry, region: Region) -> None:
+        self._registry: Registry | None = registry
+        self.region = region
+
+    def close(self) -> None:
+        registry, self._registry = self._registry, None
+        if registry is not None:
+            registry._let_go(self.region)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class ClientRegions:
@@ -243,6 +298,12 @@ class ClientRegions:
         found = self.registry.use(self.owner, region, where, write=True)
         found.check(offset, byte_size, where, output=True)
         return found
+
+    def hold(self, region: str, offset: int, byte_size: int, where: str) -> Lease:
+        """:meth:`resolve`, keeping the region registered until the lease goes (a request's outputs)."""
+        lease = self.registry.hold(self.owner, region, where)
+        lease.region.check(offset, byte_size, where, output=True)
+        return lease
 
     def close(self) -> None:
         self.unregister(None)
