@@ -207,6 +207,10 @@ def test_a_sparse_segment_named_as_an_input_is_not_read_whole(kserve: KServeDaem
         bytes_input = {"name": "INPUT0", "shape": [1], "datatype": "BYTES", "parameters": ref}
         seen += as_me(port, [("POST", "/v2/models/identity/infer", {"inputs": [bytes_input]})])
         assert seen[1][0] in (400, 413) and "limit" in seen[1][1], seen
+        # a shape that matches the span is still held to the request limit before anything is read
+        whole = dict(INPUT, shape=[big // 4], parameters=ref)
+        seen += as_me(port, [("POST", "/v2/models/identity/infer", {"inputs": [whole]})])
+        assert seen[2][0] == 413 and "at most" in seen[2][1], seen
         assert peak_rss(kserve.daemon.pid) - before < 256 << 20
     finally:
         as_me(kserve.http_port, [UNREGISTER_ALL])
@@ -260,3 +264,14 @@ def test_unregistering_during_an_inference_keeps_the_region_until_it_ends(
     assert answer[0][0] == 200, answer
     assert shm.get_contents_as_numpy(out, np.float32, [4]).tolist() == [5, 6, 7, 8]
     assert as_me(port, [STATUS])[0] == [200, "[]"]
+
+
+def test_a_requests_inputs_from_shared_memory_share_one_budget() -> None:
+    from edge_server.errors import MessageTooLarge
+    from edge_server.kserve.shm import InputBudget
+
+    budget = InputBudget(100)
+    budget.take(60, "input 'A'")
+    with pytest.raises(MessageTooLarge, match="would take 120 bytes; this server takes at most 100"):
+        budget.take(60, "input 'B'")
+    budget.take(40, "input 'C'")

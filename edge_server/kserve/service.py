@@ -23,7 +23,7 @@ import edge_server
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
-from edge_server.kserve.shm import Peer, SystemSharedMemory, peer_uid, user_groups
+from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid, user_groups
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.shm import Lease
@@ -265,12 +265,23 @@ class KServeService:
         return self.shm
 
     def read_input(
-        self, ref: tuple[object, object, object], datatype: str, shape: tuple[int, ...], name: str, peer: Peer
+        self,
+        ref: tuple[object, object, object],
+        datatype: str,
+        shape: tuple[int, ...],
+        name: str,
+        peer: Peer,
+        budget: InputBudget | None = None,
     ) -> np.ndarray:
+        """An input from shared memory; ``budget``: what the request's inputs may still read."""
         region, offset, byte_size = ref
         want = codec.raw_size(datatype, shape)  # compared before a byte is read; None: strings
-        data = self.registry().read(region, offset, byte_size, want, peer, f"input {name!r}")
+        data = self.registry().read(region, offset, byte_size, want, peer, f"input {name!r}", budget)
         return codec.from_raw(data, datatype, shape, name)
+
+    def input_budget(self) -> InputBudget | None:
+        """One request's budget for inputs read from shared memory (None while it is off)."""
+        return None if self.shm is None else self.shm.budget()
 
     def shm_status(self, name: str, peer: Peer) -> list[dict[str, Any]]:
         """The caller's own regions; an empty list while client shared memory is off (as Triton)."""

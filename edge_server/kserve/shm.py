@@ -42,7 +42,7 @@ from edge_server.errors import (
 )
 from edge_server.shm import Lease, Owner, Registry, Segment, may_access, may_use, user_groups
 
-__all__ = ["Peer", "SystemSharedMemory", "may_access", "peer_uid", "user_groups"]
+__all__ = ["InputBudget", "Peer", "SystemSharedMemory", "may_access", "peer_uid", "user_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -243,25 +243,33 @@ class SystemSharedMemory:
         ]
 
     def read(
-        self, name: object, offset: object, byte_size: object, want: int | None, peer: Peer, where: str
+        self,
+        name: object,
+        offset: object,
+        byte_size: object,
+        want: int | None,
+        peer: Peer,
+        where: str,
+        budget: InputBudget | None = None,
     ) -> bytes:
         """An input tensor's bytes, copied out of the segment.
 
-        ``want``: the bytes its datatype and shape need (None for strings), compared before anything
-        is read, as the request limit is.
+        Checked before anything is read: ``want`` (the bytes its datatype and shape need; None for
+        strings), and the request's ``budget`` (what all its inputs together may read, the request
+        limit, as for a body; without one, this input alone is held to the limit).
         """
         offset, byte_size = _span(offset, byte_size, where)
         if want is not None and byte_size != want:
             raise TensorSizeMismatch(
                 f"{where}: the tensor needs {want} bytes, its shared-memory reference holds {byte_size}"
             )
-        if byte_size > self.max_input_bytes:
-            raise MessageTooLarge(
-                f"{where}: the shared-memory reference holds {byte_size} bytes; this server takes at most "
-                f"{self.max_input_bytes} per request (its limit, as for a body)"
-            )
+        (budget or self.budget()).take(byte_size, where)
         region = self.registry.use(self.owner(peer), name, where)
         return bytes(region.read(offset, byte_size, where))
+
+    def budget(self) -> InputBudget:
+        """A fresh budget for one request's inputs."""
+        return InputBudget(self.max_input_bytes)
 
     def write(
         self,
@@ -316,6 +324,30 @@ class SystemSharedMemory:
             )
         peer.uid = uid
         return uid
+
+
+class InputBudget:
+    """Bytes one request may still copy out of shared memory: the request limit, as for a body.
+
+    A copied input costs the daemon its size in memory, so a request naming a sparse segment of
+    gigabytes must be refused before anything is read, not after.
+    """
+
+    __slots__ = ("limit", "left")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def take(self, nbytes: int, where: str) -> None:
+        if nbytes > self.left:
+            total = self.limit - self.left + nbytes
+            raise MessageTooLarge(
+                f"{where}: the request's inputs in shared memory would take {total} "
+                f"bytes; this server takes at most {self.limit} per request (its limit, as for a body; "
+                "--max-message-bytes)"
+            )
+        self.left -= nbytes
 
 
 def _span(offset: object, byte_size: object, where: str) -> tuple[int, int]:
