@@ -95,7 +95,9 @@ def test_one_peer_hoarding_tokens_does_not_lock_the_others_out(handoff: FdHandof
     try:
         os.ftruncate(fd, 4096)
         token = hand_over(handoff.path, fd)  # another user's pool is its own
-        assert handoff.claim(token, uid=os.geteuid()).size == 4096
+        segment = handoff.claim(token, uid=os.geteuid())
+        os.close(segment.fd)
+        assert segment.size == 4096
     finally:
         os.close(fd)
 
@@ -113,37 +115,60 @@ def test_a_token_is_claimed_only_by_the_user_that_handed_the_descriptor(handoff:
         os.close(fd)
 
 
+@needs_root
 def test_idle_connections_do_not_delay_a_hand_off(handoff: FdHandoff) -> None:
-    idle = []
+    """Another user holds 20 connections that send nothing (each would have cost a second of the
+    hand-off's attention when peers were served in turn): a hand-off still completes within the
+    client's own default timeout."""
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            idle = []
+            for _ in range(20):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sock.connect(str(handoff.path))
+                idle.append(sock)
+            os.write(ready_w, b"r")
+            os.read(done_r, 1)  # hold them open until the parent's hand-off is done
+            code = 0
+        finally:
+            os._exit(code)
     fd = os.memfd_create("legit")
     try:
-        for _ in range(20):  # each would cost one second of the hand-off's attention if served in turn
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            sock.connect(str(handoff.path))
-            idle.append(sock)
+        assert os.read(ready_r, 1) == b"r"
         os.ftruncate(fd, 4096)
         token = hand_over(handoff.path, fd, timeout=5.0)  # the client's own default timeout
-        assert handoff.claim(token, uid=os.geteuid()).size == 4096
+        segment = handoff.claim(token, uid=os.geteuid())
+        os.close(segment.fd)
+        assert segment.size == 4096
     finally:
+        os.write(done_w, b"d")
+        os.waitpid(pid, 0)
         os.close(fd)
-        for sock in idle:
-            sock.close()
+        for end in (ready_r, ready_w, done_r, done_w):
+            os.close(end)
 
 
 def test_descriptors_that_are_not_readable_shared_memory_are_refused_at_hand_off(
     handoff: FdHandoff, tmp_path: Path
 ) -> None:
-    segment = f"/dev/shm/edge-handoff-test-{os.getpid()}"
+    path = f"/dev/shm/edge-handoff-test-{os.getpid()}"
     plain = tmp_path / "plain.bin"
     plain.write_bytes(b"\0" * 4096)
     fds = []
     try:
-        fd = os.open(segment, os.O_CREAT | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 4096)
         os.close(fd)
         cases = {
-            "O_PATH": os.open(segment, os.O_PATH),
-            "write-only": os.open(segment, os.O_WRONLY),
+            "O_PATH": os.open(path, os.O_PATH),
+            "write-only": os.open(path, os.O_WRONLY),
             "plain file": os.open(plain, os.O_RDWR),
         }
         fds = list(cases.values())
@@ -153,13 +178,15 @@ def test_descriptors_that_are_not_readable_shared_memory_are_refused_at_hand_off
                 hand_over(handoff.path, fd)
             assert "refused" in caught.value.message, what
         assert handoff.refused == refused_before + 3
-        ok = os.open(segment, os.O_RDONLY)  # read-only shared memory is fine (inputs only)
+        ok = os.open(path, os.O_RDONLY)  # read-only shared memory is fine (inputs only)
         fds.append(ok)
-        assert not handoff.claim(hand_over(handoff.path, ok), uid=os.geteuid()).writable
+        segment = handoff.claim(hand_over(handoff.path, ok), uid=os.geteuid())
+        os.close(segment.fd)
+        assert not segment.writable
     finally:
         for fd in fds:
             os.close(fd)
-        os.unlink(segment)
+        os.unlink(path)
 
 
 # -- the daemon ------------------------------------------------------------------------------------

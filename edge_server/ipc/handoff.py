@@ -16,8 +16,9 @@ re-opening it (a re-open would be a confused deputy): it must be a shared-memory
 hugetlbfs, by ``fstatfs``), opened for reading (not ``O_PATH``, not write-only).
 
 All connections are served at once by one thread (a selector): a peer that connects and sends
-nothing costs the others nothing, and is dropped after :data:`RECEIVE_TIMEOUT` (or when
-:data:`MAX_WAITING` connections wait, the oldest first).
+nothing costs the others nothing, and is closed after :data:`RECEIVE_TIMEOUT`.  A user may have at
+most :data:`MAX_WAITING_PER_PEER` connections waiting (its next ones are closed at once), all users
+together :data:`MAX_WAITING`, so silent connections cannot take the daemon's descriptors either.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ TOKEN_TTL = 30.0
 MAX_PENDING = 256
 MAX_PENDING_PER_PEER = 64
 RECEIVE_TIMEOUT = 1.0  # a connected peer must send its descriptor within this
-MAX_WAITING = 128  # connections waiting for their message at once; the oldest goes first
+MAX_WAITING = 64  # connections accepted and not heard from yet, all users together
+MAX_WAITING_PER_PEER = 8  # ... and per user: a user's further connections are closed at once
 _SHM_FILESYSTEMS = (0x01021994, 0x958458F6)  # TMPFS_MAGIC (memfd, /dev/shm), HUGETLBFS_MAGIC
 _O_PATH = getattr(os, "O_PATH", 0o10000000)
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -171,14 +173,14 @@ class FdHandoff:
 
     def _run(self) -> None:
         assert self._sock is not None
-        waiting: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()
+        waiting = _Waiting()
         with selectors.DefaultSelector() as selector:
             selector.register(self._sock, selectors.EVENT_READ)
             selector.register(self._stop_r, selectors.EVENT_READ)
             try:
                 while True:
-                    now = time.monotonic()
-                    wait = 5.0 if not waiting else max(0.0, min(next(iter(waiting.values())) - now, 5.0))
+                    oldest = waiting.next_deadline()
+                    wait = 5.0 if oldest is None else max(0.0, min(oldest - time.monotonic(), 5.0))
                     events = selector.select(wait)
                     self._expire()
                     for key, _ in events:
@@ -189,17 +191,21 @@ class FdHandoff:
                         else:
                             conn = key.fileobj
                             assert isinstance(conn, socket.socket)
-                            if conn not in waiting:  # made room for a newer one in this same turn
-                                continue
-                            self._drop(selector, waiting, conn, serve=True)
-                    now = time.monotonic()
-                    while waiting and next(iter(waiting.values())) < now:  # said nothing in time
-                        self._drop(selector, waiting, next(iter(waiting)), serve=False)
+                            selector.unregister(conn)
+                            waiting.remove(conn)
+                            with conn:
+                                try:
+                                    self._serve(conn)
+                                except Exception:  # one bad peer must never stop the hand-off
+                                    log.exception("shared-memory hand-off failed")
+                    for conn in waiting.overdue(time.monotonic()):  # said nothing in time
+                        selector.unregister(conn)
+                        conn.close()
             finally:
-                for conn in list(waiting):
+                for conn in waiting.all():
                     conn.close()
 
-    def _accept(self, selector: selectors.BaseSelector, waiting: dict[socket.socket, float]) -> None:
+    def _accept(self, selector: selectors.BaseSelector, waiting: _Waiting) -> None:
         assert self._sock is not None
         for _ in range(64):  # a burst at a time; the selector says when more wait
             try:
@@ -210,28 +216,20 @@ class FdHandoff:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
                     time.sleep(0.05)
                 return
-            if len(waiting) >= MAX_WAITING:  # the oldest silent peer makes room
-                self._drop(selector, waiting, next(iter(waiting)), serve=False)
+            try:
+                _pid, uid, _gid = _CREDS.unpack(
+                    conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+                )
+            except OSError:
+                conn.close()
+                continue
+            if waiting.count(uid) >= MAX_WAITING_PER_PEER or len(waiting) >= MAX_WAITING:
+                conn.close()  # this user's own silent connections are what fill its share
+                self.refused += 1
+                continue
             conn.setblocking(False)
-            waiting[conn] = time.monotonic() + RECEIVE_TIMEOUT
+            waiting.add(conn, uid, time.monotonic() + RECEIVE_TIMEOUT)
             selector.register(conn, selectors.EVENT_READ)
-
-    def _drop(
-        self,
-        selector: selectors.BaseSelector,
-        waiting: dict[socket.socket, float],
-        conn: socket.socket,
-        *,
-        serve: bool,
-    ) -> None:
-        selector.unregister(conn)
-        waiting.pop(conn, None)
-        with conn:
-            if serve:
-                try:
-                    self._serve(conn)
-                except Exception:  # one bad peer must never stop the hand-off
-                    log.exception("shared-memory hand-off failed")
 
     def _serve(self, conn: socket.socket) -> None:
         pid, uid, _gid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
@@ -281,6 +279,43 @@ class FdHandoff:
                 self._forget(segment.uid)
         for segment in segments:
             os.close(segment.fd)
+
+
+class _Waiting:
+    """Connections accepted and not heard from yet, oldest first, counted per user."""
+
+    def __init__(self) -> None:
+        self._conns: collections.OrderedDict[socket.socket, tuple[float, int]] = collections.OrderedDict()
+        self._per_uid: collections.Counter[int] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    def count(self, uid: int) -> int:
+        return self._per_uid[uid]
+
+    def add(self, conn: socket.socket, uid: int, deadline: float) -> None:
+        self._conns[conn] = (deadline, uid)
+        self._per_uid[uid] += 1
+
+    def remove(self, conn: socket.socket) -> None:
+        entry = self._conns.pop(conn, None)
+        if entry is not None:
+            self._per_uid[entry[1]] -= 1
+
+    def next_deadline(self) -> float | None:
+        return next(iter(self._conns.values()))[0] if self._conns else None
+
+    def overdue(self, now: float) -> list[socket.socket]:
+        late = []
+        while self._conns and next(iter(self._conns.values()))[0] < now:
+            conn = next(iter(self._conns))
+            self.remove(conn)
+            late.append(conn)
+        return late
+
+    def all(self) -> list[socket.socket]:
+        return list(self._conns)
 
 
 def _reply(conn: socket.socket, message: bytes) -> None:
