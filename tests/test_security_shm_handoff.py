@@ -237,9 +237,9 @@ def test_an_unsealed_region_is_not_read_past_what_the_tensor_needs(daemon: Daemo
 
 
 def test_a_mapped_region_counts_two_descriptors_and_a_refused_one_keeps_none(tmp_path: Path) -> None:
-    """At a small descriptor limit the daemon stops at what its budget holds, counting a mapped region's
-    two descriptors (the one handed over and mmap's own), and a refused registration's descriptor is
-    closed at once instead of waiting for its token to expire."""
+    """At a small descriptor limit one user stops at its share of the budget (half), counting a mapped
+    region's two descriptors (the one handed over and mmap's own), and a refused registration's
+    descriptor is closed at once instead of waiting for its token to expire."""
     from edge_server.client._common import register_fields
     from edge_server.ipc.frontend import FD_RESERVE
 
@@ -252,10 +252,10 @@ def test_a_mapped_region_counts_two_descriptors_and_a_refused_one_keeps_none(tmp
         for region in regions:
             reply = peer.ask([header(op="shm_register", **register_fields(proc.address, region))])
             codes.append("ok" if reply["ok"] else reply["error"]["code"])
-        room = (nofile - FD_RESERVE) // 2
-        assert codes == ["ok"] * (room // 2) + ["SHM_UNAVAILABLE"] * (len(regions) - room // 2)
+        share = (nofile - FD_RESERVE) // 2 // 2  # descriptors one user may hold
+        assert codes == ["ok"] * (share // 2) + ["SHM_UNAVAILABLE"] * (len(regions) - share // 2)
         status = peer.ask([header(op="ipc_status")])["ipc"]
-        assert status["regions"] == room // 2 and status["region_descriptors"] == room
+        assert status["regions"] == share // 2 and status["region_descriptors"] == share
         assert status["pending_handoffs"] == 0  # the refused ones' descriptors are closed already
         assert peer.ask([header(op="live")])["ok"]
     finally:
@@ -263,6 +263,34 @@ def test_a_mapped_region_counts_two_descriptors_and_a_refused_one_keeps_none(tmp
         for region in regions:
             region.close()
         assert stop_daemon(proc) == 0, proc.log()
+
+
+def test_the_descriptor_budget_is_shared_between_users() -> None:
+    from edge_server.errors import ShmUnavailable as Refused
+    from edge_server.ipc.handoff import inspect_fd
+    from edge_server.shm import Owner, Registry
+
+    registry = Registry(max_descriptors=8)  # four mapped regions in all, two per user
+    region = SharedMemoryRegion(4096)
+    try:
+
+        def segment() -> Any:
+            return inspect_fd(os.dup(region.fd), uid=0, pid=0)
+
+        for name in ("a", "b"):
+            registry.register(Owner(1), name, segment(), None)
+        with pytest.raises(Refused, match="the most one user may"):
+            registry.register(Owner(1, "other connection"), "c", segment(), None)
+        for name in ("a", "b"):
+            registry.register(Owner(2), name, segment(), None)
+        assert registry.descriptors == 8
+        with pytest.raises(Refused, match="its limit is 8"):
+            registry.register(Owner(3), "a", segment(), None)
+        assert registry.unregister(Owner(1), None) == ["a", "b"]
+        registry.register(Owner(3), "a", segment(), None)
+    finally:
+        registry.close()
+        region.close()
 
 
 @pytest.mark.skipif(

@@ -166,9 +166,7 @@ def test_one_user_cannot_fill_the_table(kserve: KServeDaemon, segments: list[obj
         as_me(port, [UNREGISTER_ALL])
 
 
-def test_grpc_unregister_all_drops_only_the_callers_regions(
-    kserve: KServeDaemon, segments: list[object]
-) -> None:
+def test_one_user_is_one_owner_over_http_and_grpc(kserve: KServeDaemon, segments: list[object]) -> None:
     """Same user over gRPC and HTTP: one owner, so unregister-all drops both (Triton's behaviour)."""
     segment(segments, "both", 16)
     http = httpclient.InferenceServerClient(kserve.http_url)

@@ -63,7 +63,8 @@ class Registry:
 
     ``max_regions``: the daemon-wide table; ``max_per_user``: what one uid may hold over all its
     connections; ``max_per_client``: what one owner (one IPC connection) may hold;
-    ``max_descriptors``: descriptors all regions together may hold (None: no such limit).
+    ``max_descriptors``: descriptors all regions together may hold (None: no such limit), of which one
+    user may hold ``user_share`` (half: one user can never take every other user's room).
     """
 
     def __init__(
@@ -73,14 +74,17 @@ class Registry:
         max_per_user: int | None = DEFAULT_MAX_REGIONS_PER_USER,
         max_per_client: int | None = None,
         max_descriptors: int | None = None,
+        user_share: float = 0.5,
     ) -> None:
         self.max_regions = max_regions
+        self.user_share = user_share
         self.max_per_user = max_per_user
         self.max_per_client = max_per_client
         self.max_descriptors = max_descriptors
         self._lock = threading.Lock()
         self._owned: dict[Owner, dict[str, Region]] = {}
         self._per_uid: collections.Counter[int] = collections.Counter()
+        self._uid_descriptors: collections.Counter[int] = collections.Counter()
         self._count = 0
         self._descriptors = 0
 
@@ -110,6 +114,7 @@ class Registry:
                 raise
             self._owned.setdefault(owner, {})[name] = region
             self._per_uid[owner.uid] += 1
+            self._uid_descriptors[owner.uid] += region.descriptors
             self._count += 1
             self._descriptors += region.descriptors
         return region
@@ -130,7 +135,17 @@ class Registry:
             )
         if self._count >= self.max_regions:
             raise InvalidArgument(f"at most {self.max_regions} shared-memory regions may be registered")
-        if self.max_descriptors is not None and self._descriptors + descriptors > self.max_descriptors:
+        if self.max_descriptors is None:
+            return
+        share = max(2, int(self.max_descriptors * self.user_share))
+        held = self._uid_descriptors[owner.uid]
+        if held + descriptors > share:
+            raise ShmUnavailable(
+                f"uid {owner.uid}'s shared-memory regions hold {held} descriptors, "
+                f"the most one user may ({share}, its share per user of the descriptor budget); unregister "
+                "regions first"
+            )
+        if self._descriptors + descriptors > self.max_descriptors:
             raise ShmUnavailable(
                 f"the daemon's shared-memory regions hold {self._descriptors} descriptors, its limit is "
                 f"{self.max_descriptors} (the descriptor budget); unregister regions or retry later"
@@ -170,8 +185,10 @@ class Registry:
         if not mine:
             self._owned.pop(owner, None)
         self._per_uid[owner.uid] -= 1
+        self._uid_descriptors[owner.uid] -= region.descriptors
         if self._per_uid[owner.uid] <= 0:
             del self._per_uid[owner.uid]
+            del self._uid_descriptors[owner.uid]
         self._count -= 1
         self._descriptors -= region.descriptors
 
