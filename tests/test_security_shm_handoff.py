@@ -21,7 +21,7 @@ import pytest
 
 from edge_server.client import SharedMemoryRegion
 from edge_server.errors import ShmUnavailable
-from edge_server.ipc.handoff import MAX_PENDING_PER_PEER, FdHandoff, hand_over
+from edge_server.ipc.handoff import MAX_PENDING_PER_PEER, MAX_WAITING_PER_PEER, FdHandoff, hand_over
 from tests.daemon import Daemon, RawPeer, build_repository, header, start_daemon, stop_daemon
 
 NOBODY = 65534
@@ -113,6 +113,23 @@ def test_a_token_is_claimed_only_by_the_user_that_handed_the_descriptor(handoff:
             handoff.claim(token, uid=os.geteuid())
     finally:
         os.close(fd)
+
+
+def test_a_users_own_silent_connections_only_block_that_user(handoff: FdHandoff) -> None:
+    idle = []
+    fd = os.memfd_create("mine")
+    try:
+        os.ftruncate(fd, 4096)
+        for _ in range(MAX_WAITING_PER_PEER):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.connect(str(handoff.path))
+            idle.append(sock)
+        with pytest.raises(ShmUnavailable, match="wait silently"):
+            hand_over(handoff.path, fd)
+    finally:
+        os.close(fd)
+        for sock in idle:
+            sock.close()
 
 
 @needs_root

@@ -224,7 +224,16 @@ class FdHandoff:
                 conn.close()
                 continue
             if waiting.count(uid) >= MAX_WAITING_PER_PEER or len(waiting) >= MAX_WAITING:
-                conn.close()  # this user's own silent connections are what fill its share
+                # This user's own silent connections are what fill its share; say so, and close.
+                conn.setblocking(False)
+                try:  # take what it sent already (a close with unread data would reset the reply away)
+                    _message, fds, _flags, _addr = socket.recv_fds(conn, 64, 4)
+                    for fd in fds:
+                        os.close(fd)
+                except OSError:
+                    pass
+                _reply(conn, b"ERR too many connections to the hand-off socket wait silently; retry later")
+                conn.close()
                 self.refused += 1
                 continue
             conn.setblocking(False)
