@@ -233,7 +233,8 @@ class Registry:
         with self._lock:
             mine = self._owned.get(owner, {})
             region = mine.get(name)
-            known = sorted(k for k, r in mine.items() if not r.retired)[:20]
+            if region is None or region.retired:  # the names for the message, only when it is needed
+                known = sorted(k for k, r in mine.items() if not r.retired)[:20]
         if region is None or region.retired:
             raise ShmNotRegistered(
                 f"{where}: region {name[:60]!r} is not registered by this client (registered: {known})"
