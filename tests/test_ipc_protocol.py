@@ -28,7 +28,8 @@ from edge_server.errors import (
 )
 from edge_server.ipc import handlers, protocol
 from edge_server.ipc.handoff import inspect_fd
-from edge_server.ipc.shm import ShmRegistry
+from edge_server.shm import Owner, Registry
+from edge_server.shm import region as shm_region
 
 
 def infer_header(**overrides: Any) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def infer_header(**overrides: Any) -> dict[str, Any]:
 
 
 def decode(header: dict[str, Any], *frames: bytes) -> tuple[Any, handlers.InferContext]:
-    return handlers.decode_infer(header, [zmq.Frame(f) for f in frames], ShmRegistry())
+    return handlers.decode_infer(header, [zmq.Frame(f) for f in frames], Registry().client(Owner(0)))
 
 
 def test_bytes_round_trip_and_layout() -> None:
@@ -242,17 +243,17 @@ def test_wire_datatype_comes_from_edge_server_dtypes(monkeypatch: pytest.MonkeyP
 
 
 def test_one_bounds_rule_for_daemon_and_client(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The daemon's regions, the client's regions and ring slots all ask protocol.check_span."""
+    """The daemon's regions, the client's regions and ring slots all ask one check_span."""
     calls: list[tuple[int, int, int]] = []
-    real = protocol.check_span
+    real = shm_region.check_span
 
     def spy(offset: int, byte_size: int, size: int, what: str, where: str = "") -> None:
         calls.append((offset, byte_size, size))
         real(offset, byte_size, size, what, where)
 
-    monkeypatch.setattr(protocol, "check_span", spy)
+    monkeypatch.setattr(shm_region, "check_span", spy)
     region = SharedMemoryRegion(4096)
-    registry = ShmRegistry()
+    registry = Registry().client(Owner(0))
     try:
         mapped = registry.register(region.name, inspect_fd(os.dup(region.fd), uid=0, pid=0), None)
         with pytest.raises(ShmOutOfBounds, match=r"input 'A': bytes 4000..4100 lie outside region"):

@@ -24,7 +24,7 @@ from edge_server.errors import (
 )
 from edge_server.ipc import addresses, peers
 from edge_server.ipc.handoff import inspect_fd
-from edge_server.ipc.shm import MappedRegion, Segment, ShmRegistry, check_name
+from edge_server.shm import MappedRegion, Owner, Registry, Segment, check_name
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_region_write_and_references(region: SharedMemoryRegion) -> None:
 
 
 def test_sealed_region_is_mapped_without_copying_and_bounds_are_checked(region: SharedMemoryRegion) -> None:
-    registry = ShmRegistry()
+    registry = Registry().client(Owner(0))
     mapped = registry.register(region.name, segment_of(region), None)
     assert mapped.byte_size == 4096 and mapped.zero_copy
     region.array(np.uint8, (4,))[...] = [1, 2, 3, 4]
@@ -119,7 +119,7 @@ def test_sealed_region_is_mapped_without_copying_and_bounds_are_checked(region: 
 
 
 def test_unmap_waits_for_arrays_still_in_use(region: SharedMemoryRegion) -> None:
-    registry = ShmRegistry()
+    registry = Registry().client(Owner(0))
     mapped = registry.register(region.name, segment_of(region), None)
     assert isinstance(mapped, MappedRegion)
     view = np.frombuffer(mapped.read(0, 16, "t"), np.uint8)  # a request's input
@@ -134,7 +134,7 @@ def test_a_segment_that_may_shrink_is_never_mapped_and_cannot_fault() -> None:
     """A POSIX segment's owner may ftruncate it at any time: the daemon copies with pread/pwrite,
     which come up short instead of raising SIGBUS, so even a shrink mid-request cannot kill it."""
     region = SharedMemoryRegion(64 * 1024, posix=True)
-    registry = ShmRegistry()
+    registry = Registry().client(Owner(0))
     try:
         copied = registry.register(region.name, segment_of(region), None)
         assert not copied.zero_copy
@@ -158,7 +158,7 @@ def test_a_segment_that_may_shrink_is_never_mapped_and_cannot_fault() -> None:
 
 def test_read_only_descriptor_serves_inputs_only(region: SharedMemoryRegion) -> None:
     fd = os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY)
-    registry = ShmRegistry()
+    registry = Registry().client(Owner(0))
     try:
         ro = registry.register(region.name, inspect_fd(fd, uid=os.getuid(), pid=os.getpid()), None)
         assert len(ro.read(0, 16, "t")) == 16
@@ -175,7 +175,7 @@ def test_bad_names_are_rejected(name: str) -> None:
 
 
 def test_register_limits(region: SharedMemoryRegion) -> None:
-    registry = ShmRegistry(max_regions=1)
+    registry = Registry(max_per_client=1).client(Owner(0))
     with pytest.raises(ShmOutOfBounds):
         registry.register(region.name, segment_of(region), 8192)
     registry.register(region.name, segment_of(region), None)

@@ -121,7 +121,7 @@ def test_a_shrunk_segment_is_an_error_not_a_crash(client: object, regions: list[
     os.truncate("/dev/shm/" + (KEY_PREFIX + "shrink").lstrip("/"), 16)
     tensor = mod.InferInput("INPUT0", [1024], "FP32")
     tensor.set_shared_memory("shrink", 4096)
-    with pytest.raises(InferenceServerException, match="now has 16"):
+    with pytest.raises(InferenceServerException, match="now holds 16"):
         client.infer("identity", [tensor])  # type: ignore[attr-defined]
     assert client.is_server_live()  # type: ignore[attr-defined]
 

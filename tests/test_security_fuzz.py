@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from edge_server.client import Client
 from edge_server.errors import EdgeServerError
 from edge_server.ipc import handlers, protocol
-from edge_server.ipc.shm import ShmRegistry
+from edge_server.shm import Owner, Registry
 from tests.daemon import Daemon
 
 # Every code the daemon may answer a malformed request with (the stable ones of docs/protocol.md).
@@ -98,7 +98,7 @@ def test_decoding_any_header_raises_only_stable_errors(header: dict[str, Any], t
     try:
         decoded = protocol.unpack(raw)
         protocol.check_version(decoded)
-        handlers.decode_infer(decoded, [zmq.Frame(f) for f in tensors], ShmRegistry())
+        handlers.decode_infer(decoded, [zmq.Frame(f) for f in tensors], Registry().client(Owner(0)))
     except EdgeServerError as exc:
         assert exc.code in STABLE, (exc.code, exc.message)
 

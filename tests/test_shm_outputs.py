@@ -22,8 +22,8 @@ from edge_server.client.shm import SharedMemoryRegion
 from edge_server.errors import EdgeServerError, ShmOutOfBounds
 from edge_server.ipc.handlers import _destinations
 from edge_server.ipc.handoff import inspect_fd
-from edge_server.ipc.shm import ShmRegistry
 from edge_server.request import OutputBuffer
+from edge_server.shm import Owner, Registry
 from tests.daemon import Daemon, start_daemon, stop_daemon
 
 ROWS = 16
@@ -223,7 +223,7 @@ def test_fill_destinations_copies_what_fits_and_leaves_the_rest() -> None:
 
 def test_overlapping_output_spans_get_no_view(tmp_path: Path) -> None:
     region_file = SharedMemoryRegion(1 << 14)
-    registry = ShmRegistry()
+    registry = Registry().client(Owner(0))
     try:
         region = registry.register("r", inspect_fd(os.dup(region_file.fd), uid=0, pid=0), None)
         spans = {

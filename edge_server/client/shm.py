@@ -24,7 +24,8 @@ import numpy as np
 from edge_server.client._wire import ShmRef, ShmTensor
 from edge_server.errors import InvalidArgument, ShmUnavailable
 from edge_server.ipc import protocol
-from edge_server.ipc.shm import SHM_DIR, check_name
+from edge_server.shm import SHM_DIR, check_name
+from edge_server.shm import region as shm_region
 
 _ALIGN = 64  # slot alignment: cache lines, and any dtype's alignment
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_SEAL", 0x0001)
@@ -115,7 +116,7 @@ class SharedMemoryRegion:
     def _check(self, offset: int, byte_size: int) -> None:
         if self.closed:
             raise ShmUnavailable(f"region {self.name!r} is closed")
-        protocol.check_span(offset, byte_size, self.byte_size, f"region {self.name!r}")
+        shm_region.check_span(offset, byte_size, self.byte_size, f"region {self.name!r}")
 
     def array(self, dtype: Any, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
         """A writable array over the region: fill it in place (a camera frame) and pass :meth:`tensor`."""
@@ -178,7 +179,7 @@ class ShmSlot:
         self.future: Any = None
 
     def _at(self, offset: int, size: int) -> int:
-        protocol.check_span(
+        shm_region.check_span(
             offset, size, self.byte_size, f"the slot at {self.offset} of {self.region.name!r}"
         )
         return self.offset + offset

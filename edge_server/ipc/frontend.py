@@ -35,12 +35,11 @@ from edge_server.errors import (
     MessageTooLarge,
     PermissionDenied,
     ServerShuttingDown,
-    ShmUnavailable,
     TooManyRequests,
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
-from edge_server.ipc.peers import Peer, PeerTable, connection_of, same_connection
+from edge_server.ipc.peers import Peer, PeerTable, same_connection
 from edge_server.ipc.wakeup import signal_eventfd
 from edge_server.memory import trim_heap
 from edge_server.request import ResponseSink
@@ -164,6 +163,7 @@ class IpcFrontend:
         self._ctx, self._sock = ctx, sock
         self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.max_connections, self.max_regions = fd_budget(self.max_connections)
+        self._peers.shm.max_descriptors = self.max_regions  # a mapped region holds two
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # The thread takes the socket over; Thread.start() is the memory barrier ZeroMQ asks for.
         self._thread = threading.Thread(target=self._run, name="edge-ipc-frontend", daemon=True)
@@ -205,6 +205,8 @@ class IpcFrontend:
             "paused_accepting": self.paused_accepting,
             "clients": len(self._peers),
             "regions": self._peers.region_count(),
+            "region_descriptors": self._peers.shm.descriptors,
+            "pending_handoffs": self._handoff.pending() if self._handoff is not None else 0,
             "released_clients": self._peers.dropped,
             "dropped_replies": self.dropped_replies,
             "slow_clients": self.slow_clients,
@@ -387,9 +389,7 @@ class IpcFrontend:
             op = header.get("op")
             if type(op) is not str:
                 op = protocol.field(header, "op", str)
-            peer = self._peers.get(identity)
-            if peer.connection is None:
-                peer.connection = connection_of(head)
+            peer = self._peers.get(identity, head)
             if op == "infer":
                 self._infer(peer, identity, rid, header, frames[2:])
                 return
@@ -413,10 +413,6 @@ class IpcFrontend:
                 # it would make ZeroMQ drop the connection (ZMQ_MAXMSGSIZE) instead of getting an answer.
                 self._queue(
                     identity, protocol.ok_header(rid, live=True, max_message_bytes=self.max_message_bytes)
-                )
-            elif op == "shm_register" and self._peers.region_count() >= self.max_regions:
-                raise ShmUnavailable(
-                    f"the daemon holds {self.max_regions} shared-memory regions, its limit (descriptors)"
                 )
             elif op in handlers.SLOW_OPS:
                 self._authorize(head, op)
@@ -630,8 +626,9 @@ def fd_budget(max_connections: int) -> tuple[int, int]:
     """(connections, shared-memory regions) the daemon may hold without running out of descriptors.
 
     libzmq aborts the whole process when ``accept`` fails with EMFILE, so the daemon raises its soft
-    descriptor limit to the hard one and keeps connections and regions (one descriptor each) within
-    what is left after a reserve.  ``max_connections`` (0: as many as fit) is capped by that too.
+    descriptor limit to the hard one and keeps connections (one descriptor each) and the descriptors
+    shared-memory regions hold (two for a mapped region, one for a copied one) within what is left
+    after a reserve.  ``max_connections`` (0: as many as fit) is capped by that too.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):

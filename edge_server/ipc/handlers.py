@@ -6,6 +6,7 @@ maps and frames to send.  That keeps every rule about a message testable without
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,8 +23,8 @@ from edge_server.errors import (
 )
 from edge_server.ipc import protocol
 from edge_server.ipc.handoff import FdHandoff
-from edge_server.ipc.shm import Region, ShmRegistry, check_name
 from edge_server.request import InferRequest, OutputBuffer, response_parameters
+from edge_server.shm import ClientRegions, Lease, Owner, Region, Registry, check_name
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -41,10 +42,12 @@ class InferContext:
     shm_outputs: dict[str, tuple[Region, int, int]] = field(default_factory=dict)
     #: the views of mapped output spans handed to the request (its instance may fill them)
     destinations: dict[str, OutputBuffer] | None = None
+    #: the output regions, held registered until the reply is written (they go with this context)
+    leases: list[Lease] = field(default_factory=list)
 
 
 def decode_infer(
-    header: Mapping[str, Any], frames: Sequence[Any], registry: ShmRegistry | None
+    header: Mapping[str, Any], frames: Sequence[Any], registry: ClientRegions | None
 ) -> tuple[InferRequest, InferContext]:
     """Build the data-plane request; tensors stay views over the frames or the shared memory.
 
@@ -90,7 +93,8 @@ def decode_infer(
             f"the message has {len(frames)} tensor frames but the header refers to {sum(used)} of them"
         )
     outputs = header.get("outputs")
-    order, shm_outputs = (None, {}) if outputs is None else _decode_outputs(outputs, registry)
+    leases: list[Lease] = []
+    order, shm_outputs = (None, {}) if outputs is None else _decode_outputs(outputs, registry, leases)
     destinations = _destinations(shm_outputs) if shm_outputs else None
     request = InferRequest(
         model=model,
@@ -104,7 +108,7 @@ def decode_infer(
     )
     if not _RARE_FIELDS.isdisjoint(header):
         _optional_fields(header, request)
-    return request, InferContext(rid, order, shm_outputs, destinations)
+    return request, InferContext(rid, order, shm_outputs, destinations, leases)
 
 
 def _destinations(shm_outputs: Mapping[str, tuple[Region, int, int]]) -> dict[str, OutputBuffer] | None:
@@ -149,17 +153,17 @@ def _optional_fields(header: Mapping[str, Any], request: InferRequest) -> None:
     request.sequence_end = bool(protocol.field(header, "sequence_end", bool, required=False))
 
 
-def _shm_input(desc: Mapping[str, Any], name: str, registry: ShmRegistry | None) -> np.ndarray:
+def _shm_input(desc: Mapping[str, Any], name: str, registry: ClientRegions | None) -> np.ndarray:
     where = f"input {name!r}"
     datatype, dtype = protocol.tensor_dtype(desc, where)
     shape = protocol.tensor_shape(desc, where)
     region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
     region = _registry(registry).get(region_name, where)
-    view = region.read(offset, byte_size, where)  # in place (sealed) or copied; bounds checked
-    if datatype != "BYTES":
+    if datatype != "BYTES":  # compared before a byte is read: never read more than the tensor needs
         want = protocol.expected_nbytes(dtype, shape)
         if byte_size != want:
             raise_size(where, datatype, shape, want, byte_size)
+    view = region.read(offset, byte_size, where)  # in place (sealed) or copied; bounds checked
     array = protocol.to_array(view, datatype, dtype, shape, where)
     if array.flags.writeable:
         array.flags.writeable = False  # the client's memory: a model must not scribble on it
@@ -194,13 +198,13 @@ def _version(value: Any) -> int | None:
     return value
 
 
-def _registry(registry: ShmRegistry | None) -> ShmRegistry:
+def _registry(registry: ClientRegions | None) -> ClientRegions:
     # None (a client without state yet): an empty registry, whose lookup raises the precise error.
-    return registry if registry is not None else ShmRegistry()
+    return registry if registry is not None else Registry().client(Owner(-1))
 
 
 def _decode_outputs(
-    descs: Any, registry: ShmRegistry | None
+    descs: Any, registry: ClientRegions | None, leases: list[Lease]
 ) -> tuple[list[str], dict[str, tuple[Region, int, int]]]:
     if not isinstance(descs, list):
         raise MalformedMessage("field 'outputs' must be an array of maps")
@@ -216,8 +220,9 @@ def _decode_outputs(
         if desc.get("shm") is not None:
             where = f"output {name!r}"
             region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
-            region = _registry(registry).resolve(region_name, offset, byte_size, where)
-            shm[name] = (region, offset, byte_size)
+            lease = _registry(registry).hold(region_name, offset, byte_size, where)
+            leases.append(lease)
+            shm[name] = (lease.region, offset, byte_size)
     return order, shm
 
 
@@ -276,7 +281,7 @@ def encode_result(
 
 def control(
     server: Server,
-    registry: ShmRegistry,
+    registry: ClientRegions,
     op: str,
     header: Mapping[str, Any],
     handoff: FdHandoff | None = None,
@@ -302,8 +307,6 @@ def control(
         server.unload_model(model)
         return {}
     if op == "shm_register":
-        name = check_name(protocol.field(header, "name", str))
-        byte_size = protocol.field(header, "byte_size", int, required=False)
         token = protocol.field(header, "token", str, required=False)
         if token is None or handoff is None:
             raise ShmUnavailable(
@@ -312,7 +315,15 @@ def control(
                 "returns; segments are never opened by name"
                 + ("" if handoff is not None else " (this daemon listens on TCP: no descriptor passing)")
             )
-        region = registry.register(name, handoff.claim(token), byte_size)
+        # Claimed first: a registration refused for any reason gives its descriptor back at once.
+        segment = handoff.claim(token, uid=registry.owner.uid)
+        try:
+            name = check_name(protocol.field(header, "name", str))
+            byte_size = protocol.field(header, "byte_size", int, required=False)
+        except BaseException:
+            os.close(segment.fd)
+            raise
+        region = registry.register(name, segment, byte_size)  # closes the descriptor if refused
         return {"region": {"name": region.name, "byte_size": region.byte_size, "zero_copy": region.zero_copy}}
     if op == "shm_unregister":
         return {"unregistered": registry.unregister(protocol.field(header, "name", str, required=False))}

@@ -22,6 +22,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import socket
+import struct
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,8 +31,9 @@ from typing import Any
 
 import zmq
 
-from edge_server.ipc.shm import MAX_REGIONS_PER_CLIENT, ShmRegistry
+from edge_server.ipc import protocol
 from edge_server.request import ResponseSink
+from edge_server.shm import ClientRegions, Owner, Registry
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ class ReplyBacklog:
 @dataclass(eq=False)
 class Peer:
     identity: bytes
-    registry: ShmRegistry
+    registry: ClientRegions  # its shared-memory regions: owned by its uid and this connection
     last_seen: float
     in_flight: set[Future] = field(default_factory=set)
     streams: dict[Any, ResponseSink] = field(default_factory=dict)  # open streams by request id
@@ -106,9 +109,13 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, *, probe_interval: float, max_client_regions: int = MAX_REGIONS_PER_CLIENT) -> None:
+    def __init__(
+        self, *, probe_interval: float, max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS
+    ) -> None:
         self._probe_interval = probe_interval
-        self._max_client_regions = max_client_regions
+        # Every IPC client's regions, each owned by its connection; the daemon-wide bound is the
+        # descriptor budget (set when the frontend starts).
+        self.shm = Registry(max_regions=1 << 30, max_per_user=None, max_per_client=max_client_regions)
         self._peers: dict[bytes, Peer] = {}
         self._next_sweep = time.monotonic() + probe_interval
         self._probe_all_at: float | None = None
@@ -135,12 +142,16 @@ class PeerTable:
     def __len__(self) -> int:
         return len(self._peers)
 
-    def get(self, identity: bytes) -> Peer:
+    def get(self, identity: bytes, frame: zmq.Frame | None = None) -> Peer:
+        """The client ``identity``; a new one is owned by the uid of the connection ``frame`` came on."""
         peer = self._peers.get(identity)
         now = time.monotonic()
         if peer is None:
+            connection = connection_of(frame) if frame is not None else None
+            uid = connection_uid(connection[0]) if connection is not None else -1
+            owner = Owner(uid, identity)
             peer = Peer(
-                identity=identity, registry=ShmRegistry(max_regions=self._max_client_regions), last_seen=now
+                identity=identity, registry=self.shm.client(owner), last_seen=now, connection=connection
             )
             self._peers[identity] = peer
         else:
@@ -155,7 +166,7 @@ class PeerTable:
         return self.requests > 0
 
     def region_count(self) -> int:
-        return sum(len(p.registry) for p in list(self._peers.values()))
+        return self.shm.count()
 
     def drop(self, identity: bytes, why: str) -> list[str]:
         """Forget a client: unmap its regions and cancel what it still has queued."""
@@ -229,6 +240,25 @@ def connection_of(frame: zmq.Frame) -> tuple[int, int]:
         return fd, os.fstat(fd).st_ino
     except (OSError, zmq.ZMQError):
         return -1, -1
+
+
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def connection_uid(fd: int) -> int:
+    """The uid of the process at the other end of Unix socket ``fd`` (SO_PEERCRED); -1 if none (TCP)."""
+    if fd < 0:
+        return -1
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            if conn.family != socket.AF_UNIX:
+                return -1
+            _pid, uid, _gid = _CREDS.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+            )
+    except OSError:
+        return -1
+    return int(uid)
 
 
 def same_connection(connection: tuple[int, int]) -> bool:

@@ -22,7 +22,6 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     MalformedMessage,
-    ShmOutOfBounds,
     TensorSizeMismatch,
     UnsupportedProtocolVersion,
 )
@@ -215,19 +214,6 @@ def wire_datatype(array: np.ndarray) -> str:
         if len(_WIRE_NAMES) < _WIRE_NAMES_MAX:
             _WIRE_NAMES[dtype] = name
     return name
-
-
-def check_span(offset: int, byte_size: int, size: int, what: str, where: str = "") -> None:
-    """Refuse bytes ``offset .. offset + byte_size`` unless they lie inside the ``size`` bytes of ``what``.
-
-    The one bounds rule for shared memory, used by the daemon (registered regions) and by the client
-    (its regions and ring slots).  ``where`` names the tensor, for the message.
-    """
-    if offset < 0 or byte_size < 0 or offset + byte_size > size:
-        prefix = f"{where}: " if where else ""
-        raise ShmOutOfBounds(
-            f"{prefix}bytes {offset}..{offset + byte_size} lie outside {what} ({size} bytes)"
-        )
 
 
 def tensor_shape(desc: Mapping[str, Any], where: str) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 
 * :mod:`~edge_server.kserve.codec`: tensors to and from JSON, raw bytes and the binary extension.
 * :mod:`~edge_server.kserve.service`: the protocol's operations, transport-free (both frontends call it).
-* :mod:`~edge_server.kserve.shm`: Triton's system shared-memory extension (registry, access rule).
+* :mod:`~edge_server.kserve.shm`: Triton's system shared-memory extension (the TCP peer's uid,
+  segments by key; the registry and access rule are :mod:`edge_server.shm`).
 * :mod:`~edge_server.kserve.http`: the HTTP/REST frontend (uvicorn, a bare ASGI app).
 * :mod:`~edge_server.kserve.grpc_frontend`: the gRPC frontend (grpc.aio, Triton's generated protos).
 

@@ -91,6 +91,13 @@ _WIRE_OF: dict[np.dtype, str] = {}
 # -- raw bytes --------------------------------------------------------------------------------------
 
 
+def raw_size(datatype: str, shape: tuple[int, ...]) -> int | None:
+    """The bytes a tensor of ``datatype`` and ``shape`` takes raw; None for BYTES (not fixed)."""
+    if datatype == "BYTES":
+        return None
+    return math.prod(shape) * _WIRE_ITEMSIZE[datatype]
+
+
 def from_raw(
     buffer: bytes | bytearray | memoryview, datatype: str, shape: tuple[int, ...], name: str
 ) -> np.ndarray:

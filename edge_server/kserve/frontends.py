@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from edge_server.kserve.probes import GrpcProbe, LoopProbe, loopback
 from edge_server.kserve.service import KServeService
 from edge_server.kserve.settings import RuntimeSettings
-from edge_server.kserve.shm import SystemShmRegistry
+from edge_server.kserve.shm import SystemSharedMemory
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -96,7 +96,7 @@ class KServeFrontends:
     ) -> None:
         self.options = options
         self.max_message_bytes = max_message_bytes
-        shm = SystemShmRegistry() if options.allow_client_shm else None
+        shm = SystemSharedMemory(max_input_bytes=max_message_bytes) if options.allow_client_shm else None
         self.service = KServeService(server, shm=shm, operator_gid=operator_gid)
         self.service.settings = RuntimeSettings(
             log_verbose=options.log_verbose, log_format=options.log_format

@@ -19,7 +19,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from edge_server.errors import InvalidArgument, TensorSizeMismatch, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
-from edge_server.kserve.shm import Peer
+from edge_server.kserve.shm import InputBudget, Peer
 from edge_server.request import InferRequest, response_parameters
 
 MAX_TENSORS = 1024
@@ -64,6 +64,7 @@ def decode(
     raw = request.raw_input_contents if raw_contents is None else raw_contents
     next_raw = 0
     inputs: dict[str, np.ndarray] = {}
+    budget: InputBudget | None = None  # inputs read from shared memory, all together
     for tensor in request.inputs:
         name = tensor.name
         if name in inputs:
@@ -72,7 +73,9 @@ def decode(
         shape = codec.check_shape(list(tensor.shape), name)
         ref = shm_reference(parameters(tensor.parameters))
         if ref is not None:
-            inputs[name] = service.read_input(ref, datatype, shape, name, peer)
+            if budget is None:
+                budget = service.input_budget()
+            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget)
         elif tensor.HasField("contents"):
             inputs[name] = _from_contents(tensor.contents, datatype, shape, name)
         else:

@@ -278,7 +278,8 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         def work() -> Any:
             response = service_pb2.SystemSharedMemoryStatusResponse()
-            for region in self.service.registry().status(request.name):
+            peer = _peer(context, self.frontend.port)
+            for region in self.service.shm_status(request.name, peer):
                 response.regions[region["name"]].CopyFrom(
                     service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(**region)
                 )
@@ -298,7 +299,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         def work() -> Any:
-            self.service.registry().unregister(request.name)
+            self.service.registry().unregister(request.name, _peer(context, self.frontend.port))
             return service_pb2.SystemSharedMemoryUnregisterResponse()
 
         return self._call(context, work)

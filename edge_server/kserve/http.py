@@ -204,13 +204,13 @@ class KServeHttpApp:
         kind, region, action = match.group(1), match.group(2) or "", match.group(3)
         if kind == "cuda":
             raise Unsupported("CUDA shared memory is not supported by edge-server; use system shared memory")
-        registry = self.service.registry()
         if action == "status":
-            return _json(registry.status(region))
+            return _json(self.service.shm_status(region, _peer(scope)))
+        registry = self.service.registry()
         _expect(scope["method"], "POST", scope["path"])
         request = await self._json_body(receive, headers)
         if action == "unregister":
-            registry.unregister(region)
+            registry.unregister(region, _peer(scope))
             return 200, b"", []
         if not region:
             raise InvalidArgument("register needs a region name: /v2/systemsharedmemory/region/NAME/register")

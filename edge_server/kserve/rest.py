@@ -16,7 +16,7 @@ import numpy as np
 from edge_server.errors import InvalidArgument, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
-from edge_server.kserve.shm import Peer
+from edge_server.kserve.shm import InputBudget, Peer
 from edge_server.request import InferRequest, response_parameters
 
 MAX_TENSORS = 1024
@@ -46,6 +46,7 @@ def decode(
     if not isinstance(entries, list) or not entries or len(entries) > MAX_TENSORS:
         raise InvalidArgument(f"'inputs' must be a list of 1-{MAX_TENSORS} tensors")
     inputs: dict[str, np.ndarray] = {}
+    budget: InputBudget | None = None  # inputs read from shared memory, all together
     for entry in entries:
         if not isinstance(entry, dict):
             raise InvalidArgument("each input must be a JSON object with name, shape, datatype and data")
@@ -59,7 +60,9 @@ def decode(
         params = codec.parameters_of(entry, f"input {name!r}")
         ref = shm_reference(params)
         if ref is not None:
-            inputs[name] = service.read_input(ref, datatype, shape, name, peer)
+            if budget is None:
+                budget = service.input_budget()
+            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget)
         elif "binary_data_size" in params:
             chunk = reader.take(params["binary_data_size"], name)
             inputs[name] = codec.from_raw(chunk, datatype, shape, name)

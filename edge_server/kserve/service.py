@@ -23,9 +23,10 @@ import edge_server
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
-from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid, user_groups
+from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid, user_groups
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
+from edge_server.shm import Lease
 from edge_server.validation import check_parameters
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class OutputWant:
     name: str
     binary: bool = False
     shm: tuple[object, object, object] | None = None  # region, offset, byte_size (checked on use)
+    lease: Lease | None = None  # the region it is written into, held until the request is done
 
 
 def parse_version(version: str | int | None) -> int | None:
@@ -106,7 +108,7 @@ class KServeService:
     """One per daemon; shared by the HTTP and gRPC frontends."""
 
     def __init__(
-        self, server: Server, *, shm: SystemShmRegistry | None = None, operator_gid: int | None = None
+        self, server: Server, *, shm: SystemSharedMemory | None = None, operator_gid: int | None = None
     ) -> None:
         self.server = server
         self.dataplane = server.dataplane
@@ -255,7 +257,7 @@ class KServeService:
 
     # -- system shared memory -------------------------------------------------------------------
 
-    def registry(self) -> SystemShmRegistry:
+    def registry(self) -> SystemSharedMemory:
         if self.shm is None:
             raise Unsupported(
                 "system shared memory is disabled on this server; start it with --allow-client-shm=true"
@@ -263,21 +265,40 @@ class KServeService:
         return self.shm
 
     def read_input(
-        self, ref: tuple[object, object, object], datatype: str, shape: tuple[int, ...], name: str, peer: Peer
+        self,
+        ref: tuple[object, object, object],
+        datatype: str,
+        shape: tuple[int, ...],
+        name: str,
+        peer: Peer,
+        budget: InputBudget | None = None,
     ) -> np.ndarray:
+        """An input from shared memory; ``budget``: what the request's inputs may still read."""
         region, offset, byte_size = ref
-        data = self.registry().read(region, offset, byte_size, peer, f"input {name!r}")
+        want = codec.raw_size(datatype, shape)  # compared before a byte is read; None: strings
+        data = self.registry().read(region, offset, byte_size, want, peer, f"input {name!r}", budget)
         return codec.from_raw(data, datatype, shape, name)
 
+    def input_budget(self) -> InputBudget | None:
+        """One request's budget for inputs read from shared memory (None while it is off)."""
+        return None if self.shm is None else self.shm.budget()
+
+    def shm_status(self, name: str, peer: Peer) -> list[dict[str, Any]]:
+        """The caller's own regions; an empty list while client shared memory is off (as Triton)."""
+        return [] if self.shm is None else self.shm.status(name, peer)
+
     def check_output(self, want: OutputWant, peer: Peer) -> None:
+        """Refuse a bad output reference before the request runs; hold its region until it is written."""
         if want.shm is not None:
-            self.registry().check_output(*want.shm, peer, f"output {want.name!r}")
+            want.lease = self.registry().check_output(*want.shm, peer, f"output {want.name!r}")
 
     def write_output(self, want: OutputWant, raw: bytes, peer: Peer) -> dict[str, Any]:
         """Write an output into its region; the parameters its response entry carries."""
         assert want.shm is not None
         region, offset, byte_size = want.shm
-        self.registry().write(region, offset, byte_size, raw, peer, f"output {want.name!r}")
+        self.registry().write(region, offset, byte_size, raw, peer, f"output {want.name!r}", want.lease)
+        if want.lease is not None:
+            want.lease.close()
         return {
             "shared_memory_region": region,
             "shared_memory_offset": offset or 0,

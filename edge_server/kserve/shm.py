@@ -1,21 +1,23 @@
 """Triton's system shared-memory extension for HTTP and gRPC; off unless ``--allow-client-shm=true``.
 
 A TCP client names a POSIX segment (``/dev/shm/<key>``) and the daemon reads inputs from it and writes
-outputs into it.  Two rules keep that safe next to strangers:
+outputs into it.  The regions live in the daemon's one shared-memory registry
+(:mod:`edge_server.shm`), under the same rules as IPC regions; this module supplies only what is
+particular to KServe:
 
-* **Only memory the client could open itself.**  The peer of a TCP connection on this host is a socket
-  in this network namespace, and the kernel knows the uid that created it: asked by the connection's
-  address pair through sock_diag (netlink), or read from ``/proc/net/tcp`` (and ``tcp6``).  A
-  segment is used for a request only if that uid (its primary and supplementary groups from the user
-  database) passes the segment's owner/group/other permission bits, read for inputs, write for
-  outputs; root passes.  A peer not found there (another host) cannot use shared memory at all.
-* **No mapping, so no SIGBUS.**  The daemon never maps a client's segment: it reads with ``os.pread``
-  and writes with ``os.pwrite`` after checking the registration's bounds and the segment's current size
-  (``fstat``), so a client that shrinks its segment gets an error, not a dead daemon.  Inputs cost one
-  copy into the daemon (the price of that safety; the IPC frontend's descriptor passing avoids it).
+* **Who the peer is.**  The peer of a TCP connection on this host is a socket in this network
+  namespace, and the kernel knows the uid that created it: asked by the connection's address pair
+  through sock_diag (netlink), or read from ``/proc/net/tcp`` (and ``tcp6``).  A peer not found there
+  (another host) cannot use shared memory at all.  That uid owns the regions it registers: other
+  users cannot see, use, unregister or replace them (Triton's regions are global; ours are not).
+* **Only memory the client could open itself.**  The daemon opens the segment by key, so every use
+  is checked against the owner's permission bits (:func:`edge_server.shm.may_use`).
+* **No mapping, so no SIGBUS**, and never more than the tensor needs: a segment opened by key may be
+  shrunk by its owner, so it is read with ``preadv`` and written with ``pwrite`` after checking the
+  registration's bounds and the segment's current size; an input's byte size is compared with its
+  datatype and shape (or, for strings, with the request limit) before a byte is read.
 
-Regions are global, as in Triton: any client may use a region by name, but every use is checked
-against the using peer's uid.  The daemon never creates or unlinks a segment.
+The daemon never creates or unlinks a segment.
 """
 
 from __future__ import annotations
@@ -23,29 +25,28 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import pwd
 import re
 import socket
 import stat
 import struct
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from edge_server.errors import (
     InvalidArgument,
-    ShmAlreadyRegistered,
+    MessageTooLarge,
     ShmNameRejected,
-    ShmNotRegistered,
     ShmOutOfBounds,
     ShmUnavailable,
+    TensorSizeMismatch,
 )
+from edge_server.shm import Lease, Owner, Registry, Segment, may_access, may_use, user_groups
+
+__all__ = ["InputBudget", "Peer", "SystemSharedMemory", "may_access", "peer_uid", "user_groups"]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-MAX_REGIONS = 256
 _KEY = re.compile(r"/?([A-Za-z0-9._-]{1,200})")
 _NAME_MAX = 256
 
@@ -168,70 +169,29 @@ def _scan_uid(
     return None
 
 
-def may_access(uid: int, st: os.stat_result, *, write: bool) -> bool:
-    """Whether ``uid`` passes the permission bits of ``st`` (read, or write) as open(2) would check."""
-    if uid == 0:
-        return True
-    if uid == st.st_uid:
-        bit = stat.S_IWUSR if write else stat.S_IRUSR
-    elif st.st_gid in _groups(uid):
-        bit = stat.S_IWGRP if write else stat.S_IRGRP
-    else:
-        bit = stat.S_IWOTH if write else stat.S_IROTH
-    return bool(st.st_mode & bit)
+class SystemSharedMemory:
+    """Triton's register/unregister/status and tensor reads and writes, over the one registry.
 
+    ``max_input_bytes``: the most one input may take from shared memory when its size is not fixed
+    by its datatype and shape (strings): the request limit, as for a body.
+    """
 
-def user_groups(uid: int) -> set[int]:
-    """The primary and supplementary groups of ``uid`` in the user database (empty if unknown)."""
-    return _groups(uid)
-
-
-def _groups(uid: int) -> set[int]:
-    try:
-        entry = pwd.getpwuid(uid)
-    except KeyError:
-        return set()
-    return set(os.getgrouplist(entry.pw_name, entry.pw_gid))
-
-
-class _Region:
-    """One registered segment: an open fd (closed when the last user lets go), its bounds."""
-
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int) -> None:
-        self.name = name
-        self.key = key
-        self.offset = offset
-        self.byte_size = byte_size
-        self.fd = fd
-        # In-flight requests may hold the region after it is unregistered; the fd must not be closed
-        # (and its number reused for another file) under them.
-        weakref.finalize(self, os.close, fd)
-
-    def span(self, offset: int, byte_size: int, where: str) -> int:
-        """The absolute file offset of ``offset .. offset + byte_size`` inside the region, checked."""
-        if offset < 0 or byte_size < 0 or offset + byte_size > self.byte_size:
-            raise ShmOutOfBounds(
-                f"{where}: bytes {offset}..{offset + byte_size} lie outside shared-memory region "
-                f"{self.name!r} ({self.byte_size} bytes)"
-            )
-        start = self.offset + offset
-        size = os.fstat(self.fd).st_size
-        if start + byte_size > size:
-            raise ShmOutOfBounds(
-                f"{where}: region {self.name!r} needs bytes up to {start + byte_size} of segment "
-                f"{self.key!r}, which now has {size}"
-            )
-        return start
-
-
-class SystemShmRegistry:
-    """Named regions of client segments; reads and writes checked against the using peer's uid."""
-
-    def __init__(self, *, shm_dir: str = SHM_DIR, proc_net: str = "/proc/net") -> None:
+    def __init__(
+        self,
+        registry: Registry | None = None,
+        *,
+        max_input_bytes: int,
+        shm_dir: str = SHM_DIR,
+        proc_net: str = "/proc/net",
+    ) -> None:
+        self.registry = registry if registry is not None else Registry()
+        self.max_input_bytes = max_input_bytes
         self._dir = shm_dir
         self._proc_net = proc_net
-        self._lock = threading.Lock()
-        self._regions: dict[str, _Region] = {}
+
+    def owner(self, peer: Peer) -> Owner:
+        """Every connection of one uid is one owner (HTTP clients reconnect at will)."""
+        return Owner(self._uid(peer))
 
     def register(self, name: object, key: object, offset: object, byte_size: object, peer: Peer) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= _NAME_MAX:
@@ -239,102 +199,120 @@ class SystemShmRegistry:
         match = _KEY.fullmatch(key) if isinstance(key, str) else None
         if match is None or match.group(1) in (".", ".."):
             raise ShmNameRejected(
-                f"shared-memory key {key!r} is not allowed: use '/' and 1-200 characters from [A-Za-z0-9._-]"
+                f"shared-memory key {str(key)[:60]!r} is not allowed: use '/' and 1-200 characters "
+                "from [A-Za-z0-9._-]"
             )
         for field, value in (("offset", offset), ("byte_size", byte_size)):
             if type(value) is not int or value < 0:
                 raise InvalidArgument(f"region {name!r}: {field} must be a non-negative integer")
-        assert isinstance(offset, int) and isinstance(byte_size, int)
-        uid = self._uid(peer)
-        path = os.path.join(self._dir, match.group(1))
+        assert isinstance(offset, int) and isinstance(byte_size, int) and isinstance(key, str)
+        owner = self.owner(peer)
+        segment = self._open(key, match.group(1), owner.uid)
+        self.registry.register(owner, name, segment, byte_size, offset)  # owns the fd from here on
+        log.debug("registered region %s (%s, %d+%d) for uid %d", name, key, offset, byte_size, owner.uid)
+
+    def _open(self, key: str, file_name: str, uid: int) -> Segment:
+        path = os.path.join(self._dir, file_name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise ShmUnavailable(f"cannot open shared-memory key {key!r}: {exc.strerror}") from None
-        region = _Region(name, str(key), offset, byte_size, fd)  # owns fd from here on
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ShmUnavailable(f"shared-memory key {key!r} is not a shared-memory segment")
-        if not (may_access(uid, st, write=False) or may_access(uid, st, write=True)):
-            raise ShmUnavailable(f"shared-memory key {key!r}: permission denied for the client's user")
-        if offset + byte_size > st.st_size:
-            raise ShmOutOfBounds(
-                f"region {name!r}: bytes {offset}..{offset + byte_size} lie outside segment {key!r} "
-                f"({st.st_size} bytes)"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ShmUnavailable(f"shared-memory key {key!r} is not a shared-memory segment")
+            if not (may_access(uid, st, write=False) or may_access(uid, st, write=True)):
+                raise ShmUnavailable(f"shared-memory key {key!r}: permission denied for the client's user")
+        except BaseException:
+            os.close(fd)
+            raise
+        return Segment(fd=fd, size=st.st_size, sealed=False, writable=True, uid=uid, proven=False, key=key)
+
+    def unregister(self, name: str, peer: Peer) -> None:
+        """Unregister the caller's region, or all of the caller's regions when ``name`` is empty.
+
+        Unknown names are no error (as in Triton); another user's regions are never touched.
+        """
+        self.registry.unregister(self.owner(peer), name or None, missing_ok=True)
+
+    def status(self, name: str, peer: Peer) -> list[dict[str, Any]]:
+        regions = self.registry.regions(self.owner(peer), name or None)
+        return [
+            {"name": r.name, "key": r.segment.key, "offset": r.base, "byte_size": r.byte_size}
+            for r in regions
+        ]
+
+    def read(
+        self,
+        name: object,
+        offset: object,
+        byte_size: object,
+        want: int | None,
+        peer: Peer,
+        where: str,
+        budget: InputBudget | None = None,
+    ) -> bytes:
+        """An input tensor's bytes, copied out of the segment.
+
+        Checked before anything is read: ``want`` (the bytes its datatype and shape need; None for
+        strings), and the request's ``budget`` (what all its inputs together may read, the request
+        limit, as for a body; without one, this input alone is held to the limit).
+        """
+        offset, byte_size = _span(offset, byte_size, where)
+        if want is not None and byte_size != want:
+            raise TensorSizeMismatch(
+                f"{where}: the tensor needs {want} bytes, its shared-memory reference holds {byte_size}"
             )
-        with self._lock:
-            if name in self._regions:
-                raise ShmAlreadyRegistered(f"a shared-memory region named {name!r} is already registered")
-            if len(self._regions) >= MAX_REGIONS:
-                raise InvalidArgument(f"at most {MAX_REGIONS} shared-memory regions may be registered")
-            self._regions[name] = region
-        log.debug("registered region %s (%s, %d+%d) for uid %d", name, key, offset, byte_size, uid)
+        (budget or self.budget()).take(byte_size, where)
+        region = self.registry.use(self.owner(peer), name, where)
+        return bytes(region.read(offset, byte_size, where))
 
-    def unregister(self, name: str = "") -> None:
-        """Unregister one region, or every region when ``name`` is empty (unknown names are no error)."""
-        with self._lock:
-            if name:
-                self._regions.pop(name, None)
-            else:
-                self._regions.clear()
-
-    def status(self, name: str = "") -> list[dict[str, Any]]:
-        with self._lock:
-            if name and name not in self._regions:
-                raise ShmNotRegistered(f"no shared-memory region named {name!r} is registered")
-            chosen = [self._regions[name]] if name else list(self._regions.values())
-        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in chosen]
-
-    def read(self, name: object, offset: object, byte_size: object, peer: Peer, where: str) -> bytes:
-        """The bytes of an input tensor, copied out of the segment with ``pread``."""
-        region, offset, byte_size = self._use(name, offset, byte_size, peer, where, write=False)
-        start = region.span(offset, byte_size, where)
-        data = os.pread(region.fd, byte_size, start)
-        if len(data) != byte_size:  # shrunk between fstat and pread
-            raise ShmOutOfBounds(f"{where}: segment {region.key!r} shrank while it was read")
-        return data
+    def budget(self) -> InputBudget:
+        """A fresh budget for one request's inputs."""
+        return InputBudget(self.max_input_bytes)
 
     def write(
-        self, name: object, offset: object, byte_size: object, data: bytes, peer: Peer, where: str
+        self,
+        name: object,
+        offset: object,
+        byte_size: object,
+        data: bytes,
+        peer: Peer,
+        where: str,
+        lease: Lease | None = None,
     ) -> None:
-        """Write an output tensor's bytes into the segment with ``pwrite``; they must fit ``byte_size``."""
-        region, offset, byte_size = self._use(name, offset, byte_size, peer, where, write=True)
+        """Write an output tensor's bytes into the segment with ``pwrite``; they must fit ``byte_size``.
+
+        ``lease``: the region the request held since :meth:`check_output` (still there if the client
+        unregistered it meanwhile); without one the region is looked up by name now.
+        """
+        offset, byte_size = _span(offset, byte_size, where)
+        if lease is not None:
+            region = lease.region
+            if not may_use(self.owner(peer), region, write=True):
+                raise ShmUnavailable(
+                    f"{where}: the client's user may not write segment {region.segment.key!r}"
+                )
+        else:
+            region = self.registry.use(self.owner(peer), name, where, write=True)
         if len(data) > byte_size:
             raise ShmOutOfBounds(
                 f"{where}: the output has {len(data)} bytes, the shared-memory span holds {byte_size}"
             )
-        start = region.span(offset, len(data), where)
-        view = memoryview(data)
-        while view:
-            written = os.pwrite(region.fd, view, start)
-            view, start = view[written:], start + written
+        region.write(offset, data, where)
 
-    def check_output(self, name: object, offset: object, byte_size: object, peer: Peer, where: str) -> None:
-        """Refuse an output reference before the request runs (unknown region, bounds, permission)."""
-        region, offset, byte_size = self._use(name, offset, byte_size, peer, where, write=True)
-        region.span(offset, byte_size, where)
+    def check_output(self, name: object, offset: object, byte_size: object, peer: Peer, where: str) -> Lease:
+        """Refuse an output reference before the request runs (unknown region, bounds, permission).
 
-    def _use(
-        self, name: object, offset: object, byte_size: object, peer: Peer, where: str, *, write: bool
-    ) -> tuple[_Region, int, int]:
-        if not isinstance(name, str):
-            raise InvalidArgument(f"{where}: shared_memory_region must be a string")
-        if offset is None:
-            offset = 0
-        for field, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
-            if type(value) is not int or value < 0:
-                raise InvalidArgument(f"{where}: {field} must be a non-negative integer")
-        assert isinstance(offset, int) and isinstance(byte_size, int)
-        with self._lock:
-            region = self._regions.get(name)
-        if region is None:
-            raise ShmNotRegistered(f"{where}: no shared-memory region named {name!r} is registered")
-        uid = self._uid(peer)
-        if not may_access(uid, os.fstat(region.fd), write=write):
-            raise ShmUnavailable(
-                f"{where}: the client's user may not {'write' if write else 'read'} segment {region.key!r}"
-            )
-        return region, offset, byte_size
+        The lease keeps the region registered until the output is written (or the request is dropped).
+        """
+        offset, byte_size = _span(offset, byte_size, where)
+        lease = self.registry.hold(self.owner(peer), name, where)
+        lease.region.check(offset, byte_size, where, output=True)
+        return lease
+
+    def close(self) -> None:
+        self.registry.close()
 
     def _uid(self, peer: Peer) -> int:
         if peer.uid is not None:
@@ -346,3 +324,37 @@ class SystemShmRegistry:
             )
         peer.uid = uid
         return uid
+
+
+class InputBudget:
+    """Bytes one request may still copy out of shared memory: the request limit, as for a body.
+
+    A copied input costs the daemon its size in memory, so a request naming a sparse segment of
+    gigabytes must be refused before anything is read, not after.
+    """
+
+    __slots__ = ("limit", "left")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def take(self, nbytes: int, where: str) -> None:
+        if nbytes > self.left:
+            total = self.limit - self.left + nbytes
+            raise MessageTooLarge(
+                f"{where}: the request's inputs in shared memory would take {total} "
+                f"bytes; this server takes at most {self.limit} per request (its limit, as for a body; "
+                "--max-message-bytes)"
+            )
+        self.left -= nbytes
+
+
+def _span(offset: object, byte_size: object, where: str) -> tuple[int, int]:
+    if offset is None:
+        offset = 0
+    for field, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
+        if type(value) is not int or value < 0:
+            raise InvalidArgument(f"{where}: {field} must be a non-negative integer")
+    assert isinstance(offset, int) and isinstance(byte_size, int)
+    return offset, byte_size
