@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import edge_server
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
+from edge_server.authorization import ControlPolicy
+from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
-from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid, user_groups
+from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.validation import check_parameters
@@ -106,32 +106,27 @@ class KServeService:
     """One per daemon; shared by the HTTP and gRPC frontends."""
 
     def __init__(
-        self, server: Server, *, shm: SystemShmRegistry | None = None, operator_gid: int | None = None
+        self,
+        server: Server,
+        *,
+        shm: SystemShmRegistry | None = None,
+        control_policy: ControlPolicy | None = None,
     ) -> None:
         self.server = server
         self.dataplane = server.dataplane
         self.shm = shm
-        self.operator_gid = operator_gid
+        self.control_policy = control_policy or ControlPolicy()
         self.settings = RuntimeSettings()  # the frontends' log and trace settings, one for both
 
     def authorize_control(self, peer: Peer, what: str) -> None:
-        """Load and unload, as over IPC: the daemon's user or group, root, or ``--operator-group``.
+        """Control (load, unload, log and trace settings): :class:`ControlPolicy`, as over IPC.
 
         The caller's uid comes from the kernel's socket table (see :mod:`edge_server.kserve.shm`); a
         caller that is not on this host may not change what is served.
         """
-        uid = peer.uid if peer.uid is not None else peer_uid(peer)
-        if uid is not None:
-            peer.uid = uid
-            groups = user_groups(uid)
-            if uid in (0, os.geteuid()) or os.getegid() in groups or self.operator_gid in groups:
-                return
-        raise PermissionDenied(
-            f"{what} is allowed to the daemon's user and group"
-            + (" and its operator group" if self.operator_gid is not None else "")
-            + (f"; uid {uid} is neither" if uid is not None else "; the caller is not on this host")
-            + " (inference stays open to every client)"
-        )
+        if peer.uid is None:
+            peer.uid = peer_uid(peer)
+        self.control_policy.authorize(peer.uid, what)
 
     # -- health and metadata ------------------------------------------------------------------
 
