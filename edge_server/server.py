@@ -29,6 +29,7 @@ from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, Listener, ModelManager
 from edge_server.request import InferRequest, RequestOptions
 from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.streaming import AsyncResponseIterator, ResponseIterator
+from edge_server.versions import parse_version
 from edge_server.watcher import RepositoryWatcher
 
 if TYPE_CHECKING:
@@ -213,13 +214,13 @@ class Server:
         return self._manager.index()
 
     def model_config(self, model: str, version: int | None = None) -> ModelConfig:
-        return self._dataplane.config(model, version)
+        return self._dataplane.config(model, parse_version(version))
 
     def model_metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
-        return self._dataplane.metadata(model, version)
+        return self._dataplane.metadata(model, parse_version(version))
 
     def statistics(self, model: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
-        return self._dataplane.statistics(model, version)
+        return self._dataplane.statistics(model, parse_version(version))
 
     def is_ready(self, model: str | None = None, version: int | None = None) -> bool:
         if self._closed.is_set():
@@ -227,7 +228,7 @@ class Server:
         if model is None:
             return True if self.service is None else self.service.is_ready()
         try:
-            self._manager.resolve(model, version)
+            self._manager.resolve(model, parse_version(version))
         except EdgeServerError:
             return False
         return True

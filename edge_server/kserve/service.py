@@ -20,13 +20,14 @@ import numpy as np
 
 import edge_server
 from edge_server.authorization import ControlPolicy
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported
+from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported, shorten
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.validation import check_parameters
+from edge_server.versions import parse_version
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -79,17 +80,6 @@ class OutputWant:
     name: str
     binary: bool = False
     shm: tuple[object, object, object] | None = None  # region, offset, byte_size (checked on use)
-
-
-def parse_version(version: str | int | None) -> int | None:
-    """KServe versions are strings; '' means the serving (latest) version."""
-    if version is None or version == "":
-        return None
-    if isinstance(version, int) and not isinstance(version, bool):
-        return version
-    if isinstance(version, str) and version.isdigit() and len(version) < 19:
-        return int(version)
-    raise InvalidArgument(f"model version must be a positive integer, got {version!r}")
 
 
 def shm_reference(params: Mapping[str, Any]) -> tuple[object, object, object] | None:
@@ -192,7 +182,7 @@ class KServeService:
     def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
         """Drain and unload every version of ``name`` (blocks until done)."""
         if not any(s.name == name for s in self.server.models()):
-            raise ModelNotFound(f"unknown model {name!r}")
+            raise ModelNotFound(f"unknown model {shorten(name)}")
         self.server.unload_model(name)
 
     # -- inference ------------------------------------------------------------------------------
@@ -261,7 +251,7 @@ class KServeService:
         self, ref: tuple[object, object, object], datatype: str, shape: tuple[int, ...], name: str, peer: Peer
     ) -> np.ndarray:
         region, offset, byte_size = ref
-        data = self.registry().read(region, offset, byte_size, peer, f"input {name!r}")
+        data = self.registry().read(region, offset, byte_size, peer, f"input {shorten(name)}")
         return codec.from_raw(data, datatype, shape, name)
 
     def check_output(self, want: OutputWant, peer: Peer) -> None:
