@@ -6,6 +6,12 @@ nothing of the daemon's threads or sockets is inherited) that imports ``model.py
 private pipe.  Requests and responses cross as described in ``python_wire.py``: fields in small
 msgpack messages, tensors through two ``memfd`` arenas owned by this instance.
 
+Each stub runs in a process group of its own, and its exit is seen by its pid, not by the end of its
+pipe: a model that forks (``multiprocessing``) and then dies leaves a child holding the pipe open, so
+EOF would never come.  When the stub exits, a watcher thread kills what is left of its group and ends
+the pipe from the daemon's side; killing an instance (a failure, an unload, the daemon's stop) kills
+the whole group, so no forked worker or stopped stub outlives it.
+
 When the process dies (``os._exit``, a segfault in native code, an OOM kill) or its pipe breaks,
 the batch it was running fails with :class:`~edge_server.errors.InstanceFailed` and the instance
 refuses all further work; the scheduler then replaces it (restart with back-off).  A failure in the
@@ -134,6 +140,7 @@ class _Child:
                 pass_fds=fds,
                 stdin=subprocess.DEVNULL,
                 env=env,
+                start_new_session=True,  # its own process group: see kill()
             )
         except BaseException:
             mine.close()
@@ -144,10 +151,51 @@ class _Child:
         self._replies: queue.SimpleQueue[dict[str, Any] | None] | None = None
         #: the model's BLS calls (``bls`` messages), read by :meth:`call` or by the reader thread
         self.on_bls: Callable[[dict[str, Any]], None] | None = None
+        self._exit_lock = threading.Lock()
+        self._on_exit: Callable[[int], None] | None = None
+        self.returncode: int | None = None  # set by the exit watcher, once the stub has exited
+        self._group_dead = False  # the watcher killed the group after the stub exited: never again
+        self._watcher = threading.Thread(target=self._watch_exit, name=f"edge-{label}-exit", daemon=True)
+        self._watcher.start()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def _watch_exit(self) -> None:
+        """Wait for the stub's pid; then kill what is left of its group and end the pipe here.
+
+        The stub's exit, not EOF, is the signal: a process the model forked holds the pipe open.
+        """
+        returncode = self.proc.wait()
+        self._kill_group()
+        with self._exit_lock:
+            self._group_dead = True  # its id may be reused from now on
+        self.channel.shutdown()  # a call waiting for a reply gets ChannelClosed now
+        with self._exit_lock:
+            self.returncode = returncode
+            callback = self._on_exit
+        if callback is not None:
+            callback(returncode)
+
+    def on_exit(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(returncode)`` (once, in the watcher thread, or now if it already exited)."""
+        with self._exit_lock:
+            returncode = self.returncode
+            if returncode is None:
+                self._on_exit = callback
+                return
+        callback(returncode)
+
+    def _kill_group(self) -> None:
+        # The group's id is the stub's pid, which the kernel does not reuse while the group has members.
+        with self._exit_lock:
+            if self._group_dead:
+                return
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def start_reader(
         self, name: str, on_send: Callable[[dict[str, Any]], None], on_gone: Callable[[], None]
@@ -211,11 +259,16 @@ class _Child:
         except subprocess.TimeoutExpired:
             self.kill()
             return self.proc.returncode
+        finally:
+            self._kill_group()  # what it forked goes with it
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """Kill the stub and everything in its process group (forked workers, a stopped stub)."""
+        self._kill_group()
+        self.proc.wait()
+        if threading.current_thread() is not self._watcher:
+            # It has seen the exit and only finishes its callback (bounded: never wait on a lock cycle).
+            self._watcher.join(1.0)
 
     def stop(self, timeout: float) -> None:
         """Ask the child to finalize and exit; kill it when it does not within ``timeout``."""
@@ -359,8 +412,8 @@ class IsolatedPythonBackend(Backend):
         child = self._child
         assert child is not None
 
-        def wait() -> None:
-            returncode = child.proc.wait()
+        def exited(returncode: int) -> None:
+            # While busy, execute() sees the pipe end (the exit watcher ended it) and reports itself.
             if self._closing or self._busy or self._failure is not None:
                 return
             self._failure = InstanceFailed(
@@ -370,7 +423,7 @@ class IsolatedPythonBackend(Backend):
             log.error("%s", self._failure.message)
             report(self._failure)
 
-        threading.Thread(target=wait, name=f"edge-{self._name}-watch", daemon=True).start()
+        child.on_exit(exited)
 
     @property
     def pid(self) -> int | None:
