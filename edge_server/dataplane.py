@@ -81,7 +81,7 @@ class DataPlane:
             if request.correlation_id:
                 # A sequence that started before a reload finishes on the version it started on (and a
                 # second start of it is refused there, as it would be without a reload).
-                loaded = self._manager.sequence_holder(request.model, request.correlation_id)
+                loaded = self._manager.sequence_holder(request.model, request.correlation_id, request.owner)
             if loaded is None or (request.version is not None and loaded.version != request.version):
                 loaded = self._manager.resolve(request.model, request.version)
             item, shape_key = loaded.validator(request)

@@ -170,11 +170,13 @@ class ModelManager:
             if why:
                 raise ModelNotReady(f"ensemble {ensemble.name!r} is not ready: {why}")
 
-    def sequence_holder(self, name: str, correlation_id: int | str) -> LoadedVersion | None:
-        """The retiring version of ``name`` on which sequence ``correlation_id`` is still live, if any."""
+    def sequence_holder(
+        self, name: str, correlation_id: int | str, owner: int | None = None
+    ) -> LoadedVersion | None:
+        """The retiring version of ``name`` on which ``owner``'s sequence ``correlation_id`` is live."""
         for loaded in self._sequence_holders.get(name, ()):
             scheduler = loaded.scheduler
-            if isinstance(scheduler, SequenceScheduler) and scheduler.holds(correlation_id):
+            if isinstance(scheduler, SequenceScheduler) and scheduler.holds(correlation_id, owner):
                 return loaded
         return None
 

@@ -146,6 +146,7 @@ class RequestValidator:
             item.parameters = check_parameters(request.parameters)
         if request.correlation_id or request.sequence_start or request.sequence_end:
             item.correlation_id = request.correlation_id
+            item.owner = request.owner
             item.flags = (REQUEST_FLAG_SEQUENCE_START if request.sequence_start else 0) | (
                 REQUEST_FLAG_SEQUENCE_END if request.sequence_end else 0
             )

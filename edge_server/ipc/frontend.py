@@ -390,6 +390,8 @@ class IpcFrontend:
             peer = self._peers.get(identity)
             if peer.connection is None:
                 peer.connection = connection_of(head)
+                uid = peer_uid(head)
+                peer.uid = -1 if uid is None else uid
             if op == "infer":
                 self._infer(peer, identity, rid, header, frames[2:])
                 return
@@ -450,6 +452,8 @@ class IpcFrontend:
     def _infer(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
         self._admit(peer)
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
+        if request.correlation_id:
+            request.owner = peer.uid  # the sequence belongs to this user (scheduler.sequence)
         outcome = self._dataplane.dispatch(request)
         if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
             assert self._sock is not None
@@ -461,6 +465,8 @@ class IpcFrontend:
     def _stream(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
         self._admit(peer)
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
+        if request.correlation_id:
+            request.owner = peer.uid  # the sequence belongs to this user (scheduler.sequence)
         if ctx.shm_outputs:
             raise InvalidArgument("the responses of a stream travel inline; leave out 'shm' in 'outputs'")
         if rid is None or rid in peer.streams:

@@ -99,6 +99,8 @@ class Peer:
     #: its connection (ZMQ_SRCFD and the socket's inode, to be sure the number was not reused);
     #: None: not asked yet, (-1, -1): libzmq did not say
     connection: tuple[int, int] | None = None
+    #: the client's uid (SO_PEERCRED), asked with ``connection``; -1 where there is none (tcp://)
+    uid: int = -1
 
     @property
     def holds_state(self) -> bool:

@@ -101,6 +101,7 @@ def decode(
         inputs=inputs,
         outputs=wants,
         parameters=parameters(request.parameters),
+        peer=peer,
     )
     for want in wants or ():
         service.check_output(want, peer)

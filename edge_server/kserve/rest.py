@@ -86,6 +86,7 @@ def decode(
         inputs=inputs,
         outputs=wants,
         parameters=params,
+        peer=peer,
     )
     for want in wants or ():
         service.check_output(want, peer)

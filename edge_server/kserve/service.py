@@ -196,8 +196,12 @@ class KServeService:
         inputs: dict[str, np.ndarray],
         outputs: list[OutputWant] | None,
         parameters: Mapping[str, Any],
+        peer: Peer | None = None,
     ) -> InferRequest:
-        """The data plane's request; reserved parameters become its fields, the others reach the model."""
+        """The data plane's request; reserved parameters become its fields, the others reach the model.
+
+        A sequence's request carries the ``peer``'s uid as its owner (see scheduler.sequence).
+        """
         if not parameters:
             return InferRequest(
                 model=model,
@@ -224,7 +228,17 @@ class KServeService:
             correlation_id=sequence_id,
             sequence_start=_bool_param(parameters, "sequence_start"),
             sequence_end=_bool_param(parameters, "sequence_end"),
+            owner=self._owner(peer) if sequence_id else None,
         )
+
+    @staticmethod
+    def _owner(peer: Peer | None) -> int:
+        """The uid of the client on the other end of ``peer`` (-1: not on this host, or not known)."""
+        if peer is None:
+            return -1
+        if peer.uid is None:
+            peer.uid = peer_uid(peer)
+        return -1 if peer.uid is None else peer.uid
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Run ``request``; a cheap model answers inline on the caller's (event loop) thread."""
