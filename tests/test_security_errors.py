@@ -142,3 +142,15 @@ def test_a_60000_character_model_name_is_echoed_cut_the_same_way_everywhere(kser
     for message in messages:
         assert len(message) < 500, message[:200]
         assert "'mmmmmmmm" in message and "(60000 chars)" in message, message
+
+
+def test_one_echo_rule_for_client_text() -> None:
+    """errors.shorten quotes a client's text the same way everywhere; no message outgrows the cap."""
+    from edge_server.errors import MAX_MESSAGE, InvalidArgument, shorten
+
+    assert shorten("identity") == "'identity'"
+    cut = shorten("m" * 60_000)
+    assert cut.startswith("'mmmm") and cut.endswith("... (60000 chars)") and len(cut) < 100
+    assert shorten(b"x" * 1000).endswith("... (1000 bytes)")
+    assert len(shorten(list(range(100_000)))) < 100  # never builds the whole repr
+    assert len(InvalidArgument("x" * 100_000).message) <= MAX_MESSAGE

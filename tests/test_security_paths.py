@@ -93,3 +93,44 @@ def test_a_symlink_in_the_version_directory_cannot_lead_out(
         link.unlink()
     assert still_serves(http)
     http.load_model("identity")  # back to config.pbtxt
+
+
+@pytest.mark.parametrize(
+    ("relative", "why"),
+    [
+        ("/etc/passwd", "absolute"),
+        ("../../x", "leads outside"),
+        ("", "absolute or empty"),
+        ("a/../../x", "leads outside"),
+    ],
+)
+def test_every_config_path_is_resolved_inside_its_directory(tmp_path: Path, relative: str, why: str) -> None:
+    """The one rule behind the model file, warm-up data and initial state (edge_server.paths)."""
+    from edge_server.errors import ConfigError
+    from edge_server.paths import inside
+
+    base = tmp_path / "model" / "1"
+    (base / "warmup").mkdir(parents=True)
+    (base / "warmup" / "data.bin").write_bytes(b"\0")
+    assert inside(base / "warmup", "data.bin", "input_data_file") == (base / "warmup" / "data.bin").resolve()
+    assert inside(base, "warmup/../warmup/data.bin", "x") == (base / "warmup" / "data.bin").resolve()
+    with pytest.raises(ConfigError, match=why):
+        inside(base / "warmup", relative, "input_data_file")
+
+
+def test_a_warmup_file_outside_the_warmup_directory_fails_the_load(tmp_path: Path) -> None:
+    from edge_server.errors import EdgeServerError
+    from edge_server.server import Server
+
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    config = (repo / "identity" / "config.pbtxt").read_text() + (
+        'model_warmup [ { name: "w" batch_size: 1 inputs { key: "INPUT0" value: { data_type: TYPE_FP32 '
+        'dims: [ 4 ] input_data_file: "../../../secret.bin" } } } ]\n'
+    )
+    (repo / "identity" / "config.pbtxt").write_text(config)
+    with Server(repo, model_control_mode="explicit") as server:
+        with pytest.raises(EdgeServerError, match="leads outside"):
+            server.load_model("identity")
