@@ -45,12 +45,15 @@ def get(server: KServeDaemon, path: str) -> tuple[int, str]:
         conn.close()
 
 
-@pytest.mark.parametrize("shape", [[2**63], [2**62, 4], [2**32, 2**32], [0, 2**63]])
-def test_http_shapes_past_2_63_are_invalid_arguments(kserve: KServeDaemon, shape: list[int]) -> None:
+@pytest.mark.parametrize("shape", [[2**63], [2**62, 4], [2**32, 2**32], [0, 2**63], [0, 2**62, 2**62]])
+@pytest.mark.parametrize("data", [[], [1.0]])
+def test_http_shapes_past_2_63_are_invalid_arguments(
+    kserve: KServeDaemon, shape: list[int], data: list[float]
+) -> None:
     status, body = post(
         kserve,
         "/v2/models/identity/infer",
-        {"inputs": [{"name": "INPUT0", "shape": shape, "datatype": "FP32"}]},
+        {"inputs": [{"name": "INPUT0", "shape": shape, "datatype": "FP32", "data": data}]},
     )
     assert status == 400, body
     assert "INVALID_ARGUMENT" in body and "INPUT0" in body
