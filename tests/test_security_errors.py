@@ -74,10 +74,14 @@ def grpc_infer(
     return "OK", ""
 
 
-def test_grpc_shapes_past_2_63_are_invalid_arguments(kserve: KServeDaemon) -> None:
-    tensor = service_pb2.ModelInferRequest.InferInputTensor(name="INPUT0", datatype="FP32", shape=[2**62, 4])
+@pytest.mark.parametrize("shape", [[2**62, 4], [0, 2**62, 2**62], [0, 2**40, 2**40]])
+def test_grpc_shapes_past_2_63_are_invalid_arguments(kserve: KServeDaemon, shape: list[int]) -> None:
+    contents = service_pb2.InferTensorContents(fp32_contents=[])
+    tensor = service_pb2.ModelInferRequest.InferInputTensor(
+        name="INPUT0", datatype="FP32", shape=shape, contents=contents
+    )
     code, details = grpc_infer(kserve, "identity", tensor)
-    assert code == "INVALID_ARGUMENT" and "INPUT0" in details
+    assert code == "INVALID_ARGUMENT" and "INPUT0" in details, details
 
 
 @pytest.mark.parametrize(
