@@ -152,14 +152,14 @@ class Server:
         ``sequence_start``, ``sequence_end``.
         """
         self._check_open()
-        return self._dataplane.submit(InferRequest(model=model, inputs=inputs, **options))
+        return self._dataplane.submit(_request(model, inputs, options))
 
     def infer(
         self, model: str, inputs: Mapping[str, np.ndarray], **options: Unpack[RequestOptions]
     ) -> dict[str, np.ndarray]:
         """Run one request and wait for its outputs; failures raise an :class:`EdgeServerError`."""
         self._check_open()
-        outcome = self._dataplane.dispatch(InferRequest(model=model, inputs=inputs, **options))
+        outcome = self._dataplane.dispatch(_request(model, inputs, options))
         # the outputs themselves when the request ran in this thread
         return outcome.result() if isinstance(outcome, Future) else outcome
 
@@ -185,7 +185,7 @@ class Server:
         """
         self._check_open()
         responses = ResponseIterator(timeout)
-        self._dataplane.stream(InferRequest(model=model, inputs=inputs, **options), responses)
+        self._dataplane.stream(_request(model, inputs, options), responses)
         return responses
 
     async def stream_async(
@@ -199,7 +199,7 @@ class Server:
         """:meth:`stream` for asyncio: ``async for outputs in await server.stream_async(...)``."""
         self._check_open()
         responses = AsyncResponseIterator(timeout)
-        self._dataplane.stream(InferRequest(model=model, inputs=inputs, **options), responses)
+        self._dataplane.stream(_request(model, inputs, options), responses)
         return responses
 
     @property
@@ -322,3 +322,10 @@ class Server:
                 "model control is disabled (model_control_mode 'none'); start with "
                 "--model-control-mode explicit or poll to load and unload models"
             )
+
+
+def _request(model: str, inputs: Mapping[str, np.ndarray], options: RequestOptions) -> InferRequest:
+    """The in-process API's request; its version goes through the parser every frontend uses."""
+    if options.get("version") is not None:
+        options["version"] = parse_version(options["version"])
+    return InferRequest(model=model, inputs=inputs, **options)

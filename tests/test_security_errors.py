@@ -161,3 +161,25 @@ def test_one_echo_rule_for_client_text() -> None:
     assert shorten(b"x" * 1000).endswith("... (1000 bytes)")
     assert len(shorten(list(range(100_000)))) < 100  # never builds the whole repr
     assert len(InvalidArgument("x" * 100_000).message) <= MAX_MESSAGE
+
+
+def test_the_in_process_api_parses_versions_the_same_way(tmp_path: object) -> None:
+    import shutil
+    from pathlib import Path
+
+    from edge_server.errors import InvalidArgument
+    from edge_server.server import Server
+    from tests.daemon import EXAMPLES
+
+    repo = Path(str(tmp_path)) / "repo"
+    shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
+    x = {"INPUT0": np.zeros(2, np.float32)}
+    with Server(repo, model_control_mode="explicit", load_models=["identity"]) as server:
+        for call in (
+            lambda: server.infer("identity", x, version=LONG_VERSION),  # type: ignore[arg-type]
+            lambda: server.model_config("identity", LONG_VERSION),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(InvalidArgument, match="model version must be") as caught:
+                call()
+            assert len(caught.value.message) < 300
+        assert server.infer("identity", x, version=1)["OUTPUT0"].tolist() == [0, 0]
