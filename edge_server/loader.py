@@ -106,6 +106,9 @@ def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
         # whole, before anything reads it, and the version that served goes on serving.
         for version_dir in source.versions.values():
             inside(version_dir, config.model_filename, "default_model_filename")
+    for output in config.outputs:  # read by the model or a client, from the model's directory
+        if output.label_filename:
+            inside(source.path, output.label_filename, f"output {output.name!r} label_filename")
     return config, warnings
 
 

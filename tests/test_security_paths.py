@@ -134,3 +134,18 @@ def test_a_warmup_file_outside_the_warmup_directory_fails_the_load(tmp_path: Pat
     with Server(repo, model_control_mode="explicit") as server:
         with pytest.raises(EdgeServerError, match="leads outside"):
             server.load_model("identity")
+
+
+def test_a_label_file_outside_the_model_directory_is_refused(tmp_path: Path) -> None:
+    from edge_server.errors import EdgeServerError
+    from edge_server.server import Server
+
+    repo = tmp_path / "repo"
+    shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
+    config = (repo / "identity" / "config.pbtxt").read_text()
+    (repo / "identity" / "config.pbtxt").write_text(
+        config.replace('name: "OUTPUT0"', 'name: "OUTPUT0"\n    label_filename: "../../etc/labels.txt"')
+    )
+    with Server(repo, model_control_mode="explicit") as server:
+        with pytest.raises(EdgeServerError, match="label_filename .* leads outside"):
+            server.load_model("identity")
