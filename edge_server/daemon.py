@@ -75,6 +75,9 @@ class Daemon:
 
     def run(self) -> int:
         options = self._options
+        # One rule for who may control the daemon, asked by every frontend; a group that does not
+        # exist fails the start before any model loads.
+        control_policy = ControlPolicy(operator_gid=group_id(options.operator_group))
         limit_malloc_arenas()  # before any thread starts: see edge_server.memory
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record)
@@ -112,8 +115,6 @@ class Daemon:
                 )
                 status = 1
                 return status
-            # One rule for who may control the daemon, asked by every frontend.
-            control_policy = ControlPolicy(operator_gid=group_id(options.operator_group))
             kserve = KServeFrontends(
                 server,
                 options.kserve,
