@@ -12,7 +12,7 @@ import reprlib
 #: How much of a client's text an error message quotes (the repr's characters).
 ECHO_LIMIT = 80
 #: No error message is longer, whatever it quotes: the backstop for a quote not cut where it is made.
-MAX_MESSAGE = 2048
+MAX_MESSAGE = 8192
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = ECHO_LIMIT
