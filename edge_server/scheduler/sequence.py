@@ -355,7 +355,8 @@ class SequenceScheduler:
         self._refused.extend(seq.pending)
         seq.pending.clear()
         seq.state = None
-        log.warning("%s: sequence %r found no free slot in time; refused", self._name, seq.corrid)
+        self._cond.notify_all()  # a drain waiting for the queue to empty
+        log.warning("%s: sequence %r found no free slot in time; refused", self._name, shorten(seq.corrid))
 
     def _fail_refused(self) -> None:
         """Answer the requests of refused sequences (called with the lock held; completes outside it)."""
