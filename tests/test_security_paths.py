@@ -124,11 +124,12 @@ def test_a_warmup_file_outside_the_warmup_directory_fails_the_load(tmp_path: Pat
 
     repo = tmp_path / "repo"
     shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
+    (repo / "identity" / "1" / "warmup").mkdir()  # so that the kernel could walk the ".." path
     secret = tmp_path / "secret.bin"
     secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
     config = (repo / "identity" / "config.pbtxt").read_text() + (
         'model_warmup [ { name: "w" batch_size: 1 inputs { key: "INPUT0" value: { data_type: TYPE_FP32 '
-        'dims: [ 4 ] input_data_file: "../../../secret.bin" } } } ]\n'
+        'dims: [ 4 ] input_data_file: "../../../../secret.bin" } } } ]\n'
     )
     (repo / "identity" / "config.pbtxt").write_text(config)
     with Server(repo, model_control_mode="explicit") as server:
