@@ -150,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--operator-group",
         default=None,
         metavar="GROUP",
-        help="IPC: members may load/unload models (besides the daemon's own user and group)",
+        help=(
+            "members may control the daemon (load, unload, log and trace settings) on every frontend, "
+            "as root and the daemon's user may; the daemon's group may not"
+        ),
     )
     serve.add_argument(
         "--model-load-timeout-secs",

@@ -6,7 +6,6 @@ SIGTERM and SIGINT drain and stop), so nothing heavy ever runs inside a handler.
 
 from __future__ import annotations
 
-import grp
 import logging
 import os
 import queue
@@ -16,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from edge_server.errors import EdgeServerError, InvalidArgument
+from edge_server.authorization import ControlPolicy, group_id
+from edge_server.errors import EdgeServerError
 from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
@@ -50,7 +50,7 @@ class DaemonOptions:
     max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS
     max_connections: int | None = None  # IPC: connections at once (None: the descriptor budget's)
     max_frames: int = protocol.MAX_FRAMES  # IPC: frames in one message
-    operator_group: str | None = None  # may load/unload besides the daemon's own user and group
+    operator_group: str | None = None  # may control (load, unload, settings) as root and the daemon do
     drain_timeout: float = 30.0
     load_timeout: float = 600.0  # a model load running longer is abandoned (a stuck initialize())
     watch_quiet_s: float = 0.5
@@ -65,15 +65,6 @@ class DaemonOptions:
     onnxruntime_thread_policy: str = "auto"  # auto: ONNX Runtime's defaults only for a model alone on the box
 
 
-def operator_gid(group: str | None) -> int | None:
-    if group is None:
-        return None
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise InvalidArgument(f"--operator-group {group!r}: no such group") from None
-
-
 class Daemon:
     def __init__(self, options: DaemonOptions) -> None:
         self._options = options
@@ -84,6 +75,9 @@ class Daemon:
 
     def run(self) -> int:
         options = self._options
+        # One rule for who may control the daemon, asked by every frontend; a group that does not
+        # exist fails the start before any model loads.
+        control_policy = ControlPolicy(operator_gid=group_id(options.operator_group))
         limit_malloc_arenas()  # before any thread starts: see edge_server.memory
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record)
@@ -125,7 +119,7 @@ class Daemon:
                 server,
                 options.kserve,
                 max_message_bytes=options.max_message_bytes,
-                operator_gid=operator_gid(options.operator_group),
+                control_policy=control_policy,
             )
             kserve.start()
             for label, probe in kserve.probes():
@@ -140,7 +134,7 @@ class Daemon:
                     address,
                     max_message_bytes=options.max_message_bytes,
                     max_header_bytes=options.max_header_bytes,
-                    operator_gid=operator_gid(options.operator_group),
+                    control_policy=control_policy,
                     drain_timeout=options.drain_timeout,
                     max_reply_bytes=options.max_client_reply_bytes,
                     max_client_requests=options.max_client_requests,

@@ -17,7 +17,7 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.config.model import ModelConfig, TensorSpec
-from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument
+from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument, shorten
 from edge_server.lifecycle import ModelManager
 from edge_server.request import InferRequest, ResponseSink, Result
 from edge_server.scheduler.scheduler import SchedulerClosed
@@ -81,7 +81,7 @@ class DataPlane:
             if request.correlation_id:
                 # A sequence that started before a reload finishes on the version it started on (and a
                 # second start of it is refused there, as it would be without a reload).
-                loaded = self._manager.sequence_holder(request.model, request.correlation_id)
+                loaded = self._manager.sequence_holder(request.model, request.correlation_id, request.owner)
             if loaded is None or (request.version is not None and loaded.version != request.version):
                 loaded = self._manager.resolve(request.model, request.version)
             item, shape_key = loaded.validator(request)
@@ -90,7 +90,8 @@ class DataPlane:
             if loaded.config.decoupled:
                 if sink is None:
                     raise InvalidArgument(
-                        f"model {request.model!r} is decoupled (it may send many responses per request): "
+                        f"model {shorten(request.model)} is decoupled (it may send many responses per "
+                        "request): "
                         "call it with a streaming call (Client.stream, Server.stream, gRPC ModelStreamInfer)"
                     )
                 item.stream = sink
@@ -106,7 +107,7 @@ class DataPlane:
             except SchedulerClosed:
                 if request.version is not None:
                     raise
-        raise SchedulerClosed(f"model {request.model!r} is being unloaded")
+        raise SchedulerClosed(f"model {shorten(request.model)} is being unloaded")
 
     def config(self, name: str, version: int | None = None) -> ModelConfig:
         return self._manager.resolve(name, version).config

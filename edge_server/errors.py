@@ -7,14 +7,46 @@ request never take down a batch, an instance or the daemon.
 
 from __future__ import annotations
 
+import reprlib
+
+#: How much of a client's text an error message quotes (the repr's characters).
+ECHO_LIMIT = 80
+#: No error message is longer, whatever it quotes: the backstop for a quote not cut where it is made.
+MAX_MESSAGE = 8192
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = ECHO_LIMIT
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+_REPR.maxlevel = 3
+
+
+def shorten(text: object, limit: int = ECHO_LIMIT) -> str:
+    """``repr(text)`` cut to about ``limit`` characters: the one way every frontend quotes a client.
+
+    Strings and bytes keep their head and say their length (``'mmmm...' (60000 chars)``); anything
+    else is cut by :mod:`reprlib`, which never builds the whole repr of a large container first.
+    """
+    if isinstance(text, (str, bytes)):
+        if len(text) <= limit:
+            return repr(text)
+        unit = "chars" if isinstance(text, str) else "bytes"
+        return repr(text[: max(8, limit - 20)]) + f"... ({len(text)} {unit})"
+    return _REPR.repr(text)
+
 
 class EdgeServerError(Exception):
-    """Root of every error edge-server raises on purpose."""
+    """Root of every error edge-server raises on purpose.
+
+    A message over :data:`MAX_MESSAGE` characters is cut there, so that no reply on any frontend ever
+    carries a client's text back whole, even where a message forgot to :func:`shorten` it.
+    """
 
     code: str = "INTERNAL"
     http_status: int = 500
 
     def __init__(self, message: str) -> None:
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 40] + f"... (message cut, {len(message)} chars)"
         super().__init__(message)
         self.message = message
 

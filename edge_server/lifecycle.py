@@ -40,7 +40,7 @@ from typing import Any
 from edge_server.backends.base import AUTO_ALONE_RULE
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig
-from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
+from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown, shorten
 from edge_server.loader import LoadedVersion, load_version, read_config
 from edge_server.memory import settle_heap
 from edge_server.pipeline.ensemble import EnsembleScheduler
@@ -137,15 +137,19 @@ class ModelManager:
         with self._status_lock:
             known = {key: s for key, s in self._status.items() if key[0] == name}
         if not known and not versions:
-            raise ModelNotFound(f"unknown model {name!r}")
+            raise ModelNotFound(f"unknown model {shorten(name)}")
         status = known.get((name, version)) if version is not None else None
         if status is not None:
-            raise ModelNotReady(f"model {name!r} version {version} is {status.state.value}: {status.reason}")
+            raise ModelNotReady(
+                f"model {shorten(name)} version {version} is {status.state.value}: {status.reason}"
+            )
         if version is not None:
             available = sorted(versions or {})
-            raise ModelNotFound(f"model {name!r} has no version {version}; serving versions: {available}")
+            raise ModelNotFound(
+                f"model {shorten(name)} has no version {version}; serving versions: {available}"
+            )
         reasons = "; ".join(f"v{s.version}: {s.state.value} {s.reason}".strip() for s in known.values())
-        raise ModelNotReady(f"model {name!r} is not ready ({reasons})")
+        raise ModelNotReady(f"model {shorten(name)} is not ready ({reasons})")
 
     def _check_members(self, ensemble: LoadedVersion) -> None:
         """An ensemble is ready only while every member serves and its steps fit the members' configs.
@@ -167,11 +171,13 @@ class ModelManager:
             if why:
                 raise ModelNotReady(f"ensemble {ensemble.name!r} is not ready: {why}")
 
-    def sequence_holder(self, name: str, correlation_id: int | str) -> LoadedVersion | None:
-        """The retiring version of ``name`` on which sequence ``correlation_id`` is still live, if any."""
+    def sequence_holder(
+        self, name: str, correlation_id: int | str, owner: int | None = None
+    ) -> LoadedVersion | None:
+        """The retiring version of ``name`` on which ``owner``'s sequence ``correlation_id`` is live."""
         for loaded in self._sequence_holders.get(name, ()):
             scheduler = loaded.scheduler
-            if isinstance(scheduler, SequenceScheduler) and scheduler.holds(correlation_id):
+            if isinstance(scheduler, SequenceScheduler) and scheduler.holds(correlation_id, owner):
                 return loaded
         return None
 
@@ -270,7 +276,7 @@ class ModelManager:
             if source is None:
                 if name in self._serving:
                     self._unload(name)
-                raise ModelNotFound(f"no model directory {name!r} in {self.repository}")
+                raise ModelNotFound(f"no model directory {shorten(name)} in {self.repository}")
             previous = self._overrides.pop(name, None)
             if config_override is not None:
                 self._overrides[name] = config_override
@@ -314,7 +320,7 @@ class ModelManager:
         check_model_name(name)
         with self._changing(name):
             if name not in self._serving and not any(s.name == name for s in self.index()):
-                raise ModelNotFound(f"unknown model {name!r}")
+                raise ModelNotFound(f"unknown model {shorten(name)}")
             self._unload(name)
             self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
             self._publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
@@ -575,7 +581,7 @@ class ModelManager:
             self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
         self._retire(retiring, finish_sequences=True)
         if not ready:
-            raise ModelNotReady(f"model {name!r}: no version could be loaded ({_summary(failed)})")
+            raise ModelNotReady(f"model {shorten(name)}: no version could be loaded ({_summary(failed)})")
 
     def _bring_up(
         self,

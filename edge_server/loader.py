@@ -21,6 +21,7 @@ from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import BackendUnavailable, ConfigError
+from edge_server.paths import inside
 from edge_server.pipeline.ensemble import EnsembleScheduler
 from edge_server.pipeline.graph import build_graph
 from edge_server.platform.gpus import gpu_ids
@@ -100,6 +101,14 @@ def read_config(source: ModelSource) -> tuple[ModelConfig, list[str]]:
                 "or model.py in any version directory"
             )
         config = config.replace(backend=backend)
+    if config.backend != "ensemble" and config.model_filename:
+        # Here, not only at load: a config that names a file outside its directories is refused
+        # whole, before anything reads it, and the version that served goes on serving.
+        for version_dir in source.versions.values():
+            inside(version_dir, config.model_filename, "default_model_filename")
+    for output in config.outputs:  # read by the model or a client, from the model's directory
+        if output.label_filename:
+            inside(source.path, output.label_filename, f"output {output.name!r} label_filename")
     return config, warnings
 
 
@@ -128,6 +137,8 @@ def load_version(
     choice = choose_runtime(config, version_dir, rebuilder=rebuilder)
     config = choice.config
     model_path = version_dir / config.model_filename
+    if config.model_filename:  # checked again: the runtime's choice may have named another file
+        model_path = inside(version_dir, config.model_filename, "default_model_filename")
     if not model_path.exists():
         raise ConfigError(
             f"{source.name} v{version}: model file {config.model_filename!r} is missing from {version_dir}"

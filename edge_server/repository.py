@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_server.errors import InvalidArgument
+from edge_server.errors import InvalidArgument, shorten
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,6 @@ _CACHE_LIMIT = 4096
 
 # One stat row: (relative name, device, inode, size, mtime_ns, ctime_ns).
 StatRow = tuple[str, int, int, int, int, int]
-
-
-def shorten(text: object, limit: int = 80) -> str:
-    """``repr(text)`` cut to ``limit`` characters: what a client sent is never echoed back whole."""
-    shown = repr(text)
-    return shown if len(shown) <= limit else shown[: limit - 5] + "...'" + f" ({len(shown)} chars)"
 
 
 def check_model_name(name: object) -> str:

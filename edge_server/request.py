@@ -79,6 +79,9 @@ class InferRequest:
     #: set by frontends, not by applications: where the client asked each named output to be written
     #: (a span of its own mapped shared memory, bounds already checked); see :class:`OutputBuffer`
     output_buffers: Mapping[str, OutputBuffer] | None = None
+    #: set by frontends: the uid of the client, from the kernel (-1: not known, e.g. not on this host;
+    #: None: the in-process API).  A sequence belongs to the owner of its start (see scheduler.sequence)
+    owner: int | None = None
 
 
 class RequestOptions(TypedDict, total=False):
@@ -114,6 +117,7 @@ class BatchItem:
     stream: ResponseSink | None = None
     #: outputs the client wants in its shared memory (from ``InferRequest.output_buffers``)
     destinations: Mapping[str, OutputBuffer] | None = None
+    owner: int | None = None  # InferRequest.owner, for a sequence's requests
 
 
 class OutputBuffer:

@@ -29,6 +29,7 @@ from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, Listener, ModelManager
 from edge_server.request import InferRequest, RequestOptions
 from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.streaming import AsyncResponseIterator, ResponseIterator
+from edge_server.versions import parse_version
 from edge_server.watcher import RepositoryWatcher
 
 if TYPE_CHECKING:
@@ -151,14 +152,14 @@ class Server:
         ``sequence_start``, ``sequence_end``.
         """
         self._check_open()
-        return self._dataplane.submit(InferRequest(model=model, inputs=inputs, **options))
+        return self._dataplane.submit(_request(model, inputs, options))
 
     def infer(
         self, model: str, inputs: Mapping[str, np.ndarray], **options: Unpack[RequestOptions]
     ) -> dict[str, np.ndarray]:
         """Run one request and wait for its outputs; failures raise an :class:`EdgeServerError`."""
         self._check_open()
-        outcome = self._dataplane.dispatch(InferRequest(model=model, inputs=inputs, **options))
+        outcome = self._dataplane.dispatch(_request(model, inputs, options))
         # the outputs themselves when the request ran in this thread
         return outcome.result() if isinstance(outcome, Future) else outcome
 
@@ -184,7 +185,7 @@ class Server:
         """
         self._check_open()
         responses = ResponseIterator(timeout)
-        self._dataplane.stream(InferRequest(model=model, inputs=inputs, **options), responses)
+        self._dataplane.stream(_request(model, inputs, options), responses)
         return responses
 
     async def stream_async(
@@ -198,7 +199,7 @@ class Server:
         """:meth:`stream` for asyncio: ``async for outputs in await server.stream_async(...)``."""
         self._check_open()
         responses = AsyncResponseIterator(timeout)
-        self._dataplane.stream(InferRequest(model=model, inputs=inputs, **options), responses)
+        self._dataplane.stream(_request(model, inputs, options), responses)
         return responses
 
     @property
@@ -213,13 +214,13 @@ class Server:
         return self._manager.index()
 
     def model_config(self, model: str, version: int | None = None) -> ModelConfig:
-        return self._dataplane.config(model, version)
+        return self._dataplane.config(model, parse_version(version))
 
     def model_metadata(self, model: str, version: int | None = None) -> dict[str, Any]:
-        return self._dataplane.metadata(model, version)
+        return self._dataplane.metadata(model, parse_version(version))
 
     def statistics(self, model: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
-        return self._dataplane.statistics(model, version)
+        return self._dataplane.statistics(model, parse_version(version))
 
     def is_ready(self, model: str | None = None, version: int | None = None) -> bool:
         if self._closed.is_set():
@@ -227,7 +228,7 @@ class Server:
         if model is None:
             return True if self.service is None else self.service.is_ready()
         try:
-            self._manager.resolve(model, version)
+            self._manager.resolve(model, parse_version(version))
         except EdgeServerError:
             return False
         return True
@@ -326,3 +327,10 @@ class Server:
                 "model control is disabled (model_control_mode 'none'); start with "
                 "--model-control-mode explicit or poll to load and unload models"
             )
+
+
+def _request(model: str, inputs: Mapping[str, np.ndarray], options: RequestOptions) -> InferRequest:
+    """The in-process API's request; its version goes through the parser every frontend uses."""
+    if options.get("version") is not None:
+        options["version"] = parse_version(options["version"])
+    return InferRequest(model=model, inputs=inputs, **options)

@@ -14,7 +14,7 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.config.model import ModelConfig, TensorSpec
-from edge_server.errors import InvalidArgument
+from edge_server.errors import InvalidArgument, shorten
 from edge_server.request import (
     REQUEST_FLAG_SEQUENCE_END,
     REQUEST_FLAG_SEQUENCE_START,
@@ -54,7 +54,7 @@ def _rule(model: str, spec: TensorSpec) -> _InputRule:
         variable=any(d < 0 for d in spec.dims),
         reshape=spec.reshape,
         optional=spec.optional,
-        where=f"model {model!r} input {spec.name!r}",
+        where=f"model {shorten(model)} input {spec.name!r}",
     )
 
 
@@ -146,6 +146,7 @@ class RequestValidator:
             item.parameters = check_parameters(request.parameters)
         if request.correlation_id or request.sequence_start or request.sequence_end:
             item.correlation_id = request.correlation_id
+            item.owner = request.owner
             item.flags = (REQUEST_FLAG_SEQUENCE_START if request.sequence_start else 0) | (
                 REQUEST_FLAG_SEQUENCE_END if request.sequence_end else 0
             )
@@ -184,16 +185,17 @@ class RequestValidator:
         for name in inputs:
             if name in self._server_inputs:
                 raise InvalidArgument(
-                    f"model {self.model!r}: input {name!r} is a sequence control or state input, which the "
+                    f"model {self.model!r}: input {shorten(name)} is a sequence control or state input, "
+                    "which the "
                     "server fills; do not send it (use sequence_id, sequence_start and sequence_end)"
                 )
             if name not in by_name:
                 raise InvalidArgument(
-                    f"model {self.model!r} has no input {name!r}; its inputs are {sorted(by_name)}"
+                    f"model {self.model!r} has no input {shorten(name)}; its inputs are {sorted(by_name)}"
                 )
         for name in self._required:
             if name not in inputs:
-                raise InvalidArgument(f"model {self.model!r}: missing input {name!r}")
+                raise InvalidArgument(f"model {self.model!r}: missing input {shorten(name)}")
 
     def _check(self, rule: _InputRule, array: object) -> np.ndarray:
         """``array`` as a C-contiguous ndarray of the rule's dtype and shape, or InvalidArgument."""
@@ -241,11 +243,11 @@ class RequestValidator:
         for name in requested:
             if name in self._state_outputs:
                 raise InvalidArgument(
-                    f"model {self.model!r}: output {name!r} is an implicit state the server keeps; "
+                    f"model {self.model!r}: output {shorten(name)} is an implicit state the server keeps; "
                     f"its outputs are {list(names)}"
                 )
             if name not in names:
                 raise InvalidArgument(
-                    f"model {self.model!r} has no output {name!r}; its outputs are {list(names)}"
+                    f"model {self.model!r} has no output {shorten(name)}; its outputs are {list(names)}"
                 )
         return tuple(dict.fromkeys(requested))

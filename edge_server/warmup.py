@@ -18,6 +18,7 @@ from edge_server import dtypes
 from edge_server.backends.base import Backend
 from edge_server.config.model import ModelConfig, TensorSpec, Warmup, WarmupInput
 from edge_server.errors import ConfigError, EdgeServerError
+from edge_server.paths import inside
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, BatchItem, Timing
 from edge_server.scheduler.sequence_tensors import SequenceTensors
 
@@ -73,7 +74,11 @@ def _sample_item(config: ModelConfig, sample: Warmup, version_dir: Path, where: 
         if name not in specs:
             raise ConfigError(f"{where}: names input {name!r}, which the model does not have")
         spec = specs[name]
-        data = version_dir / "warmup" / given.input_data_file if given.input_data_file else None
+        data = (
+            inside(version_dir / "warmup", given.input_data_file, f"{where} input {name!r} input_data_file")
+            if given.input_data_file
+            else None
+        )
         rows = sample.batch_size if batched else None
         array = _sample_array(given, rows, data, f"{where} input {name!r}")
         if spec is not None and spec.reshape is not None:

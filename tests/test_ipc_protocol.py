@@ -133,7 +133,6 @@ def test_decode_infer_builds_the_request() -> None:
         ({"outputs": [{"name": "Y"}, {"name": "Y"}]}, 1, "appears twice"),
         ({"outputs": "Y"}, 1, "array of maps"),
         ({"priority": -1}, 1, "non-negative"),
-        ({"version": "latest"}, 1, "positive integer"),
         ({"model": 7}, 1, "must be a string"),
         ({"inputs": {"A": 1}}, 1, "must be an array"),
     ],
@@ -141,6 +140,12 @@ def test_decode_infer_builds_the_request() -> None:
 def test_decode_infer_rejects(overrides: dict[str, Any], frames: int, match: str) -> None:
     with pytest.raises(MalformedMessage, match=match):
         decode(infer_header(**overrides), *([np.zeros(2, np.float32).tobytes()] * frames))
+
+
+@pytest.mark.parametrize("version", ["latest", "9" * 5000, -1, True, 2**63, 1.5])
+def test_decode_infer_rejects_versions_as_every_frontend_does(version: object) -> None:
+    with pytest.raises(InvalidArgument, match="model version must be a non-negative integer below 2"):
+        decode(infer_header(version=version), np.zeros(2, np.float32).tobytes())
 
 
 def test_shm_reference_needs_a_registered_region() -> None:

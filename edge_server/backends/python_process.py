@@ -6,6 +6,10 @@ nothing of the daemon's threads or sockets is inherited) that imports ``model.py
 private pipe.  Requests and responses cross as described in ``python_wire.py``: fields in small
 msgpack messages, tensors through two ``memfd`` arenas owned by this instance.
 
+The stub process itself (``python_child.py``) runs in a process group of its own and is watched by
+its pid, not by the end of its pipe (a model that forks and dies leaves a child holding the pipe
+open); killing an instance (a failure, an unload, the daemon's stop) kills the whole group.
+
 When the process dies (``os._exit``, a segfault in native code, an OOM kill) or its pipe breaks,
 the batch it was running fails with :class:`~edge_server.errors.InstanceFailed` and the instance
 refuses all further work; the scheduler then replaces it (restart with back-off).  A failure in the
@@ -18,23 +22,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import pickle
-import queue
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import edge_server
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.backends.python_bls import serve_call
-from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, put, read, unpack_inline
+from edge_server.backends.python_child import StubProcess, exit_reason
+from edge_server.backends.python_wire import Arena, ChannelClosed, put, read, unpack_inline
 from edge_server.config.model import ModelConfig
 from edge_server.errors import (
     AlreadyExists,
@@ -78,7 +74,6 @@ _ERRORS: dict[str, type[EdgeServerError]] = {
         ConfigError,
     )
 }
-_PACKAGE_ROOT = str(Path(edge_server.__file__).resolve().parent.parent)
 
 
 def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
@@ -101,142 +96,14 @@ def init_timeout(config: ModelConfig) -> float:
     return _seconds(config, INIT_TIMEOUT_KEY, DEFAULT_INIT_TIMEOUT_S) or DEFAULT_INIT_TIMEOUT_S
 
 
-def exit_reason(returncode: int | None) -> str:
-    """How a process ended, in words: 'exited with status 1', 'was killed by SIGSEGV'."""
-    if returncode is None:
-        return "stopped answering"
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with status {returncode}"
-
-
 def _error(entry: Any) -> EdgeServerError:
     code, message = str(entry[0]), str(entry[1])
     return _ERRORS.get(code, ModelExecutionError)(message)
 
 
-class _Child:
-    """One stub process and the daemon's end of its pipe."""
-
-    def __init__(self, label: str, arenas: Sequence[Arena]) -> None:
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        # The child imports edge_server from where this daemon did, installed or not.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        # Modules that user code imports from the repository leave no bytecode there (see repository.py).
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-        fds = [theirs.fileno(), *(arena.fd for arena in arenas)]
-        command = [sys.executable, "-m", "edge_server.backends.python_stub", label, str(os.getpid())]
-        try:
-            self.proc = subprocess.Popen(
-                [*command, *(str(fd) for fd in fds)],
-                pass_fds=fds,
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-        except BaseException:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
-        self.channel = Channel(mine)
-        self._replies: queue.SimpleQueue[dict[str, Any] | None] | None = None
-        #: the model's BLS calls (``bls`` messages), read by :meth:`call` or by the reader thread
-        self.on_bls: Callable[[dict[str, Any]], None] | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def start_reader(
-        self, name: str, on_send: Callable[[dict[str, Any]], None], on_gone: Callable[[], None]
-    ) -> None:
-        """Read the pipe in a thread of its own from now on (decoupled models send at any time).
-
-        ``send`` messages go to ``on_send``; replies to :meth:`call`; ``on_gone`` runs once the pipe is
-        closed (the process died or was stopped).
-        """
-        replies: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-
-        def read() -> None:
-            try:
-                while True:
-                    message = self.channel.recv()
-                    op = message.get("op")
-                    if op == "send":
-                        on_send(message)
-                    elif op == "bls" and self.on_bls is not None:
-                        self.on_bls(message)
-                    else:
-                        replies.put(message)
-            except (ChannelClosed, OSError):
-                pass
-            except Exception:
-                log.exception("%s: reading the model's process failed", name)
-                self.kill()
-            replies.put(None)
-            on_gone()
-
-        self._replies = replies
-        threading.Thread(target=read, name=f"edge-{name}-stream", daemon=True).start()
-
-    def call(self, message: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        self.channel.send(message)
-        if self._replies is None:
-            # The model's BLS calls arrive here while it executes: serve them, wait on for the reply.
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("no reply within the timeout")
-                message = self.channel.recv(left)  # TimeoutError once ``left`` has passed
-                if message.get("op") == "bls" and self.on_bls is not None:
-                    self.on_bls(message)
-                    continue
-                return message
-        try:
-            reply = self._replies.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError("no reply within the timeout") from None
-        if reply is None:
-            self._replies.put(None)  # for any later call
-            raise ChannelClosed("the model's process is gone")
-        return reply
-
-    def reap(self) -> int | None:
-        """Wait briefly for the process to end (its pipe closed), kill it if it does not; its status."""
-        try:
-            return self.proc.wait(1.0)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self, timeout: float) -> None:
-        """Ask the child to finalize and exit; kill it when it does not within ``timeout``."""
-        if self.proc.poll() is None:
-            try:
-                reply = self.call({"op": "fini"}, timeout)
-                if "err" in reply:
-                    log.error("pid %d: finalize() failed: %s", self.pid, reply["err"][1])
-                self.proc.wait(timeout)
-            except (ChannelClosed, TimeoutError, subprocess.TimeoutExpired):
-                log.warning("pid %d did not finish finalize() within %.0f s; killed", self.pid, timeout)
-        self.kill()
-        if self._replies is None:  # else the reader closes it when it sees the end
-            self.channel.close()
-
-
 def complete_in_process(config: ModelConfig, model_path: Path) -> dict[str, Any] | None:
     """``auto_complete_config`` run by a short-lived child, so that the daemon never imports model.py."""
-    child = _Child(f"{config.name}-autocomplete", ())
+    child = StubProcess(f"{config.name}-autocomplete", ())
     timeout = init_timeout(config)
     try:
         message = {"op": "complete", "config": pickle.dumps(config), "path": str(model_path)}
@@ -283,10 +150,10 @@ class IsolatedPythonBackend(Backend):
         self._closing = False
         self._requests = Arena.create(f"edge-{self._name}-requests")
         self._responses = Arena.create(f"edge-{self._name}-responses")
-        self._child: _Child | None = None
+        self._child: StubProcess | None = None
         self._models = ctx.models  # the data plane, for the model's BLS calls (see python_bls)
         try:
-            self._child = _Child(self._name, (self._requests, self._responses))
+            self._child = StubProcess(self._name, (self._requests, self._responses))
             self._child.on_bls = self._on_bls
             self._initialize(ctx)
             if ctx.config.decoupled:
@@ -361,8 +228,8 @@ class IsolatedPythonBackend(Backend):
         child = self._child
         assert child is not None
 
-        def wait() -> None:
-            returncode = child.proc.wait()
+        def exited(returncode: int) -> None:
+            # While busy, execute() sees the pipe end (the exit watcher ended it) and reports itself.
             if self._closing or self._busy or self._failure is not None:
                 return
             self._failure = InstanceFailed(
@@ -372,7 +239,7 @@ class IsolatedPythonBackend(Backend):
             log.error("%s", self._failure.message)
             report(self._failure)
 
-        threading.Thread(target=wait, name=f"edge-{self._name}-watch", daemon=True).start()
+        child.on_exit(exited)
 
     @property
     def pid(self) -> int | None:

@@ -50,6 +50,7 @@ class Channel:
         self._buffer = bytearray()
         self._timeout: float | None = None  # the socket's, changed only when asked (a syscall)
         self._send_lock = threading.Lock()  # a decoupled model's threads send beside the main loop
+        self._close_lock = threading.Lock()  # shutdown() (the exit watcher) never races close()
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -94,8 +95,21 @@ class Channel:
                 raise ChannelClosed("end of stream")
             buffer += chunk
 
+    def shutdown(self) -> None:
+        """End the stream from this side, whoever else still holds the other end.
+
+        A blocked or later :meth:`recv` returns what was already received, then raises ChannelClosed.
+        """
+        with self._close_lock:
+            if self._sock.fileno() >= 0:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def close(self) -> None:
-        self._sock.close()
+        with self._close_lock:
+            self._sock.close()
 
 
 class Arena:

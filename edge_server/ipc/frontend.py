@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, cast
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from edge_server.authorization import ControlPolicy
 from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     MalformedMessage,
     MessageTooLarge,
-    PermissionDenied,
     ServerShuttingDown,
     TooManyRequests,
 )
@@ -82,7 +82,7 @@ class IpcFrontend:
         max_header_bytes: int = protocol.DEFAULT_MAX_HEADER_BYTES,
         probe_interval: float = 10.0,
         max_connections: int | None = None,
-        operator_gid: int | None = None,
+        control_policy: ControlPolicy | None = None,
         drain_timeout: float = 5.0,
         max_reply_bytes: int = protocol.DEFAULT_MAX_CLIENT_REPLY_BYTES,
         max_client_requests: int = protocol.DEFAULT_MAX_CLIENT_REQUESTS,
@@ -121,7 +121,7 @@ class IpcFrontend:
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
         self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
         self.max_regions = 0
-        self.operator_gid = operator_gid
+        self.control_policy = control_policy or ControlPolicy()
         self._connections = 0
         self._listening = True
         self.refused_connections = 0
@@ -415,7 +415,7 @@ class IpcFrontend:
                     identity, protocol.ok_header(rid, live=True, max_message_bytes=self.max_message_bytes)
                 )
             elif op in handlers.SLOW_OPS:
-                self._authorize(head, op)
+                self.control_policy.authorize(peer_uid(head), f"operation {op!r}")
                 future = self._control.submit(
                     handlers.control, self.server, peer.registry, op, header, self._handoff
                 )
@@ -428,17 +428,6 @@ class IpcFrontend:
         except Exception as exc:
             log.exception("IPC request from %s failed unexpectedly", identity.hex())
             self._queue(identity, protocol.error_header(rid, EdgeServerError(f"internal error: {exc!r}")))
-
-    def _authorize(self, frame: zmq.Frame, op: str) -> None:
-        """Operations that change what is served: the daemon's own user or group, root, or operators."""
-        uid, groups = peer_identity(frame)
-        if uid in (0, os.geteuid()) or os.getegid() in groups or self.operator_gid in groups:
-            return
-        raise PermissionDenied(
-            f"operation {op!r} is allowed to the daemon's user and group"
-            + (" and its operator group" if self.operator_gid is not None else "")
-            + f"; uid {uid} is neither (inference stays open to every client)"
-        )
 
     def _admit(self, peer: Peer) -> None:
         """Refuse a request over the client's or the daemon's in-flight limit, before it is decoded."""
@@ -457,6 +446,8 @@ class IpcFrontend:
     def _infer(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
         self._admit(peer)
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
+        if request.correlation_id:
+            request.owner = peer.uid  # the sequence belongs to this user (scheduler.sequence)
         outcome = self._dataplane.dispatch(request)
         if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
             assert self._sock is not None
@@ -468,6 +459,8 @@ class IpcFrontend:
     def _stream(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
         self._admit(peer)
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
+        if request.correlation_id:
+            request.owner = peer.uid  # the sequence belongs to this user (scheduler.sequence)
         if ctx.shm_outputs:
             raise InvalidArgument("the responses of a stream travel inline; leave out 'shm' in 'outputs'")
         if rid is None or rid in peer.streams:
@@ -645,22 +638,16 @@ def fd_budget(max_connections: int) -> tuple[int, int]:
 _CREDS = struct.Struct("3i")
 
 
-def peer_identity(frame: zmq.Frame) -> tuple[int, set[int]]:
-    """(uid, groups) of the process that sent ``frame`` (SO_PEERCRED of its connection, /proc groups)."""
+def peer_uid(frame: zmq.Frame) -> int | None:
+    """The uid of the process that sent ``frame`` (SO_PEERCRED of its connection); None on tcp://."""
     try:
         with socket.socket(fileno=os.dup(frame.get(zmq.SRCFD))) as conn:
-            pid, uid, gid = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+            _pid, uid, _gid = _CREDS.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+            )
     except (OSError, zmq.ZMQError):
-        return -1, set()  # not a Unix socket (tcp://): no credentials, no control
-    groups = {gid}
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("Groups:"):
-                    groups.update(int(g) for g in line.split()[1:])
-    except OSError:
-        pass
-    return uid, groups
+        return None  # not a Unix socket (tcp://): no credentials, no control
+    return int(uid)
 
 
 def refuse_connection(fd: int) -> None:

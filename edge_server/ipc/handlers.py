@@ -20,11 +20,13 @@ from edge_server.errors import (
     ShmUnavailable,
     TensorSizeMismatch,
     UnknownOperation,
+    shorten,
 )
 from edge_server.ipc import protocol
 from edge_server.ipc.handoff import FdHandoff
 from edge_server.request import InferRequest, OutputBuffer, response_parameters
 from edge_server.shm import ClientRegions, Lease, Owner, Region, Registry, check_name
+from edge_server.versions import parse_version
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -60,7 +62,7 @@ def decode_infer(
         model = protocol.field(header, "model", str)
     version = header.get("version")
     if version is not None:
-        version = _version(version)
+        version = parse_version(version)
     priority = header.get("priority", 0)
     if type(priority) is not int:
         priority = protocol.field(header, "priority", int, required=False) or 0
@@ -79,7 +81,7 @@ def decode_infer(
         if type(name) is not str:
             raise MalformedMessage(f"inputs[{index}] must be a map with a string 'name'")
         if name in inputs:
-            raise MalformedMessage(f"input {name!r} appears twice in 'inputs'")
+            raise MalformedMessage(f"input {shorten(name)} appears twice in 'inputs'")
         if "shm" in desc:
             inputs[name] = _shm_input(desc, name, registry)
             continue
@@ -154,7 +156,7 @@ def _optional_fields(header: Mapping[str, Any], request: InferRequest) -> None:
 
 
 def _shm_input(desc: Mapping[str, Any], name: str, registry: ClientRegions | None) -> np.ndarray:
-    where = f"input {name!r}"
+    where = f"input {shorten(name)}"
     datatype, dtype = protocol.tensor_dtype(desc, where)
     shape = protocol.tensor_shape(desc, where)
     region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
@@ -171,7 +173,7 @@ def _shm_input(desc: Mapping[str, Any], name: str, registry: ClientRegions | Non
 
 
 def _bad_slot(name: str, slot: Any, count: int) -> None:
-    where = f"input {name!r}"
+    where = f"input {shorten(name)}"
     if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
         raise MalformedMessage(f"{where}: needs 'frame' (a frame index) or 'shm' (a reference)")
     if slot >= count:
@@ -186,16 +188,6 @@ def raise_size(where: str, datatype: str, shape: tuple[int, ...], want: int, got
     raise TensorSizeMismatch(
         f"{where}: {datatype} {list(shape)} needs {want} bytes, the reference holds {got}"
     )
-
-
-def _version(value: Any) -> int | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MalformedMessage(f"'version' must be a positive integer, got {value!r}")
-    return value
 
 
 def _registry(registry: ClientRegions | None) -> ClientRegions:
@@ -215,10 +207,10 @@ def _decode_outputs(
             raise MalformedMessage(f"outputs[{index}] must be a map with a string 'name'")
         name = desc["name"]
         if name in order:
-            raise MalformedMessage(f"output {name!r} appears twice in 'outputs'")
+            raise MalformedMessage(f"output {shorten(name)} appears twice in 'outputs'")
         order.append(name)
         if desc.get("shm") is not None:
-            where = f"output {name!r}"
+            where = f"output {shorten(name)}"
             region_name, offset, byte_size = protocol.shm_ref(desc["shm"], where)
             lease = _registry(registry).hold(region_name, offset, byte_size, where)
             leases.append(lease)
@@ -253,7 +245,7 @@ def encode_result(
             nbytes = len(data) if isinstance(data, bytes) else data.nbytes
             if nbytes > capacity:
                 raise ShmOutOfBounds(
-                    f"output {name!r} ({datatype} {shape}) needs {nbytes} bytes but its shared-memory "
+                    f"output {shorten(name)} ({datatype} {shape}) needs {nbytes} bytes but its shared-memory "
                     f"reference holds {capacity}"
                 )
             destination = ctx.destinations.get(name) if ctx.destinations is not None else None
@@ -265,7 +257,7 @@ def encode_result(
             ):
                 region.count_output(destination.filled)  # the instance put it there: nothing to copy
             else:
-                region.write(offset, data, f"output {name!r}")  # checks the segment's size again
+                region.write(offset, data, f"output {shorten(name)}")  # checks the segment's size again
                 region.count_output("frontend")
             desc["shm"] = {"region": region.name, "offset": offset, "byte_size": nbytes}
         descs.append(desc)
@@ -288,7 +280,7 @@ def control(
 ) -> dict[str, Any]:
     """Answer a control operation; returns the reply header's payload fields."""
     model = protocol.field(header, "model", str, required=op in ("metadata", "config", *SLOW_OPS))
-    version = _version(header.get("version"))
+    version = parse_version(header.get("version"))
     if op == "ready":
         return {"ready": server.is_ready(model, version)}
     if op == "models":

@@ -102,6 +102,8 @@ class Peer:
     #: its connection (ZMQ_SRCFD and the socket's inode, to be sure the number was not reused);
     #: None: not asked yet, (-1, -1): libzmq did not say
     connection: tuple[int, int] | None = None
+    #: the client's uid (SO_PEERCRED), asked with ``connection``; -1 where there is none (tcp://)
+    uid: int = -1
 
     @property
     def holds_state(self) -> bool:
@@ -151,7 +153,11 @@ class PeerTable:
             uid = connection_uid(connection[0]) if connection is not None else -1
             owner = Owner(uid, identity)
             peer = Peer(
-                identity=identity, registry=self.shm.client(owner), last_seen=now, connection=connection
+                identity=identity,
+                registry=self.shm.client(owner),
+                last_seen=now,
+                connection=connection,
+                uid=uid,
             )
             self._peers[identity] = peer
         else:

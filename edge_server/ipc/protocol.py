@@ -24,6 +24,7 @@ from edge_server.errors import (
     MalformedMessage,
     TensorSizeMismatch,
     UnsupportedProtocolVersion,
+    shorten,
 )
 
 #: The version this code speaks.  A server answers any other version with UNSUPPORTED_VERSION.
@@ -147,7 +148,7 @@ def field(
     value = header.get(key)
     if value is None:
         if required:
-            raise MalformedMessage(f"the header has no field {key!r}")
+            raise MalformedMessage(f"the header has no field {shorten(key)}")
         return None
     if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
         raise MalformedMessage(f"field {key!r} must be {_kind_name(kind)}, got bool")
@@ -227,9 +228,9 @@ def tensor_shape(desc: Mapping[str, Any], where: str) -> tuple[int, ...]:
     if valid and math.prod(d for d in shape if d) > _MAX_ELEMENTS:
         valid = False  # numpy refuses such a shape even with a zero dim in it
     if not valid:
-        shown = repr(shape) if len(repr(shape)) < 200 else repr(shape)[:200] + "..."
         raise MalformedMessage(
-            f"{where}: 'shape' must be an array of at most {MAX_DIMS} integers in [0, 2^63), got {shown}"
+            f"{where}: 'shape' must be an array of at most {MAX_DIMS} integers in [0, 2^63), "
+            f"got {shorten(shape)}"
         )
     return tuple(shape)
 
@@ -239,7 +240,7 @@ def tensor_dtype(desc: Mapping[str, Any], where: str) -> tuple[str, np.dtype]:
     dtype = WIRE_DTYPES.get(datatype) if isinstance(datatype, str) else None
     if dtype is None:
         raise MalformedMessage(
-            f"{where}: unknown datatype {datatype!r}; expected one of {sorted(WIRE_DTYPES)}"
+            f"{where}: unknown datatype {shorten(datatype)}; expected one of {sorted(WIRE_DTYPES)}"
         )
     return datatype, dtype  # type: ignore[return-value]
 
@@ -258,19 +259,19 @@ def tensor_array(desc: Mapping[str, Any], buffer: Any, role: str, name: str) -> 
     dtype = WIRE_DTYPES.get(datatype) if type(datatype) is str else None
     shape = desc.get("shape")
     if dtype is None or dtype.kind == "O" or type(shape) is not list or len(shape) > MAX_DIMS:
-        where = f"{role} {name!r}"
+        where = f"{role} {shorten(name)}"
         return to_array(buffer, *tensor_dtype(desc, where), tensor_shape(desc, where), where)
     count = 1
     for d in shape:
         if type(d) is not int or not 0 <= d <= MAX_DIM:
-            tensor_shape(desc, f"{role} {name!r}")  # raises the precise error
+            tensor_shape(desc, f"{role} {shorten(name)}")  # raises the precise error
         count *= d
     if not count:
-        tensor_shape(desc, f"{role} {name!r}")  # an empty tensor: its other dims must still be sane
+        tensor_shape(desc, f"{role} {shorten(name)}")  # an empty tensor: its other dims must still be sane
     size = len(buffer) if type(buffer) is not memoryview else buffer.nbytes
     if size != count * dtype.itemsize:
         raise TensorSizeMismatch(
-            f"{role} {name!r}: {datatype} {shape} needs {count * dtype.itemsize} bytes, got {size}"
+            f"{role} {shorten(name)}: {datatype} {shape} needs {count * dtype.itemsize} bytes, got {size}"
         )
     # One array object (frombuffer + reshape makes two).  ndarray(buffer=) references the buffer's
     # owner (the zmq frame, whose bytes live as long as it does) but holds no export of it, so shared
@@ -354,8 +355,10 @@ def shm_ref(desc: Any, where: str) -> tuple[str, int, int]:
     offset = desc.get("offset", 0)
     byte_size = desc.get("byte_size")
     if not isinstance(region, str) or not region:
-        raise MalformedMessage(f"{where}: 'shm.region' must be a region name, got {region!r}")
+        raise MalformedMessage(f"{where}: 'shm.region' must be a region name, got {shorten(region)}")
     for key, value in (("offset", offset), ("byte_size", byte_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise MalformedMessage(f"{where}: 'shm.{key}' must be a non-negative integer, got {value!r}")
+            raise MalformedMessage(
+                f"{where}: 'shm.{key}' must be a non-negative integer, got {shorten(value)}"
+            )
     return region, offset, byte_size  # type: ignore[return-value]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.errors import InvalidArgument, MalformedMessage, TensorSizeMismatch
+from edge_server.errors import InvalidArgument, MalformedMessage, TensorSizeMismatch, shorten
 
 #: KServe v2 datatype -> numpy dtype of the decoded array.
 NUMPY: dict[str, np.dtype] = {
@@ -47,12 +47,14 @@ _LE = {name: dtype.newbyteorder("<") for name, dtype in NUMPY.items() if name no
 _JSON_KINDS = {"BOOL": "b", "FP16": "iuf", "FP32": "iuf", "FP64": "iuf", "BF16": "iuf"}
 _LENGTH = struct.Struct("<I")
 MAX_DIMS = 16
+MAX_DIM = 2**63 - 1  # Triton's int64 dims
+MAX_ELEMENTS = 2**59  # elements of any shape, zero dims counted as 1: fits numpy with 16-byte items
 
 
 def check_datatype(datatype: object, name: str) -> str:
     if not isinstance(datatype, str) or datatype not in NUMPY:
         raise InvalidArgument(
-            f"tensor {name!r}: unknown datatype {datatype!r}; expected one of {sorted(NUMPY)}"
+            f"tensor {shorten(name)}: unknown datatype {datatype!r}; expected one of {sorted(NUMPY)}"
         )
     return datatype
 
@@ -60,12 +62,18 @@ def check_datatype(datatype: object, name: str) -> str:
 def check_shape(shape: object, name: str) -> tuple[int, ...]:
     """The shape as a tuple of non-negative ints (a request's shape is concrete: no -1)."""
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
-        raise InvalidArgument(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} integers")
+        raise InvalidArgument(f"tensor {shorten(name)}: shape must be a list of at most {MAX_DIMS} integers")
     for dim in shape:
-        if type(dim) is not int or dim < 0:
+        if type(dim) is not int or not 0 <= dim <= MAX_DIM:
             raise InvalidArgument(
-                f"tensor {name!r}: shape must hold non-negative integers, got {list(shape)}"
+                f"tensor {shorten(name)}: shape must hold non-negative integers below 2^63, "
+                f"got {shorten(list(shape))}"
             )
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:  # numpy refuses it, even with a zero dim in it
+        raise InvalidArgument(
+            f"tensor {shorten(name)}: shape {list(shape)} has more than 2^59 elements (its dims other than "
+            "0 multiplied)"
+        )
     return tuple(shape)
 
 
@@ -108,7 +116,7 @@ def from_raw(
     expected = count * _WIRE_ITEMSIZE[datatype]
     if len(buffer) != expected:
         raise TensorSizeMismatch(
-            f"tensor {name!r}: {datatype} {list(shape)} needs {expected} bytes, got {len(buffer)}"
+            f"tensor {shorten(name)}: {datatype} {list(shape)} needs {expected} bytes, got {len(buffer)}"
         )
     if datatype == "BF16":
         halves = np.frombuffer(buffer, dtype="<u2").astype(np.uint32)
@@ -132,24 +140,24 @@ def deserialize_bytes(buffer: bytes | bytearray | memoryview, count: int, name: 
     view = memoryview(buffer).cast("B")
     if count * 4 > len(view):
         raise TensorSizeMismatch(
-            f"tensor {name!r}: {count} BYTES elements need at least {count * 4} bytes, got {len(view)}"
+            f"tensor {shorten(name)}: {count} BYTES elements need at least {count * 4} bytes, got {len(view)}"
         )
     items = np.empty(count, dtype=np.object_)
     pos = 0
     for i in range(count):
         if pos + 4 > len(view):
-            raise TensorSizeMismatch(f"tensor {name!r}: BYTES data ends inside element {i} of {count}")
+            raise TensorSizeMismatch(f"tensor {shorten(name)}: BYTES data ends inside element {i} of {count}")
         (length,) = _LENGTH.unpack_from(view, pos)
         pos += 4
         if pos + length > len(view):
             raise TensorSizeMismatch(
-                f"tensor {name!r}: BYTES element {i} declares {length} bytes, {len(view) - pos} remain"
+                f"tensor {shorten(name)}: BYTES element {i} declares {length} bytes, {len(view) - pos} remain"
             )
         items[i] = bytes(view[pos : pos + length])
         pos += length
     if pos != len(view):
         raise TensorSizeMismatch(
-            f"tensor {name!r}: {len(view) - pos} bytes left over after {count} BYTES elements"
+            f"tensor {shorten(name)}: {len(view) - pos} bytes left over after {count} BYTES elements"
         )
     return items
 
@@ -181,7 +189,7 @@ def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) ->
         flat = _flatten(data, name)
         if len(flat) != count:
             raise TensorSizeMismatch(
-                f"tensor {name!r}: shape {list(shape)} needs {count} values, got {len(flat)}"
+                f"tensor {shorten(name)}: shape {list(shape)} needs {count} values, got {len(flat)}"
             )
         items = np.empty(count, dtype=np.object_)
         for i, value in enumerate(flat):
@@ -189,13 +197,13 @@ def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) ->
                 items[i] = value.encode()
             else:
                 raise InvalidArgument(
-                    f"tensor {name!r}: BYTES data must be strings, element {i} is {value!r}"
+                    f"tensor {shorten(name)}: BYTES data must be strings, element {i} is {value!r}"
                 )
         return items.reshape(shape)
     try:
         array = np.asarray(data)
     except ValueError:  # ragged nesting
-        raise InvalidArgument(f"tensor {name!r}: data is a ragged nested list") from None
+        raise InvalidArgument(f"tensor {shorten(name)}: data is a ragged nested list") from None
     allowed = _JSON_KINDS.get(datatype, "iu")
     if allowed == "iu" and array.dtype.kind in "fO":
         # Integers beyond int64 (UINT64's upper half) make numpy fall back to float64 or objects.
@@ -204,19 +212,21 @@ def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) ->
             try:
                 array = np.array(flat, dtype=NUMPY[datatype])
             except OverflowError:
-                raise InvalidArgument(f"tensor {name!r}: a value is out of range for {datatype}") from None
+                raise InvalidArgument(
+                    f"tensor {shorten(name)}: a value is out of range for {datatype}"
+                ) from None
     if array.dtype.kind not in allowed or (array.size == 0 and count != 0):
         kind = {"b": "booleans", "iu": "integers", "iuf": "numbers"}[allowed]
-        raise InvalidArgument(f"tensor {name!r}: {datatype} data must be {kind}, got {_sample(data)}")
+        raise InvalidArgument(f"tensor {shorten(name)}: {datatype} data must be {kind}, got {_sample(data)}")
     if array.size != count:
         raise TensorSizeMismatch(
-            f"tensor {name!r}: shape {list(shape)} needs {count} values, got {array.size}"
+            f"tensor {shorten(name)}: shape {list(shape)} needs {count} values, got {array.size}"
         )
     target = NUMPY[datatype]
     if array.dtype.kind in "iu" and target.kind in "iu":
         info = np.iinfo(target)
         if array.size and (array.min() < info.min or array.max() > info.max):
-            raise InvalidArgument(f"tensor {name!r}: a value is out of range for {datatype}")
+            raise InvalidArgument(f"tensor {shorten(name)}: a value is out of range for {datatype}")
     return array.astype(target, copy=False).reshape(shape)
 
 
@@ -246,7 +256,7 @@ def _flatten(data: list[Any], name: str) -> list[Any]:
         for value in stack[-1]:
             if isinstance(value, list):
                 if len(stack) > MAX_DIMS:
-                    raise InvalidArgument(f"tensor {name!r}: data is nested deeper than {MAX_DIMS}")
+                    raise InvalidArgument(f"tensor {shorten(name)}: data is nested deeper than {MAX_DIMS}")
                 stack.append(iter(value))
                 break
             flat.append(value)
@@ -293,10 +303,10 @@ class BinaryReader:
 
     def take(self, size: object, name: str) -> memoryview:
         if type(size) is not int or size < 0:
-            raise InvalidArgument(f"tensor {name!r}: binary_data_size must be a non-negative integer")
+            raise InvalidArgument(f"tensor {shorten(name)}: binary_data_size must be a non-negative integer")
         if self._pos + size > len(self._data):
             raise TensorSizeMismatch(
-                f"tensor {name!r}: binary_data_size {size} reaches past the end of the body "
+                f"tensor {shorten(name)}: binary_data_size {size} reaches past the end of the body "
                 f"({len(self._data) - self._pos} binary bytes remain)"
             )
         chunk = self._data[self._pos : self._pos + size]

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from edge_server.authorization import ControlPolicy
 from edge_server.kserve.probes import GrpcProbe, LoopProbe, loopback
 from edge_server.kserve.service import KServeService
 from edge_server.kserve.settings import RuntimeSettings
@@ -92,12 +93,12 @@ class KServeFrontends:
         options: KServeOptions,
         *,
         max_message_bytes: int,
-        operator_gid: int | None = None,
+        control_policy: ControlPolicy | None = None,
     ) -> None:
         self.options = options
         self.max_message_bytes = max_message_bytes
         shm = SystemSharedMemory(max_input_bytes=max_message_bytes) if options.allow_client_shm else None
-        self.service = KServeService(server, shm=shm, operator_gid=operator_gid)
+        self.service = KServeService(server, shm=shm, control_policy=control_policy)
         self.service.settings = RuntimeSettings(
             log_verbose=options.log_verbose, log_format=options.log_format
         )

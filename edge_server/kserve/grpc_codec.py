@@ -16,7 +16,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from edge_server.errors import InvalidArgument, TensorSizeMismatch, Unsupported
+from edge_server.errors import InvalidArgument, TensorSizeMismatch, Unsupported, shorten
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import InputBudget, Peer
@@ -68,7 +68,7 @@ def decode(
     for tensor in request.inputs:
         name = tensor.name
         if name in inputs:
-            raise InvalidArgument(f"input {name!r} is given twice")
+            raise InvalidArgument(f"input {shorten(name)} is given twice")
         datatype = codec.check_datatype(tensor.datatype, name)
         shape = codec.check_shape(list(tensor.shape), name)
         ref = shm_reference(parameters(tensor.parameters))
@@ -80,7 +80,9 @@ def decode(
             inputs[name] = _from_contents(tensor.contents, datatype, shape, name)
         else:
             if next_raw >= len(raw):
-                raise InvalidArgument(f"input {name!r} has no contents and no raw_input_contents entry")
+                raise InvalidArgument(
+                    f"input {shorten(name)} has no contents and no raw_input_contents entry"
+                )
             inputs[name] = codec.from_raw(raw[next_raw], datatype, shape, name)
             next_raw += 1
     if next_raw != len(raw):
@@ -102,6 +104,7 @@ def decode(
         inputs=inputs,
         outputs=wants,
         parameters=parameters(request.parameters),
+        peer=peer,
     )
     for want in wants or ():
         service.check_output(want, peer)
@@ -111,22 +114,29 @@ def decode(
 def _from_contents(contents: Any, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
     field = _CONTENTS.get(datatype)
     if field is None:
-        raise InvalidArgument(f"input {name!r}: {datatype} travels only in raw_input_contents")
+        raise InvalidArgument(f"input {shorten(name)}: {datatype} travels only in raw_input_contents")
     values = getattr(contents, field)
     count = math.prod(shape)
     if len(values) != count:
         raise TensorSizeMismatch(
-            f"input {name!r}: shape {list(shape)} needs {count} values, got {len(values)}"
+            f"input {shorten(name)}: shape {list(shape)} needs {count} values, got {len(values)}"
         )
     if datatype == "BYTES":
         items = np.empty(count, dtype=np.object_)
         items[:] = list(values)
         return items.reshape(shape)
-    array = np.array(values, dtype=codec.NUMPY[datatype].newbyteorder("="))
     if datatype in ("INT8", "INT16", "UINT8", "UINT16"):
+        # int_contents and uint_contents are 32-bit: check them as int64 before narrowing (numpy
+        # raises OverflowError for a Python int out of the target's range).
+        wide = np.array(values, dtype=np.int64)
         info = np.iinfo(codec.NUMPY[datatype])
-        if count and (array.min() < info.min or array.max() > info.max):
-            raise InvalidArgument(f"input {name!r}: a value is out of range for {datatype}")
+        if count and (wide.min() < info.min or wide.max() > info.max):
+            raise InvalidArgument(
+                f"input {shorten(name)}: a value is out of range for {datatype} "
+                f"([{info.min}, {info.max}], got {int(wide.min())}..{int(wide.max())})"
+            )
+        return wide.astype(codec.NUMPY[datatype]).reshape(shape)
+    array = np.array(values, dtype=codec.NUMPY[datatype].newbyteorder("="))
     return array.reshape(shape)
 
 

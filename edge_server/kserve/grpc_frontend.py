@@ -319,6 +319,8 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def LogSettings(self, request: Any, context: Any) -> Any:
         def work() -> Any:
             changes = {key: _setting_value(value) for key, value in request.settings.items()}
+            if request.settings:  # a change (even to the current value) is control; reading is not
+                self.service.authorize_control(_peer(context, self.frontend.port), "LogSettings")
             settings = self.service.settings
             current = settings.update_log(changes) if changes else settings.log_settings()
             response = service_pb2.LogSettingsResponse()
@@ -337,6 +339,8 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def TraceSetting(self, request: Any, context: Any) -> Any:
         def work() -> Any:
             changes = {key: list(value.value) for key, value in request.settings.items()}
+            if changes:
+                self.service.authorize_control(_peer(context, self.frontend.port), "TraceSetting")
             settings = self.service.settings
             current = settings.update_trace(changes) if changes else settings.trace_settings()
             response = service_pb2.TraceSettingResponse()

@@ -115,7 +115,7 @@ class KServeHttpApp:
                 body = await self._body(receive, headers)
                 return await self._infer(scope, headers, name, version, body)
             if action == "/trace/setting":
-                return await self._settings(method, receive, headers, path)
+                return await self._settings(scope, method, receive, headers, path)
             _expect(method, "GET", path)
             if action == "/ready":
                 if not service.model_ready(name, version):
@@ -157,19 +157,24 @@ class KServeHttpApp:
         if match := _SHM_PATH.fullmatch(path):
             return await self._shm(scope, receive, headers, match)
         if path in ("/v2/logging", "/v2/trace/setting"):
-            return await self._settings(method, receive, headers, path)
+            return await self._settings(scope, method, receive, headers, path)
         raise _not_found(path)
 
     async def _settings(
-        self, method: str, receive: Receive, headers: dict[bytes, bytes], path: str
+        self, scope: Scope, method: str, receive: Receive, headers: dict[bytes, bytes], path: str
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        """GET: the settings in force; POST: change them (all or none; 400 naming what cannot be)."""
+        """GET: the settings in force; POST: change them (all or none; 400 naming what cannot be).
+
+        A POST is a control operation (403 unless the caller may control the daemon), even one that
+        changes nothing: the answer to it must not depend on what the settings are now.
+        """
         if method not in ("GET", "POST"):
             raise _MethodNotAllowed(f"{path} takes GET or POST, not {method}")
         settings = self.service.settings
         logging_path = path == "/v2/logging"
         if method == "GET":
             return _json(settings.log_settings() if logging_path else settings.trace_settings())
+        self.service.authorize_control(_peer(scope), f"POST {'/v2/logging' if logging_path else path}")
         changes = await self._json_body(receive, headers)
         return _json(settings.update_log(changes) if logging_path else settings.update_trace(changes))
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_server.errors import InvalidArgument, Unsupported
+from edge_server.errors import InvalidArgument, Unsupported, shorten
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import InputBudget, Peer
@@ -54,10 +54,10 @@ def decode(
         if not isinstance(name, str):
             raise InvalidArgument("an input has no 'name' string")
         if name in inputs:
-            raise InvalidArgument(f"input {name!r} is given twice")
+            raise InvalidArgument(f"input {shorten(name)} is given twice")
         datatype = codec.check_datatype(entry.get("datatype"), name)
         shape = codec.check_shape(entry.get("shape"), name)
-        params = codec.parameters_of(entry, f"input {name!r}")
+        params = codec.parameters_of(entry, f"input {shorten(name)}")
         ref = shm_reference(params)
         if ref is not None:
             if budget is None:
@@ -69,7 +69,9 @@ def decode(
         elif "data" in entry:
             inputs[name] = codec.from_json(entry["data"], datatype, shape, name)
         else:
-            raise InvalidArgument(f"input {name!r} has no 'data', binary_data_size or shared-memory region")
+            raise InvalidArgument(
+                f"input {shorten(name)} has no 'data', binary_data_size or shared-memory region"
+            )
     reader.check_consumed()
 
     params = codec.parameters_of(header, "the request")
@@ -87,6 +89,7 @@ def decode(
         inputs=inputs,
         outputs=wants,
         parameters=params,
+        peer=peer,
     )
     for want in wants or ():
         service.check_output(want, peer)
@@ -103,12 +106,12 @@ def _outputs(entries: object, binary_default: bool) -> list[OutputWant] | None:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise InvalidArgument("each requested output must be a JSON object with a 'name' string")
         name = entry["name"]
-        params = codec.parameters_of(entry, f"output {name!r}")
+        params = codec.parameters_of(entry, f"output {shorten(name)}")
         if "classification" in params:
-            raise Unsupported(f"output {name!r}: the classification extension is not supported")
+            raise Unsupported(f"output {shorten(name)}: the classification extension is not supported")
         binary = params.get("binary_data", binary_default)
         if not isinstance(binary, bool):
-            raise InvalidArgument(f"output {name!r}: binary_data must be a boolean")
+            raise InvalidArgument(f"output {shorten(name)}: binary_data must be a boolean")
         wants.append(OutputWant(name, binary, shm_reference(params)))
     return wants
 

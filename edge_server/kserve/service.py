@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,14 +19,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import edge_server
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
+from edge_server.authorization import ControlPolicy
+from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported, shorten
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
-from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid, user_groups
+from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
 from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.shm import Lease
 from edge_server.validation import check_parameters
+from edge_server.versions import parse_version
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -83,17 +84,6 @@ class OutputWant:
     lease: Lease | None = None  # the region it is written into, held until the request is done
 
 
-def parse_version(version: str | int | None) -> int | None:
-    """KServe versions are strings; '' means the serving (latest) version."""
-    if version is None or version == "":
-        return None
-    if isinstance(version, int) and not isinstance(version, bool):
-        return version
-    if isinstance(version, str) and version.isdigit() and len(version) < 19:
-        return int(version)
-    raise InvalidArgument(f"model version must be a positive integer, got {version!r}")
-
-
 def shm_reference(params: Mapping[str, Any]) -> tuple[object, object, object] | None:
     if "shared_memory_region" not in params:
         return None
@@ -108,32 +98,27 @@ class KServeService:
     """One per daemon; shared by the HTTP and gRPC frontends."""
 
     def __init__(
-        self, server: Server, *, shm: SystemSharedMemory | None = None, operator_gid: int | None = None
+        self,
+        server: Server,
+        *,
+        shm: SystemSharedMemory | None = None,
+        control_policy: ControlPolicy | None = None,
     ) -> None:
         self.server = server
         self.dataplane = server.dataplane
         self.shm = shm
-        self.operator_gid = operator_gid
+        self.control_policy = control_policy or ControlPolicy()
         self.settings = RuntimeSettings()  # the frontends' log and trace settings, one for both
 
     def authorize_control(self, peer: Peer, what: str) -> None:
-        """Load and unload, as over IPC: the daemon's user or group, root, or ``--operator-group``.
+        """Control (load, unload, log and trace settings): :class:`ControlPolicy`, as over IPC.
 
         The caller's uid comes from the kernel's socket table (see :mod:`edge_server.kserve.shm`); a
         caller that is not on this host may not change what is served.
         """
-        uid = peer.uid if peer.uid is not None else peer_uid(peer)
-        if uid is not None:
-            peer.uid = uid
-            groups = user_groups(uid)
-            if uid in (0, os.geteuid()) or os.getegid() in groups or self.operator_gid in groups:
-                return
-        raise PermissionDenied(
-            f"{what} is allowed to the daemon's user and group"
-            + (" and its operator group" if self.operator_gid is not None else "")
-            + (f"; uid {uid} is neither" if uid is not None else "; the caller is not on this host")
-            + " (inference stays open to every client)"
-        )
+        if peer.uid is None:
+            peer.uid = peer_uid(peer)
+        self.control_policy.authorize(peer.uid, what)
 
     # -- health and metadata ------------------------------------------------------------------
 
@@ -199,7 +184,7 @@ class KServeService:
     def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
         """Drain and unload every version of ``name`` (blocks until done)."""
         if not any(s.name == name for s in self.server.models()):
-            raise ModelNotFound(f"unknown model {name!r}")
+            raise ModelNotFound(f"unknown model {shorten(name)}")
         self.server.unload_model(name)
 
     # -- inference ------------------------------------------------------------------------------
@@ -213,8 +198,12 @@ class KServeService:
         inputs: dict[str, np.ndarray],
         outputs: list[OutputWant] | None,
         parameters: Mapping[str, Any],
+        peer: Peer | None = None,
     ) -> InferRequest:
-        """The data plane's request; reserved parameters become its fields, the others reach the model."""
+        """The data plane's request; reserved parameters become its fields, the others reach the model.
+
+        A sequence's request carries the ``peer``'s uid as its owner (see scheduler.sequence).
+        """
         if not parameters:
             return InferRequest(
                 model=model,
@@ -241,7 +230,17 @@ class KServeService:
             correlation_id=sequence_id,
             sequence_start=_bool_param(parameters, "sequence_start"),
             sequence_end=_bool_param(parameters, "sequence_end"),
+            owner=self._owner(peer) if sequence_id else None,
         )
+
+    @staticmethod
+    def _owner(peer: Peer | None) -> int:
+        """The uid of the client on the other end of ``peer`` (-1: not on this host, or not known)."""
+        if peer is None:
+            return -1
+        if peer.uid is None:
+            peer.uid = peer_uid(peer)
+        return -1 if peer.uid is None else peer.uid
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Run ``request``; a cheap model answers inline on the caller's (event loop) thread."""
@@ -276,7 +275,7 @@ class KServeService:
         """An input from shared memory; ``budget``: what the request's inputs may still read."""
         region, offset, byte_size = ref
         want = codec.raw_size(datatype, shape)  # compared before a byte is read; None: strings
-        data = self.registry().read(region, offset, byte_size, want, peer, f"input {name!r}", budget)
+        data = self.registry().read(region, offset, byte_size, want, peer, f"input {shorten(name)}", budget)
         return codec.from_raw(data, datatype, shape, name)
 
     def input_budget(self) -> InputBudget | None:

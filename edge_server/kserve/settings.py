@@ -22,7 +22,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from edge_server.errors import InvalidArgument
+from edge_server.errors import InvalidArgument, shorten
 
 _TOGGLES: dict[str, tuple[int, ...]] = {
     "log_info": (logging.INFO,),
@@ -84,18 +84,18 @@ class RuntimeSettings:
             if key == "log_verbose_level":
                 if type(value) is not int or not 0 <= value < 1 << 32:
                     raise InvalidArgument(
-                        f"log setting log_verbose_level must be an unsigned integer, got {value!r}"
+                        f"log setting log_verbose_level must be an unsigned integer, got {shorten(value)}"
                     )
                 verbose = value
             elif key in _TOGGLES:
                 if type(value) is not bool:
-                    raise InvalidArgument(f"log setting {key} must be a boolean, got {value!r}")
+                    raise InvalidArgument(f"log setting {key} must be a boolean, got {shorten(value)}")
                 toggles[key] = value
             elif key == "log_format":
                 if value != self._format:
                     raise InvalidArgument(
                         f"log setting log_format cannot change while the daemon runs ({self._format!r} "
-                        f"now, {value!r} asked): restart it with --log-format"
+                        f"now, {shorten(value)} asked): restart it with --log-format"
                     )
             elif key == "log_file":
                 if value != "":
@@ -104,7 +104,7 @@ class RuntimeSettings:
                         "under systemd); redirect it there"
                     )
             else:
-                raise InvalidArgument(f"unknown log setting {key!r}")
+                raise InvalidArgument(f"unknown log setting {shorten(key)}")
         with self._lock:
             if verbose is not None:
                 self._verbose = verbose
@@ -131,7 +131,7 @@ class RuntimeSettings:
         """Accept what leaves tracing as it is (off); refuse, naming it, any setting that would not."""
         for key, value in changes.items():
             if key not in TRACE_SETTINGS:
-                raise InvalidArgument(f"unknown trace setting {key!r}")
+                raise InvalidArgument(f"unknown trace setting {shorten(key)}")
             if value is None or value == []:  # clear a model's setting: it has none of its own
                 continue
             current = TRACE_SETTINGS[key]
@@ -139,7 +139,7 @@ class RuntimeSettings:
             asked = [str(v) for v in values]
             if asked != (current if isinstance(current, list) else [current]):
                 raise InvalidArgument(
-                    f"trace setting {key} {value!r} is not supported: edge-server does not trace requests "
-                    f"(trace settings stay {self.trace_settings()})"
+                    f"trace setting {key} {shorten(value)} is not supported: edge-server does not trace "
+                    f"requests (trace settings stay {self.trace_settings()})"
                 )
         return self.trace_settings()

@@ -19,6 +19,15 @@ A sequence with nothing queued or running for ``max_sequence_idle_microseconds``
 slot and state freed); its next request is an error, as in Triton.  A sequence also ends after its
 END request ran.
 
+Next to strangers (beyond Triton, whose correlation ids are global): a sequence belongs to the owner
+of its START request (``BatchItem.owner``: the client's uid, which the frontend learned from the
+kernel; None for the in-process API), and sequences are kept by (owner, correlation id).  Another
+user's request for that id is told the sequence is not in progress (for it), so it can neither read
+nor end someone else's stream, and may start its own under the same id.  A sequence that finds every
+slot (direct) or candidate place (oldest) taken waits in the backlog at most its START request's
+timeout, or else ``max_sequence_idle_microseconds``, then its requests fail with QUEUE_FULL: a client
+that keeps every slot busy cannot make another's start wait without end.
+
 Lock order: one lock; backends run and futures complete outside it.  A sequence is ``busy`` while
 one of its requests executes, which is what keeps its requests one at a time and its state
 consistent: the state is written back before ``busy`` is cleared.
@@ -46,6 +55,7 @@ from edge_server.errors import (
     QueueFull,
     RequestTimeout,
     ServerShuttingDown,
+    shorten,
 )
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, Rescheduled
 from edge_server.scheduler.policy import BatchSettings, next_batch
@@ -78,6 +88,8 @@ class _Request:
 class _Sequence:
     corrid: int | str
     last_ns: int
+    owner: int | None = None
+    backlog_until_ns: int = 0  # in the backlog: when its wait for a slot ends with QUEUE_FULL
     pending: collections.deque[_Request] = field(default_factory=collections.deque)
     busy: bool = False
     ending: bool = False  # END was submitted: no more requests
@@ -128,9 +140,11 @@ class SequenceScheduler:
         self._max_sequences = MAX_SEQUENCES
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._live: dict[int | str, _Sequence] = {}  # sequences that take requests (END not yet sent)
+        # sequences that take requests (END not yet sent), by (owner, correlation id)
+        self._live: dict[tuple[int | None, int | str], _Sequence] = {}
+        self._refused: list[_Request] = []  # backlogged past their bound: failed outside the lock
         self._held: set[_Sequence] = set()  # every sequence not yet released (live or ending)
-        self._expired: collections.OrderedDict[int | str, None] = collections.OrderedDict()
+        self._expired: collections.OrderedDict[tuple[int | None, int | str], None] = collections.OrderedDict()
         self._backlog: collections.deque[_Sequence] = collections.deque()
         self._candidates: list[_Sequence] = []  # oldest: admitted sequences, in admission order
         self._slots: list[list[_Sequence | None]] = [[None] * self._slots_per_instance for _ in instances]
@@ -159,6 +173,7 @@ class SequenceScheduler:
     ) -> Future[dict]:
         """Queue a request behind the earlier ones of its sequence; errors for a wrong sequence raise."""
         corrid = item.correlation_id
+        key = (item.owner, corrid)
         start = bool(item.flags & REQUEST_FLAG_SEQUENCE_START)
         end = bool(item.flags & REQUEST_FLAG_SEQUENCE_END)
         now = time.monotonic_ns()
@@ -166,7 +181,7 @@ class SequenceScheduler:
         with self._lock:
             if self._stopping:
                 raise SchedulerClosed(f"model {self._name!r} was unloaded")
-            seq = self._live.get(corrid)
+            seq = self._live.get(key)
             if start:
                 if seq is not None:
                     raise InvalidArgument(
@@ -180,16 +195,16 @@ class SequenceScheduler:
                         f"model {self._name!r} has {len(self._held)} live sequences, the most it keeps; "
                         "end sequences (sequence_end) or let them idle out before starting more"
                     )
-                seq = _Sequence(corrid, now, state=self._tensors.initial_state())
-                self._live[corrid] = seq
+                seq = _Sequence(corrid, now, item.owner, state=self._tensors.initial_state())
+                self._live[key] = seq
                 self._held.add(seq)
-                self._expired.pop(corrid, None)
+                self._expired.pop(key, None)
                 self._counts["started"] += 1
-                self._admit(seq)
+                self._admit(seq, now, timeout_us or item.timeout_us)
             elif seq is None:
-                raise self._unknown(corrid)
+                raise self._unknown(key)
             if end:
-                del self._live[corrid]
+                del self._live[key]
                 seq.ending = True
             seq.pending.append(_Request(item, shape_key, future, now))
             seq.last_ns = now
@@ -199,21 +214,23 @@ class SequenceScheduler:
 
     dispatch = submit  # a sequence request never runs in the caller's thread
 
-    def _unknown(self, corrid: int | str) -> InvalidArgument:
-        if corrid in self._expired:
+    def _unknown(self, key: tuple[int | None, int | str]) -> InvalidArgument:
+        corrid = key[1]
+        if key in self._expired:
             return InvalidArgument(
                 f"model {self._name!r}: sequence {corrid!r} was released after being idle for more than "
                 f"{self._idle_ns // 1000} us (max_sequence_idle_microseconds); start it again with "
                 "sequence_start"
             )
         return InvalidArgument(
-            f"model {self._name!r}: sequence {corrid!r} is not in progress (never started, already ended, "
-            "or idled out); the first request of a sequence must set sequence_start"
+            f"model {self._name!r}: sequence {shorten(corrid)} is not in progress (never started, already "
+            "ended, idled out, or refused for want of a slot); the first request of a sequence must set "
+            "sequence_start, and a sequence takes requests only from the user who started it"
         )
 
-    def holds(self, corrid: int | str) -> bool:
-        """Whether ``corrid`` is a live sequence here (a reload lets it finish on this version)."""
-        return corrid in self._live
+    def holds(self, corrid: int | str, owner: int | None = None) -> bool:
+        """Whether ``owner``'s ``corrid`` is a live sequence here (a reload lets it finish here)."""
+        return (owner, corrid) in self._live
 
     def queue_size(self) -> int:
         with self._lock:
@@ -254,8 +271,11 @@ class SequenceScheduler:
 
     # -- admission and release (lock held) -------------------------------------------------------
 
-    def _admit(self, seq: _Sequence) -> None:
-        """Give ``seq`` a slot (direct) or a candidate place (oldest), or put it in the backlog."""
+    def _admit(self, seq: _Sequence, now: int = 0, timeout_us: int | None = None) -> None:
+        """Give ``seq`` a slot (direct) or a candidate place (oldest), or put it in the backlog.
+
+        In the backlog it waits at most ``timeout_us`` (its START request's), else the idle limit.
+        """
         if self._direct:
             # Row by row across the instances, so that sequences spread over every instance first.
             for row in range(self._slots_per_instance):
@@ -269,15 +289,19 @@ class SequenceScheduler:
             self._candidates.append(seq)
             seq.admitted = True
             return
+        if not seq.backlog_until_ns:
+            bound_ns = timeout_us * 1000 if timeout_us else self._idle_ns
+            seq.backlog_until_ns = (now or time.monotonic_ns()) + bound_ns
         self._backlog.append(seq)
 
     def _release(self, seq: _Sequence, *, expired: bool) -> None:
         self._held.discard(seq)
-        if self._live.get(seq.corrid) is seq:
-            del self._live[seq.corrid]
+        key = (seq.owner, seq.corrid)
+        if self._live.get(key) is seq:
+            del self._live[key]
         if expired:
             self._counts["expired"] += 1
-            self._expired[seq.corrid] = None
+            self._expired[key] = None
             while len(self._expired) > _EXPIRED_REMEMBERED:
                 self._expired.popitem(last=False)
         else:
@@ -297,8 +321,17 @@ class SequenceScheduler:
         self._cond.notify_all()
 
     def _reap(self, now: int) -> int:
-        """Release sequences idle for too long; return ns until the next one could (0: none)."""
+        """Release sequences idle for too long and refuse those backlogged past their bound.
+
+        Returns ns until the next one could be (0: none).
+        """
         soonest = 0
+        for seq in list(self._backlog):
+            left = seq.backlog_until_ns - now
+            if left <= 0:
+                self._refuse(seq)
+            else:
+                soonest = left if not soonest else min(soonest, left)
         for seq in list(self._held):
             if seq.busy or seq.pending:
                 continue
@@ -310,6 +343,39 @@ class SequenceScheduler:
                 left = self._idle_ns - idle
                 soonest = left if not soonest else min(soonest, left)
         return soonest
+
+    def _refuse(self, seq: _Sequence) -> None:
+        """A backlogged sequence waited its bound for a slot: release it, fail its requests (later)."""
+        self._held.discard(seq)
+        key = (seq.owner, seq.corrid)
+        if self._live.get(key) is seq:
+            del self._live[key]
+        self._backlog.remove(seq)
+        self._queued -= len(seq.pending)
+        self._refused.extend(seq.pending)
+        seq.pending.clear()
+        seq.state = None
+        self._cond.notify_all()  # a drain waiting for the queue to empty
+        log.warning("%s: sequence %r found no free slot in time; refused", self._name, shorten(seq.corrid))
+
+    def _fail_refused(self) -> None:
+        """Answer the requests of refused sequences (called with the lock held; completes outside it)."""
+        refused, self._refused = self._refused, []
+        where = "slot" if self._direct else "candidate place"
+        self._lock.release()
+        try:
+            for request in refused:
+                if request.future.set_running_or_notify_cancel():
+                    request.future.set_exception(
+                        QueueFull(
+                            f"model {self._name!r}: sequence {shorten(request.item.correlation_id)} "
+                            f"found no free {where} in time: every one is held by a live sequence (they "
+                            "free when a sequence ends or stays idle for max_sequence_idle_microseconds); "
+                            "start it again later"
+                        )
+                    )
+        finally:
+            self._lock.acquire()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -339,7 +405,8 @@ class SequenceScheduler:
         with self._lock:
             self._accepting = False
             self._stopping = True
-            leftover = [r for seq in self._held for r in seq.pending]
+            leftover = [r for seq in self._held for r in seq.pending] + self._refused
+            self._refused = []
             for seq in list(self._held):  # a busy one's worker finds it released when its batch ends
                 seq.pending.clear()
                 self._release(seq, expired=False)
@@ -374,6 +441,9 @@ class SequenceScheduler:
             while not self._stopping:
                 now = time.monotonic_ns()
                 reap_ns = self._reap(now)
+                if self._refused:
+                    self._fail_refused()
+                    continue
                 rows, wait_ns = self._form_direct(instance, now) if self._direct else self._form_oldest(now)
                 if rows:
                     for seq, request in rows:

@@ -17,6 +17,7 @@ from edge_server import dtypes
 from edge_server.config.model import ModelConfig
 from edge_server.config.sequence import CORRID, END, READY, START, SequenceState
 from edge_server.errors import ConfigError
+from edge_server.paths import inside
 from edge_server.request import BatchItem
 
 State = dict[str, np.ndarray]  # state input name -> its value, with the batch axis when batched
@@ -29,7 +30,9 @@ def _initial_value(state: SequenceState, model_dir: Path, source: str) -> np.nda
         return np.zeros(state.dims, dtype)
     if init.source == "zero_data":
         return np.zeros(init.dims, dtype)
-    path = model_dir / "initial_state" / init.data_file
+    path = inside(
+        model_dir / "initial_state", init.data_file, f"initial_state of {state.input_name!r} data_file"
+    )
     expected = math.prod(init.dims) * dtype.itemsize
     try:
         data = path.read_bytes()
