@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_server.backends.base import AUTO_ALONE_RULE
+from edge_server.backends import backend_class
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
@@ -282,8 +282,6 @@ class ModelManager:
                 if previous is not None:
                     self._overrides[name] = previous
                 raise
-        if name not in self._loading_members:  # an ensemble's member: the ensemble's load does it
-            self._rebuild_alone_no_more()
         return [s for s in self.index() if s.name == name]
 
     def _overridden(self, source: ModelSource) -> ModelSource:
@@ -318,14 +316,13 @@ class ModelManager:
             self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
             self._publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
 
-    def rescan(
-        self, names: Iterable[str] | None = None, *, retry_failed: bool = True, rebuild_threads: bool = True
-    ) -> None:
+    def rescan(self, names: Iterable[str] | None = None, *, retry_failed: bool = True) -> None:
         """Reload what changed on disk among ``names`` (default: every model); unload removed models.
 
         Failures are logged and kept in the index; they never stop the rescan of the other models.
         ``retry_failed=False`` (the watcher) skips versions whose exact content already failed.
-        ``rebuild_threads``: afterwards, rebuild models that ONNX Runtime's defaults no longer suit.
+        The models this rescan will bring in count for the thread rule from the first one's load on
+        (:func:`_planned_cpu_sessions`), so that no serving model ever has to be rebuilt for them.
         """
         with self._changing(None):
             self._check_open()
@@ -340,8 +337,14 @@ class ModelManager:
             # Ensembles after the models they call, so that their steps validate against them.
             ordered = sorted(wanted - set(self._unloaded), key=lambda n: (is_ensemble(on_disk.get(n)), n))
             failed_ensembles: list[ModelSource] = []
-            for name in ordered:
+            planned = {
+                name: _planned_cpu_sessions(on_disk.get(name))
+                for name in ordered
+                if name not in self._serving
+            }
+            for position, name in enumerate(ordered):
                 source = on_disk.get(name)
+                coming = sum(planned.get(later, 0) for later in ordered[position + 1 :])
                 try:
                     with self._model_lock(name):
                         self._check_open()
@@ -355,7 +358,7 @@ class ModelManager:
                             with self._tables:
                                 self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
                         else:
-                            self._sync(self._overridden(source), retry_failed=retry_failed)
+                            self._sync(self._overridden(source), retry_failed=retry_failed, coming=coming)
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
                     if is_ensemble(source):
@@ -364,8 +367,6 @@ class ModelManager:
                 # A member that arrived may be what an ensemble loaded earlier was missing.
                 failed_ensembles += self._unavailable_ensembles(exclude=set(ordered))
             self._retry_ensembles(failed_ensembles)
-        if rebuild_threads:
-            self._rebuild_alone_no_more()
 
     def _unavailable_ensembles(self, *, exclude: set[str]) -> list[ModelSource]:
         with self._status_lock:
@@ -485,7 +486,8 @@ class ModelManager:
 
     # -- bringing one model in line with its files ---------------------------------------------
 
-    def _sync(self, source: ModelSource, *, retry_failed: bool) -> None:
+    def _sync(self, source: ModelSource, *, retry_failed: bool, coming: int = 0) -> None:
+        """Bring ``name`` in line with its files; ``coming``: CPU sessions a rescan loads after it."""
         name = source.name
         current = self._serving.get(name, {})
         config_signature = source.config_signature()
@@ -514,7 +516,13 @@ class ModelManager:
             if len(ready) >= len(selected):
                 break
             outcome = self._bring_up(
-                source, version, config, config_hash, current.get(version), retry_failed=retry_failed
+                source,
+                version,
+                config,
+                config_hash,
+                current.get(version),
+                retry_failed=retry_failed,
+                coming=coming,
             )
             if isinstance(outcome, str):
                 failed[version] = outcome
@@ -585,17 +593,14 @@ class ModelManager:
         existing: LoadedVersion | None,
         *,
         retry_failed: bool,
+        coming: int = 0,
     ) -> LoadedVersion | str:
         """The loaded version (``existing`` when its content is unchanged), or why it did not load."""
         name = source.name
         signature = source.version_signature(version)
         content_hash = config_hash + source.version_hash(version)
-        if (
-            existing is not None
-            and existing.content_hash == content_hash
-            and not self._alone_no_more(existing)
-        ):
-            return existing
+        if existing is not None and existing.content_hash == content_hash:
+            return existing  # never rebuilt for another model's sake: it keeps its session and counts
         known = self._failed.get((name, version))
         if known is not None and known[0] == content_hash and not retry_failed:
             return known[1]
@@ -612,7 +617,7 @@ class ModelManager:
                 cpu_count=self._cpu_count,
                 access=self._access,
                 rebuilder=self.engine_rebuilder,
-                sharing=self._cpu_onnxruntime_instances(exclude=(name, version)),
+                sharing=self._cpu_onnxruntime_instances(exclude=(name, version)) + coming,
                 thread_policy=self.onnxruntime_thread_policy,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
@@ -656,39 +661,6 @@ class ModelManager:
             for version, loaded in versions.items()
             if (name, version) != exclude
         )
-
-    def _alone_no_more(self, loaded: LoadedVersion) -> bool:
-        """Whether ``loaded`` has ONNX Runtime's default threads from ``auto`` and others loaded since.
-
-        Its spinning workers would steal the newcomers' cores, and a session cannot change its threads:
-        it is built again, as a hot reload does (the old one serves until the new one is ready).
-        """
-        settings = loaded.thread_settings
-        if settings is None or settings["rule"] != AUTO_ALONE_RULE:
-            return False
-        return self._cpu_onnxruntime_instances(exclude=(loaded.name, loaded.version)) > 0
-
-    def _rebuild_alone_no_more(self) -> None:
-        """Reload the versions :meth:`_alone_no_more` names (after a load or a rescan brought others)."""
-        stale = sorted(
-            {
-                v.name
-                for versions in self._serving.values()
-                for v in versions.values()
-                if self._alone_no_more(v)
-            }
-        )
-        if not stale or self._closed:
-            return
-        log.info(
-            "%s: built with ONNX Runtime's default threads as the only CPU ONNX Runtime model; other "
-            "models loaded since, so rebuilding with the cores split (--onnxruntime-thread-policy auto)",
-            ", ".join(stale),
-        )
-        try:
-            self.rescan(stale, rebuild_threads=False)  # once: a reload that fails keeps the old one serving
-        except EdgeServerError as exc:  # shutting down meanwhile; per-model failures are logged by rescan
-            log.warning("rebuilding %s with split threads: %s", ", ".join(stale), exc.message)
 
     def _load_in_thread(self, source: ModelSource, version: int, *args: Any, **kwargs: Any) -> LoadedVersion:
         """``load_version`` on a thread of its own, given up after ``load_timeout`` or at close().
@@ -749,6 +721,21 @@ def _close_abandoned(future: Future[LoadedVersion]) -> None:
 
 def _summary(failed: dict[int, str]) -> str:
     return "; ".join(f"v{v}: {reason}" for v, reason in sorted(failed.items())) or "nothing to load"
+
+
+def _planned_cpu_sessions(source: ModelSource | None) -> int:
+    """CPU sessions ``source`` would share the cores with, read from its config before it loads.
+
+    The backend's own hook decides (ONNX Runtime counts its CPU instances); 0 where the config cannot
+    be read or the backend is not installed: its load reports that.
+    """
+    if source is None:
+        return 0
+    try:
+        config, _ = read_config(source)
+        return backend_class(config.backend).planned_cpu_sessions(config)
+    except (EdgeServerError, ImportError):
+        return 0
 
 
 def is_ensemble(source: ModelSource | None) -> bool:

@@ -93,6 +93,16 @@ class Backend(abc.ABC):
         return False
 
     @classmethod
+    def planned_cpu_sessions(cls, config: ModelConfig) -> int:
+        """How many CPU sessions that share the cores a model of this config will open (before loading).
+
+        The lifecycle counts them for the models a rescan brings in, so that a thread rule (ONNX
+        Runtime's) is decided from the whole repository at the first load, never by rebuilding a
+        serving model later.  0: this backend's instances do not take part in such a rule.
+        """
+        return 0
+
+    @classmethod
     @abc.abstractmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
         """Check ``config`` against the model file and fill what it leaves out (Triton's auto-complete).

@@ -239,6 +239,19 @@ class OnnxRuntimeBackend(TensorBackend):
         return "CUDAExecutionProvider" in ort.get_available_providers()
 
     @classmethod
+    def planned_cpu_sessions(cls, config: ModelConfig) -> int:
+        """The CPU instances ``instance_group`` asks for (one, without it): the thread rule counts them."""
+        if not config.instance_groups:
+            return 0 if cls.gpu_available() else 1
+        gpu = cls.gpu_available()
+        count = 0
+        for group in config.instance_groups:
+            on_cpu = group.kind in ("KIND_CPU", "KIND_MODEL") or (group.kind == "KIND_AUTO" and not gpu)
+            if on_cpu and not group.secondary_devices:
+                count += group.count
+        return count
+
+    @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
