@@ -145,35 +145,16 @@ def load_version(
         sharing=sharing if config.backend == "onnxruntime" else 0,
         thread_policy=thread_policy,
     )
-    instances: list[tuple[str, Backend]] = []
-    try:
-        for spec in specs:
-            ctx = LoadContext(
-                config=config,
-                version=version,
-                version_dir=version_dir,
-                model_path=model_path,
-                instance=spec,
-                models=access,
-            )
-            instances.append((spec.name, backend_cls.create(ctx)))
-        for name, backend in instances:
-            warm_up(config, backend, version_dir, instance_name=name)
-    except BaseException:
-        for _, backend in instances:
-            backend.close()
-        raise
-    stats = ModelStats(source.name, version)
 
-    def restart(index: int) -> Backend:
-        """A fresh, warmed-up instance in place of instance ``index`` after an unrecoverable fault.
-
-        Called by the failed instance's worker.  By index, not name: the copies of a group on several
-        GPUs or DLA cores share one name.
-        """
-        spec = specs[index]
+    def build(spec: InstanceSpec) -> Backend:
+        """One instance, loaded and warmed up: at load and for every restart alike (one context build)."""
         ctx = LoadContext(
-            config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
+            config=config,
+            version=version,
+            version_dir=version_dir,
+            model_path=model_path,
+            instance=spec,
+            models=access,
         )
         backend = backend_cls.create(ctx)
         try:
@@ -182,6 +163,24 @@ def load_version(
             backend.close()
             raise
         return backend
+
+    instances: list[tuple[str, Backend]] = []
+    try:
+        for spec in specs:
+            instances.append((spec.name, build(spec)))
+    except BaseException:
+        for _, backend in instances:
+            backend.close()
+        raise
+    stats = ModelStats(source.name, version)
+
+    def restart(index: int) -> Backend:
+        """A fresh instance in place of instance ``index`` after an unrecoverable fault.
+
+        Called by the failed instance's worker.  By index, not name: the copies of a group on several
+        GPUs or DLA cores share one name.
+        """
+        return build(specs[index])
 
     scheduler: ModelScheduler | SequenceScheduler
     if config.sequence_batching is not None:
