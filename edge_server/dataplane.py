@@ -95,6 +95,7 @@ class DataPlane:
                     )
                 item.stream = sink
                 sink.model_sends = True
+            request.routed_version = loaded.version
             try:
                 method: Callable[..., _Outcome] = getattr(loaded.scheduler, call)
                 return method(

@@ -158,11 +158,6 @@ class KServeService:
         stats = self.dataplane.statistics(name or None, parse_version(version) if name else None)
         return {"model_stats": stats}
 
-    def serving_version(self, name: str) -> str:
-        """The version a request without one was routed to (the newest serving), for responses."""
-        versions = self.server.manager.serving().get(name, {})
-        return str(max(versions)) if versions else ""
-
     # -- repository ------------------------------------------------------------------------------
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
