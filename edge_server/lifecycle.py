@@ -73,6 +73,10 @@ Listener = Callable[[VersionStatus], None]
 _Key = tuple[str, int | None]
 
 
+#: How long a rescan waits for one model's load before it starts the next beside it (loads that
+#: finish sooner run one after the other, as they always did).
+CONTROL_PATIENCE_S = 1.0
+
 #: Default of ``--model-load-timeout-secs``: a load (instances created, warmed up) taking longer is
 #: abandoned.
 DEFAULT_LOAD_TIMEOUT_S = 600.0
@@ -342,14 +346,14 @@ class ModelManager:
                 for name in ordered
                 if name not in self._serving
             }
-            for position, name in enumerate(ordered):
-                source = on_disk.get(name)
-                coming = sum(planned.get(later, 0) for later in ordered[position + 1 :])
+            finished: set[str] = set()
+
+            def bring_in_line(name: str, source: ModelSource | None) -> None:
                 try:
                     with self._model_lock(name):
                         self._check_open()
                         if name in self._unloaded:
-                            continue  # unloaded through the API meanwhile
+                            return  # unloaded through the API meanwhile
                         if source is None:
                             if name in self._serving:
                                 log.info("model %s was removed from the repository; unloading", name)
@@ -357,12 +361,41 @@ class ModelManager:
                             self._publish(name, [])
                             with self._tables:
                                 self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
-                        else:
-                            self._sync(self._overridden(source), retry_failed=retry_failed, coming=coming)
+                            return
+                        serving = self._serving  # one snapshot: a model is counted once, serving or not
+                        coming = sum(
+                            count
+                            for other, count in planned.items()
+                            if other != name and other not in finished and other not in serving
+                        )
+                        self._sync(self._overridden(source), retry_failed=retry_failed, coming=coming)
                 except EdgeServerError as exc:
                     log.error("model %s: %s", name, exc.message)
                     if is_ensemble(source):
                         failed_ensembles.append(source)  # type: ignore[arg-type]
+                except Exception:  # a bug of ours must not stop the other models' rescans
+                    log.exception("rescanning model %s failed unexpectedly", name)
+                finally:
+                    finished.add(name)
+
+            # Each model on a control thread of its own: a load that hangs in user code (or waits
+            # for the lock of another operation on that model) holds up no other model.  One at a
+            # time while loads are quick; an ensemble waits for its own members only.
+            threads: dict[str, threading.Thread] = {}
+            for name in ordered:
+                source = on_disk.get(name)
+                if is_ensemble(source):
+                    for member in _members(source):
+                        if member in threads:
+                            threads[member].join()
+                thread = threading.Thread(
+                    target=bring_in_line, args=(name, source), name=f"edge-control-{name}", daemon=True
+                )
+                threads[name] = thread
+                thread.start()
+                thread.join(CONTROL_PATIENCE_S)
+            for thread in threads.values():
+                thread.join()
             if names is not None and any(name in self._serving for name in ordered):
                 # A member that arrived may be what an ensemble loaded earlier was missing.
                 failed_ensembles += self._unavailable_ensembles(exclude=set(ordered))
@@ -736,6 +769,18 @@ def _planned_cpu_sessions(source: ModelSource | None) -> int:
         return backend_class(config.backend).planned_cpu_sessions(config)
     except (EdgeServerError, ImportError):
         return 0
+
+
+def _members(source: ModelSource | None) -> list[str]:
+    """The models an ensemble's steps call, from its config (none when it cannot be read)."""
+    if source is None:
+        return []
+    try:
+        config, _ = read_config(source)
+    except EdgeServerError:
+        return []
+    steps, _ = parse_steps(config)
+    return [step.model_name for step in steps]
 
 
 def is_ensemble(source: ModelSource | None) -> bool:
