@@ -65,12 +65,7 @@ class LoadedVersion:
         ``finish_sequences`` (a reload with a successor): a sequence model also waits for its live
         sequences to end or idle out, so that they finish on the version they started on.
         """
-        scheduler = self.scheduler
-        if isinstance(scheduler, SequenceScheduler):
-            drained = scheduler.drain(deadline, finish_sequences=finish_sequences)
-        else:
-            drained = scheduler.drain(deadline)
-        if not drained:
+        if not self.scheduler.drain(deadline, finish_sequences=finish_sequences):
             log.warning(
                 "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
             )
@@ -184,7 +179,7 @@ def load_version(
 
     scheduler: ModelScheduler | SequenceScheduler
     if config.sequence_batching is not None:
-        scheduler = SequenceScheduler(config, instances, stats, source.path)
+        scheduler = SequenceScheduler(config, instances, stats, source.path, restart=restart)
     else:
         scheduler = ModelScheduler(config, instances, stats, restart=restart)
     return LoadedVersion(

@@ -50,7 +50,7 @@ def test_new_version_loads_beside_the_old_then_swaps(repo: Path) -> None:
         seen = [(e.version, e.state) for e in events]
         # v2 is loaded and published before v1 starts to drain; v1 is gone at the end
         assert seen == [(2, ModelState.LOADING), (2, ModelState.READY), (1, ModelState.UNLOADING)]
-        assert not any(t.is_alive() for t in old.scheduler._threads)
+        assert old.scheduler._pool.workers_alive() == 0
 
 
 def test_corrupt_version_never_takes_traffic(repo: Path) -> None:
@@ -181,7 +181,7 @@ def test_unload_frees_sessions_and_threads(repo: Path) -> None:
     write_model(repo, versions=(1,))
     with Server(repo, model_control_mode="explicit", load_models=["m"]) as server:
         loaded = server.manager.serving()["m"][1]
-        instances = [backend for _, backend in loaded.scheduler._instances]
+        instances = loaded.scheduler._pool.backends()
         server.unload_model("m")
         assert not _instance_threads("m")
         assert all(getattr(backend, "_session", None) is None for backend in instances)

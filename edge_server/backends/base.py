@@ -81,6 +81,10 @@ class Backend(abc.ABC):
     #: device call can block.
     allows_inline: bool = False
 
+    #: whether the model may call other models (BLS): the scheduler never runs such a request on a
+    #: worker that holds an instance of its own (see ``scheduler._pipeline_caller``)
+    calls_models: bool = False
+
     #: device label for status and metrics: "cpu", "cuda:0", "dla:1"
     device: str = "cpu"
 
