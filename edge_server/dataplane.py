@@ -8,7 +8,7 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -18,8 +18,8 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.config.model import ModelConfig, TensorSpec
 from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument
-from edge_server.lifecycle import ModelManager
 from edge_server.request import InferRequest, ResponseSink, Result
+from edge_server.routing import RoutingView
 from edge_server.scheduler.scheduler import SchedulerClosed
 
 _Outcome = Result | Future[dict[str, np.ndarray]]
@@ -42,8 +42,8 @@ def _finish_stream(sink: ResponseSink, future: Future[dict[str, np.ndarray]]) ->
 class DataPlane:
     """Routes validated requests to the serving version of a model."""
 
-    def __init__(self, manager: ModelManager) -> None:
-        self._manager = manager
+    def __init__(self, routing: RoutingView) -> None:
+        self._routing = routing
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         """Validate, route and queue ``request``; the future gets its outputs or its error."""
@@ -81,9 +81,9 @@ class DataPlane:
             if request.correlation_id:
                 # A sequence that started before a reload finishes on the version it started on (and a
                 # second start of it is refused there, as it would be without a reload).
-                loaded = self._manager.sequence_holder(request.model, request.correlation_id)
+                loaded = self._routing.sequence_holder(request.model, request.correlation_id)
             if loaded is None or (request.version is not None and loaded.version != request.version):
-                loaded = self._manager.resolve(request.model, request.version)
+                loaded = self._routing.resolve(request.model, request.version)
             item, shape_key = loaded.validator(request)
             if request.output_buffers:  # the client's shared memory, for backends that write there
                 item.destinations = request.output_buffers
@@ -110,12 +110,12 @@ class DataPlane:
         raise SchedulerClosed(f"model {request.model!r} is being unloaded")
 
     def config(self, name: str, version: int | None = None) -> ModelConfig:
-        return self._manager.resolve(name, version).config
+        return self._routing.resolve(name, version).config
 
     def metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
         """KServe v2 model metadata."""
         config = self.config(name, version)
-        versions = sorted(self._manager.serving().get(name, {}))
+        versions = sorted(self._routing.serving().get(name, {}))
         batched = config.max_batch_size > 0
 
         def tensor(spec: TensorSpec) -> dict[str, Any]:
@@ -135,12 +135,12 @@ class DataPlane:
 
     def statistics(self, name: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
         """Triton's per-version statistics for one model, or for every serving model."""
-        serving = self._manager.serving()
+        serving = self._routing.serving()
         if name is not None:
             if version is not None:
-                return [self._manager.resolve(name, version).stats.as_dict()]
-            self._manager.resolve(name)  # raises the precise error for unknown or unready models
-            chosen = {name: serving.get(name, {})}
+                return [self._routing.resolve(name, version).stats.as_dict()]
+            self._routing.resolve(name)  # raises the precise error for unknown or unready models
+            chosen: Mapping[str, Mapping[int, Any]] = {name: serving.get(name, {})}
         else:
             chosen = serving
         return [

@@ -26,51 +26,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edge_server.backends import backend_class
-from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
-from edge_server.loader import LoadedVersion, load_version, read_config
+from edge_server.loader import LoadedVersion, LoadEnvironment, load_version, read_config
 from edge_server.memory import settle_heap
-from edge_server.pipeline.ensemble import EnsembleScheduler
 from edge_server.pipeline.graph import declares_ensemble, parse_steps
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
-from edge_server.request import ModelAccess
-from edge_server.scheduler.sequence import SequenceScheduler
-from edge_server.scheduler.summaries import SummaryOptions
+from edge_server.routing import Routing
+from edge_server.status_index import ModelState, StatusIndex, VersionStatus
 
 log = logging.getLogger(__name__)
-
-
-class ModelState(str, enum.Enum):
-    LOADING = "LOADING"
-    READY = "READY"
-    UNLOADING = "UNLOADING"
-    UNAVAILABLE = "UNAVAILABLE"
-
-
-@dataclass(frozen=True)
-class VersionStatus:
-    """One row of the repository index: Triton's ``RepositoryIndex.ModelIndex``."""
-
-    name: str
-    version: int | None  # None: the model failed before any version could be named
-    state: ModelState
-    reason: str = ""
-
-
-Listener = Callable[[VersionStatus], None]
-_Key = tuple[str, int | None]
 
 
 #: How long a rescan waits for one model's load before it starts the next beside it (loads that
@@ -87,173 +61,35 @@ class ModelManager:
         self,
         repository: Path,
         *,
+        routing: Routing,
+        index: StatusIndex,
+        env: LoadEnvironment,
         drain_timeout: float = 30.0,
-        cpu_count: int | None = None,
         load_timeout: float = DEFAULT_LOAD_TIMEOUT_S,
     ) -> None:
+        """Control of ``repository``'s models: what it loads it publishes in ``routing`` and ``index``.
+
+        ``env`` is what every load gets (model access, engine rebuilder, thread policy, summaries).
+        """
         self.repository = repository
+        self._routing = routing
+        self._index = index
+        self._env = env
         self._drain_timeout = drain_timeout
-        self._cpu_count = cpu_count
         self.load_timeout = load_timeout
-        # Lock order: a model's lock, then (for an ensemble) its members' locks, then _tables; _tables
-        # is held only for table swaps, never across a load, a drain or a listener call.
+        # Lock order: a model's lock, then (for an ensemble) its members' locks, then _tables, then the
+        # routing's swap lock; _tables is held only for table swaps (a read-modify-write of the routing
+        # table), never across a load, a drain or a listener call.
         self._locks_lock = threading.Lock()
         self._model_locks: dict[str, threading.RLock] = {}
         self._tables = threading.RLock()
         self._closing = threading.Event()
-        self._serving: dict[str, dict[int, LoadedVersion]] = {}  # replaced whole, never mutated
-        # Retiring sequence-model versions whose live sequences finish there (replaced whole, too).
-        self._sequence_holders: dict[str, tuple[LoadedVersion, ...]] = {}
-        self._status_lock = threading.Lock()
-        self._status: dict[_Key, VersionStatus] = {}
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (hash, reason)
-        self._listeners: list[Listener] = []
         self._unloaded: set[str] = set()  # unloaded through the API: rescans leave them alone
         self._overrides: dict[str, str] = {}  # configs given at load time, until loaded without one
         self._closed = False
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
-        self._access: ModelAccess | None = None
         self._loading_members: set[str] = set()  # members an explicit ensemble load is bringing up
-        # --metrics-config summary_latencies=true: versions keep latency quantiles (set by Server)
-        self.latency_summaries: SummaryOptions | None = None
-        # --onnxruntime-thread-policy (set by Server): auto, default or split; see _stale_threads
-        self.onnxruntime_thread_policy = "auto"
-
-    def attach(self, access: ModelAccess) -> None:
-        """Give the models loaded from now on their way to other models (ensembles, BLS calls)."""
-        self._access = access
-        # --engine-build on-load: stale TensorRT plans are rebuilt while their ONNX serves (set by Server)
-        self.engine_rebuilder: EngineRebuilder | None = None
-
-    # -- request path ---------------------------------------------------------------------------
-
-    def resolve(self, name: str, version: int | None = None) -> LoadedVersion:
-        """The version a request for ``name`` (and ``version``, or the latest) goes to."""
-        versions = self._serving.get(name)
-        if versions:
-            found = versions[max(versions)] if version is None else versions.get(version)
-            if found is not None:
-                if found.members:
-                    self._check_members(found)
-                return found
-        check_model_name(name)
-        with self._status_lock:
-            known = {key: s for key, s in self._status.items() if key[0] == name}
-        if not known and not versions:
-            raise ModelNotFound(f"unknown model {name!r}")
-        status = known.get((name, version)) if version is not None else None
-        if status is not None:
-            raise ModelNotReady(f"model {name!r} version {version} is {status.state.value}: {status.reason}")
-        if version is not None:
-            available = sorted(versions or {})
-            raise ModelNotFound(f"model {name!r} has no version {version}; serving versions: {available}")
-        reasons = "; ".join(f"v{s.version}: {s.state.value} {s.reason}".strip() for s in known.values())
-        raise ModelNotReady(f"model {name!r} is not ready ({reasons})")
-
-    def _check_members(self, ensemble: LoadedVersion) -> None:
-        """An ensemble is ready only while every member serves and its steps fit the members' configs.
-
-        One level: members check theirs.  A member's reload may have changed its tensors (see
-        ``EnsembleScheduler.members_fit``).
-        """
-        configs = {}
-        for member, version in ensemble.members:
-            versions = self._serving.get(member)
-            if not versions or (version is not None and version not in versions):
-                which = f"{member!r}" + (f" version {version}" if version is not None else "")
-                raise ModelNotReady(
-                    f"ensemble {ensemble.name!r} is not ready: its member {which} is not serving"
-                )
-            configs[(member, version)] = versions[max(versions) if version is None else version].config
-        if isinstance(ensemble.scheduler, EnsembleScheduler):
-            why = ensemble.scheduler.members_fit(configs)
-            if why:
-                raise ModelNotReady(f"ensemble {ensemble.name!r} is not ready: {why}")
-
-    def sequence_holder(self, name: str, correlation_id: int | str) -> LoadedVersion | None:
-        """The retiring version of ``name`` on which sequence ``correlation_id`` is still live, if any."""
-        for loaded in self._sequence_holders.get(name, ()):
-            scheduler = loaded.scheduler
-            if isinstance(scheduler, SequenceScheduler) and scheduler.holds(correlation_id):
-                return loaded
-        return None
-
-    def _hold_sequences(self, versions: list[LoadedVersion], *, held: bool) -> None:
-        """Let (or stop letting) the live sequences of retiring ``versions`` be routed to them."""
-        with self._tables:
-            table = dict(self._sequence_holders)
-            for loaded in versions:
-                if loaded.config.sequence_batching is None:
-                    continue
-                others = tuple(v for v in table.get(loaded.name, ()) if v is not loaded)
-                table[loaded.name] = (*others, loaded) if held else others
-                if not table[loaded.name]:
-                    del table[loaded.name]
-            self._sequence_holders = table
-
-    # -- index ----------------------------------------------------------------------------------
-
-    def index(self) -> list[VersionStatus]:
-        """Every version the manager knows: serving, loading, unloading or failed (with why).
-
-        A loaded ensemble whose member is not serving shows as UNAVAILABLE with the member named.
-        """
-        with self._status_lock:
-            rows = sorted(self._status.values(), key=lambda s: (s.name, -(s.version or 0)))
-        return [self._with_members(row) for row in rows]
-
-    def _with_members(self, row: VersionStatus) -> VersionStatus:
-        if row.state is not ModelState.READY or row.version is None:
-            return row
-        loaded = self._serving.get(row.name, {}).get(row.version)
-        if loaded is None or not loaded.members:
-            return row
-        try:
-            self._check_members(loaded)
-        except ModelNotReady as exc:
-            return VersionStatus(row.name, row.version, ModelState.UNAVAILABLE, exc.message)
-        return row
-
-    def serving(self) -> dict[str, dict[int, LoadedVersion]]:
-        return self._serving
-
-    def add_listener(self, listener: Listener) -> None:
-        """Called on every state change (metrics, systemd STATUS lines, logs); must not block."""
-        self._listeners.append(listener)
-
-    def _set(self, name: str, version: int | None, state: ModelState, reason: str = "") -> None:
-        status = VersionStatus(name, version, state, reason)
-        with self._status_lock:
-            if version is not None:
-                self._status.pop((name, None), None)
-            unchanged = self._status.get((name, version)) == status
-            self._status[(name, version)] = status
-        if not unchanged:
-            self._notify(status)
-
-    def _publish(self, name: str, rows: list[VersionStatus]) -> None:
-        """Replace every index row of ``name`` with ``rows`` (versions being retired keep theirs)."""
-        keep = {(r.name, r.version) for r in rows}
-        with self._status_lock:
-            stale = [
-                key
-                for key, s in self._status.items()
-                if key[0] == name and key not in keep and s.state is not ModelState.UNLOADING
-            ]
-            for key in stale:
-                del self._status[key]
-            changed = [r for r in rows if self._status.get((r.name, r.version)) != r]
-            for row in rows:
-                self._status[(row.name, row.version)] = row
-        for row in changed:
-            self._notify(row)
-
-    def _notify(self, status: VersionStatus) -> None:
-        for listener in self._listeners:
-            try:
-                listener(status)
-            except Exception:  # a broken listener must not stop a swap half-way
-                log.exception("model state listener failed on %s", status)
 
     # -- control --------------------------------------------------------------------------------
 
@@ -271,7 +107,7 @@ class ModelManager:
             self._unloaded.discard(name)
             source = scan_model(self.repository, name)
             if source is None:
-                if name in self._serving:
+                if name in self._routing.serving():
                     self._unload(name)
                 raise ModelNotFound(f"no model directory {name!r} in {self.repository}")
             previous = self._overrides.pop(name, None)
@@ -286,7 +122,7 @@ class ModelManager:
                 if previous is not None:
                     self._overrides[name] = previous
                 raise
-        return [s for s in self.index() if s.name == name]
+        return [s for s in self._routing.index() if s.name == name]
 
     def _overridden(self, source: ModelSource) -> ModelSource:
         override = self._overrides.get(source.name)
@@ -300,7 +136,7 @@ class ModelManager:
             return  # _sync reports it
         steps, _ = parse_steps(config)
         for member in dict.fromkeys(step.model_name for step in steps):
-            if not member or member in self._serving or member in self._loading_members:
+            if not member or member in self._routing.serving() or member in self._loading_members:
                 continue
             self._loading_members.add(member)  # an ensemble cycle must not recurse forever
             try:
@@ -314,11 +150,11 @@ class ModelManager:
         """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
         check_model_name(name)
         with self._changing(name):
-            if name not in self._serving and not any(s.name == name for s in self.index()):
+            if name not in self._routing.serving() and not self._index.of(name):
                 raise ModelNotFound(f"unknown model {name!r}")
             self._unload(name)
             self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
-            self._publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
+            self._index.publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
 
     def rescan(self, names: Iterable[str] | None = None, *, retry_failed: bool = True) -> None:
         """Reload what changed on disk among ``names`` (default: every model); unload removed models.
@@ -332,9 +168,8 @@ class ModelManager:
             self._check_open()
             if names is None:
                 on_disk: dict[str, ModelSource | None] = dict(scan(self.repository))
-                with self._status_lock:
-                    known = {key[0] for key in self._status}
-                wanted = set(on_disk) | set(self._serving) | known
+                known = self._index.names()
+                wanted = set(on_disk) | set(self._routing.serving()) | known
             else:
                 wanted = set(names)
                 on_disk = {name: scan_model(self.repository, name) for name in wanted}
@@ -344,7 +179,7 @@ class ModelManager:
             planned = {
                 name: _planned_cpu_sessions(on_disk.get(name))
                 for name in ordered
-                if name not in self._serving
+                if name not in self._routing.serving()
             }
             finished: set[str] = set()
 
@@ -355,14 +190,14 @@ class ModelManager:
                         if name in self._unloaded:
                             return  # unloaded through the API meanwhile
                         if source is None:
-                            if name in self._serving:
+                            if name in self._routing.serving():
                                 log.info("model %s was removed from the repository; unloading", name)
                                 self._unload(name)
-                            self._publish(name, [])
+                            self._index.publish(name, [])
                             with self._tables:
                                 self._failed = {k: v for k, v in self._failed.items() if k[0] != name}
                             return
-                        serving = self._serving  # one snapshot: a model is counted once, serving or not
+                        serving = self._routing.serving()  # one snapshot: each model counted once
                         coming = sum(
                             count
                             for other, count in planned.items()
@@ -396,18 +231,13 @@ class ModelManager:
                 thread.join(CONTROL_PATIENCE_S)
             for thread in threads.values():
                 thread.join()
-            if names is not None and any(name in self._serving for name in ordered):
+            if names is not None and any(name in self._routing.serving() for name in ordered):
                 # A member that arrived may be what an ensemble loaded earlier was missing.
                 failed_ensembles += self._unavailable_ensembles(exclude=set(ordered))
             self._retry_ensembles(failed_ensembles)
 
     def _unavailable_ensembles(self, *, exclude: set[str]) -> list[ModelSource]:
-        with self._status_lock:
-            names = {
-                key[0]
-                for key, status in self._status.items()
-                if status.state is ModelState.UNAVAILABLE and key[0] not in self._serving
-            }
+        names = self._index.names(ModelState.UNAVAILABLE) - set(self._routing.serving())
         found = []
         for name in sorted(names - exclude - set(self._unloaded)):
             source = scan_model(self.repository, name)
@@ -443,8 +273,9 @@ class ModelManager:
         self._closing.set()
         with self._tables:
             self._closed = True
-            retiring = [loaded for versions in self._serving.values() for loaded in versions.values()]
-            self._serving = {}
+            serving = self._routing.serving()
+            retiring = [loaded for versions in serving.values() for loaded in versions.values()]
+            self._routing.switch({})
         self._retire(retiring, deadline=deadline)
 
     def _model_lock(self, name: str) -> threading.RLock:
@@ -474,19 +305,11 @@ class ModelManager:
 
     def _unload(self, name: str) -> None:
         with self._tables:
-            old = self._serving.get(name, {})
-            table = dict(self._serving)
+            old = self._routing.serving().get(name, {})
+            table = dict(self._routing.serving())
             table.pop(name, None)
-            self._switch(table)
+            self._routing.switch(table)
         self._retire(list(old.values()))
-
-    def _switch(self, table: dict[str, dict[int, LoadedVersion]]) -> None:
-        """Serve ``table`` from now on (``_tables`` held), telling its versions whether one is alone."""
-        self._serving = table
-        alone = sum(len(versions) for versions in table.values()) == 1
-        for versions in table.values():
-            for loaded in versions.values():
-                loaded.scheduler.set_alone(alone)
 
     def _retire(
         self, versions: list[LoadedVersion], *, finish_sequences: bool = False, deadline: float | None = None
@@ -495,24 +318,21 @@ class ModelManager:
         if not versions:
             return
         # A copy replaced by a new copy of the same version number has no index row of its own.
-        shown = [v for v in versions if v.version not in self._serving.get(v.name, {})]
+        shown = [v for v in versions if v.version not in self._routing.serving().get(v.name, {})]
         for loaded in shown:
-            self._set(loaded.name, loaded.version, ModelState.UNLOADING)
+            self._index.set(loaded.name, loaded.version, ModelState.UNLOADING)
         for loaded in versions:  # all stop taking requests first, then they share one drain deadline
             loaded.scheduler.close_intake()
         if deadline is None:
             deadline = time.monotonic() + self._drain_timeout
         if finish_sequences:
-            self._hold_sequences(versions, held=True)
+            self._routing.hold(versions, held=True)
         for loaded in versions:
             loaded.retire(deadline, finish_sequences=finish_sequences)
-            self._hold_sequences([loaded], held=False)
+            self._routing.hold([loaded], held=False)
             log.info("%s v%d unloaded", loaded.name, loaded.version)
         for loaded in shown:
-            with self._status_lock:
-                status = self._status.get((loaded.name, loaded.version))
-                if status is not None and status.state is ModelState.UNLOADING:
-                    del self._status[(loaded.name, loaded.version)]
+            self._index.forget_unloading(loaded.name, loaded.version)
         shown.clear()
         versions.clear()  # drop our references before the heap is settled
         self._heap_changed = True
@@ -522,7 +342,7 @@ class ModelManager:
     def _sync(self, source: ModelSource, *, retry_failed: bool, coming: int = 0) -> None:
         """Bring ``name`` in line with its files; ``coming``: CPU sessions a rescan loads after it."""
         name = source.name
-        current = self._serving.get(name, {})
+        current = self._routing.serving().get(name, {})
         config_signature = source.config_signature()
         try:
             config, warnings = read_config(source)
@@ -579,21 +399,22 @@ class ModelManager:
         if removed_but_serving:
             ready = dict(current)  # nothing on disk loads: what served before keeps serving
         retiring = [v for key, v in current.items() if ready.get(key) is not v]
-        self._hold_sequences(retiring, held=True)  # before the switch: a live sequence never misses it
+        self._routing.hold(retiring, held=True)  # before the switch: a live sequence never misses it
         with self._tables:
             if self._closed:  # close() retired what served; what this load brought up goes too
                 fresh = [v for key, v in ready.items() if current.get(key) is not v]
                 closing = True
             else:
                 closing = False
-                table = dict(self._serving)
+                table = dict(self._routing.serving())
                 if ready:
                     table[name] = ready
                 else:
                     table.pop(name, None)
-                self._switch(table)  # the atomic switch: new requests go to the new versions from here on
+                # The atomic switch: new requests go to the new versions from here on.
+                self._routing.switch(table)
         if closing:
-            self._hold_sequences(retiring, held=False)
+            self._routing.hold(retiring, held=False)
             for loaded in fresh:
                 loaded.retire(time.monotonic())
             raise ServerShuttingDown("the server is shutting down")
@@ -610,7 +431,7 @@ class ModelManager:
         rows += [
             VersionStatus(name, v.version, ModelState.UNLOADING) for v in retiring if v.version not in ready
         ]
-        self._publish(name, rows)
+        self._index.publish(name, rows)
         with self._tables:
             self._failed = {k: v for k, v in self._failed.items() if k[0] != name or k[1] in source.versions}
         self._retire(retiring, finish_sequences=True)
@@ -637,7 +458,7 @@ class ModelManager:
         known = self._failed.get((name, version))
         if known is not None and known[0] == content_hash and not retry_failed:
             return known[1]
-        self._set(name, version, ModelState.LOADING, "replacing the serving copy" if existing else "")
+        self._index.set(name, version, ModelState.LOADING, "replacing the serving copy" if existing else "")
         self._heap_changed = True
         log.info("%s v%d loading", name, version, extra={"model": name, "version": version})
         began = time.monotonic()
@@ -647,11 +468,8 @@ class ModelManager:
                 version,
                 config,
                 content_hash=content_hash,
-                cpu_count=self._cpu_count,
-                access=self._access,
-                rebuilder=self.engine_rebuilder,
+                env=self._env,
                 sharing=self._cpu_onnxruntime_instances(exclude=(name, version)) + coming,
-                thread_policy=self.onnxruntime_thread_policy,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
             reason = exc.message if isinstance(exc, EdgeServerError) else repr(exc)
@@ -674,8 +492,6 @@ class ModelManager:
             return reason
         with self._tables:
             self._failed.pop((name, version), None)
-        if self.latency_summaries is not None:
-            loaded.stats.enable_summaries(self.latency_summaries)
         log.info(
             "%s v%d ready on %s in %.2f s",
             name,
@@ -690,7 +506,7 @@ class ModelManager:
         """CPU ONNX Runtime sessions of every serving version but ``exclude`` (the one being replaced)."""
         return sum(
             loaded.cpu_onnxruntime_instances
-            for name, versions in self._serving.items()
+            for name, versions in self._routing.serving().items()
             for version, loaded in versions.items()
             if (name, version) != exclude
         )
@@ -733,14 +549,14 @@ class ModelManager:
                 )
         return future.result()
 
-    def _fail_model(self, name: str, current: dict[int, LoadedVersion], exc: EdgeServerError) -> None:
+    def _fail_model(self, name: str, current: Mapping[int, LoadedVersion], exc: EdgeServerError) -> None:
         log.error("model %s: %s", name, exc.message)
         rows = [
             VersionStatus(name, v, ModelState.READY, f"still serving; the new files failed: {exc.message}")
             for v in current
         ]
         rows.append(VersionStatus(name, None, ModelState.UNAVAILABLE, exc.message))
-        self._publish(name, rows)
+        self._index.publish(name, rows)
 
 
 def _close_abandoned(future: Future[LoadedVersion]) -> None:

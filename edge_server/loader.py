@@ -30,10 +30,31 @@ from edge_server.scheduler.interface import RequestScheduler
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.sequence import SequenceScheduler
 from edge_server.scheduler.stats import ModelStats
+from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.validation import RequestValidator
 from edge_server.warmup import warm_up
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadEnvironment:
+    """What every load (and every instance restart) gets from the server, fixed at start-up.
+
+    Built once by the composition root (``server.py``) and handed to the lifecycle at construction:
+    nothing is set on it afterwards.
+    """
+
+    #: other models, through the data plane (ensembles, BLS calls); None where nothing can be called
+    access: ModelAccess | None = None
+    #: ``--engine-build on-load``: stale TensorRT plans are rebuilt while their ONNX serves
+    rebuilder: EngineRebuilder | None = None
+    #: ``--onnxruntime-thread-policy``: auto, default or split
+    thread_policy: str = "auto"
+    #: ``--metrics-config summary_latencies=true``: versions keep latency quantiles
+    summaries: SummaryOptions | None = None
+    #: the cores the loader splits among CPU instances (None: the machine's)
+    cpu_count: int | None = None
 
 
 @dataclass
@@ -104,23 +125,20 @@ def load_version(
     config: ModelConfig,
     *,
     content_hash: str,
-    cpu_count: int | None = None,
-    access: ModelAccess | None = None,
-    rebuilder: EngineRebuilder | None = None,
+    env: LoadEnvironment,
     sharing: int = 0,
-    thread_policy: str = "auto",
 ) -> LoadedVersion:
     """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable.
 
-    ``access`` reaches other models (a Python model's BLS calls); None where nothing can be called.
     ``sharing``: CPU ONNX Runtime instances of the other loaded versions, which an ONNX Runtime model's
-    CPU instances share the cores with; ``thread_policy``: ``--onnxruntime-thread-policy``.
+    CPU instances share the cores with.
     """
+    access = env.access
     if config.backend == "ensemble":
-        return _load_ensemble(source, version, config, content_hash=content_hash, access=access)
+        return _load_ensemble(source, version, config, content_hash=content_hash, env=env)
     version_dir = source.versions[version]
     # A TensorRT model whose plan cannot run here serves the ONNX beside it (backends/tensorrt/fallback.py).
-    choice = choose_runtime(config, version_dir, rebuilder=rebuilder)
+    choice = choose_runtime(config, version_dir, rebuilder=env.rebuilder)
     config = choice.config
     model_path = version_dir / config.model_filename
     if not model_path.exists():
@@ -136,9 +154,9 @@ def load_version(
     specs = instance_specs(
         config,
         backend_cls,
-        cpu_count=cpu_count or os.cpu_count() or 1,
+        cpu_count=env.cpu_count or os.cpu_count() or 1,
         sharing=sharing if config.backend == "onnxruntime" else 0,
-        thread_policy=thread_policy,
+        thread_policy=env.thread_policy,
     )
 
     def build(spec: InstanceSpec) -> Backend:
@@ -168,6 +186,8 @@ def load_version(
             backend.close()
         raise
     stats = ModelStats(source.name, version)
+    if env.summaries is not None:
+        stats.enable_summaries(env.summaries)
 
     def restart(index: int) -> Backend:
         """A fresh instance in place of instance ``index`` after an unrecoverable fault.
@@ -197,9 +217,10 @@ def load_version(
 
 
 def _load_ensemble(
-    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, access: ModelAccess | None
+    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, env: LoadEnvironment
 ) -> LoadedVersion:
     """An ensemble: its graph validated against the members serving now; no instances of its own."""
+    access = env.access
     if access is None:
         raise BackendUnavailable(f"{source.name}: ensembles need a server to reach their members")
     validate_config(config)
@@ -213,6 +234,8 @@ def _load_ensemble(
     if graph.decoupled and not config.decoupled:  # its responses are its decoupled steps' responses
         config = dataclasses.replace(config, decoupled=True)
     stats = ModelStats(source.name, version)
+    if env.summaries is not None:
+        stats.enable_summaries(env.summaries)
     return LoadedVersion(
         name=source.name,
         version=version,

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge_server.lifecycle import ModelManager
+from edge_server.routing import RoutingView
 
 
-def model_report(manager: ModelManager) -> list[dict[str, Any]]:
+def model_report(routing: RoutingView) -> list[dict[str, Any]]:
     """One row per known model version; serving versions carry their counters."""
-    serving = manager.serving()
+    serving = routing.serving()
     rows = []
-    for status in manager.index():
+    for status in routing.index():
         row: dict[str, Any] = {
             "name": status.name,
             "version": status.version,

@@ -13,7 +13,7 @@ import pytest
 
 from edge_server import Server
 from edge_server.errors import EdgeServerError, ModelNotReady
-from edge_server.lifecycle import ModelState
+from edge_server.status_index import ModelState
 from tests.onnx_factory import affine_model
 from tests.test_pipeline_deadlock import SLOW_MODEL
 
@@ -253,11 +253,11 @@ def test_ready_only_while_every_member_is(repo: Path) -> None:
 
 def test_a_member_reload_is_picked_up_without_reloading_the_ensemble(repo: Path) -> None:
     with Server(repo, model_control_mode="explicit", load_models=["*"]) as server:
-        ensemble = server.manager.serving()["pipe"][1]
+        ensemble = server.routing.serving()["pipe"][1]
         affine_model(repo / "shift" / "2" / "model.onnx", scale=1.0, offset=10.0)
         server.load_model("shift")
         np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 10)
-        assert server.manager.serving()["pipe"][1] is ensemble
+        assert server.routing.serving()["pipe"][1] is ensemble
 
 
 def test_requests_during_a_member_reload_end_in_a_result_or_an_error(repo: Path) -> None:

@@ -16,9 +16,9 @@ from edge_server.backends.base import InstanceSpec
 from edge_server.backends.onnxruntime import OnnxRuntimeBackend, session_options, thread_policy
 from edge_server.config.model import InstanceGroup, ModelConfig, TensorSpec
 from edge_server.errors import ConfigError, InvalidArgument
-from edge_server.lifecycle import ModelState
 from edge_server.loader import instance_specs
 from edge_server.server import Server
+from edge_server.status_index import ModelState
 from tests.daemon import EXAMPLES, ROOT, Daemon
 
 SPIN = "session.intra_op.allow_spinning"

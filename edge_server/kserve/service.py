@@ -24,8 +24,8 @@ from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, 
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import Peer, SystemShmRegistry, peer_uid, user_groups
-from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
+from edge_server.status_index import ModelState
 from edge_server.validation import check_parameters
 
 if TYPE_CHECKING:
