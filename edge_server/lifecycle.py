@@ -469,7 +469,7 @@ class ModelManager:
                 config,
                 content_hash=content_hash,
                 env=self._env,
-                sharing=self._cpu_onnxruntime_instances(exclude=(name, version)) + coming,
+                sharing=self._cpu_sessions(exclude=(name, version)) + coming,
             )
         except Exception as exc:  # any failure, expected or not, must leave the old version serving
             reason = exc.message if isinstance(exc, EdgeServerError) else repr(exc)
@@ -502,10 +502,10 @@ class ModelManager:
         )
         return loaded
 
-    def _cpu_onnxruntime_instances(self, *, exclude: tuple[str, int] | None = None) -> int:
+    def _cpu_sessions(self, *, exclude: tuple[str, int] | None = None) -> int:
         """CPU ONNX Runtime sessions of every serving version but ``exclude`` (the one being replaced)."""
         return sum(
-            loaded.cpu_onnxruntime_instances
+            loaded.cpu_sessions
             for name, versions in self._routing.serving().items()
             for version, loaded in versions.items()
             if (name, version) != exclude

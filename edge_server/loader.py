@@ -74,11 +74,8 @@ class LoadedVersion:
     note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
     #: ONNX Runtime: the thread settings its first instance was built with (status shows them)
     thread_settings: dict[str, Any] | None = None
-
-    @property
-    def cpu_onnxruntime_instances(self) -> int:
-        """How many CPU ONNX Runtime sessions this version runs (the thread rule counts them)."""
-        return self.devices.count("cpu") if self.config.backend == "onnxruntime" else 0
+    #: CPU instances taking part in the box-wide thread rule (``Backend.shares_cores``)
+    cpu_sessions: int = 0
 
     def retire(self, deadline: float, *, finish_sequences: bool = False) -> None:
         """Let queued and running requests finish (until ``deadline``, monotonic), then free everything.
@@ -130,8 +127,8 @@ def load_version(
 ) -> LoadedVersion:
     """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable.
 
-    ``sharing``: CPU ONNX Runtime instances of the other loaded versions, which an ONNX Runtime model's
-    CPU instances share the cores with.
+    ``sharing``: CPU sessions of the other loaded versions that take part in the thread rule
+    (``Backend.shares_cores``), which this model's CPU instances share the cores with.
     """
     access = env.access
     if config.backend == "ensemble":
@@ -155,7 +152,7 @@ def load_version(
         config,
         backend_cls,
         cpu_count=env.cpu_count or os.cpu_count() or 1,
-        sharing=sharing if config.backend == "onnxruntime" else 0,
+        sharing=sharing if backend_cls.shares_cores else 0,
         thread_policy=env.thread_policy,
     )
 
@@ -213,6 +210,7 @@ def load_version(
         validator=RequestValidator(config),
         note=choice.note,
         thread_settings=next((b.thread_settings for _, b in instances if b.thread_settings), None),
+        cpu_sessions=sum(1 for _, b in instances if b.shares_cores and b.device == "cpu"),
     )
 
 

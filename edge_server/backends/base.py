@@ -55,8 +55,6 @@ class InstanceSpec:
 #: ``--onnxruntime-thread-policy``: ``auto`` gives ONNX Runtime's default threads to the only CPU ONNX
 #: Runtime instance on the box and splits the cores otherwise; ``default`` and ``split`` force one.
 ONNXRUNTIME_THREAD_POLICIES = ("auto", "default", "split")
-#: the ``rule`` of thread settings that ``auto`` chose because the instance was alone on the box
-AUTO_ALONE_RULE = "auto: the only CPU ONNX Runtime instance"
 
 
 @dataclass(frozen=True)
@@ -95,6 +93,11 @@ class Backend(abc.ABC):
     def gpu_available(cls) -> bool:
         """Whether this backend can place instances on a GPU on this machine (decides KIND_AUTO)."""
         return False
+
+    #: whether this backend's CPU instances take part in the box-wide thread rule (ONNX Runtime's,
+    #: ``--onnxruntime-thread-policy``): the loader then counts the other models' such instances into
+    #: :attr:`InstanceSpec.box_instances`, and the lifecycle counts this model's for theirs
+    shares_cores: bool = False
 
     @classmethod
     def planned_cpu_sessions(cls, config: ModelConfig) -> int:
