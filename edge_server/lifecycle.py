@@ -1,12 +1,15 @@
-"""Model lifecycle: which versions serve, and how they are replaced without failing a request.
+"""Model lifecycle control: which versions serve, and how they are replaced without failing a request.
 
-Control operations (load, unload, rescan) run one at a time *per model*, under that model's lock, so
-that one model's slow or stuck load never holds up another's; the routing table and the other shared
-tables are replaced whole under a short ``_tables`` lock.  The request path reads the routing table
-without any lock (it is replaced whole, never mutated, so a reader sees either the old table or the
-new one).  A load runs on a thread of its own and is abandoned after ``load_timeout`` (a Python
-model's ``initialize()`` that never returns): the version is UNAVAILABLE with that reason, the last
-good version keeps serving, and whatever the abandoned thread loads later is closed.
+This module only decides and acts (load, unload, rescan, sync); what it decides is published in
+:mod:`edge_server.routing` (the routing table the request path reads without a lock, swapped whole)
+and :mod:`edge_server.status_index` (the repository index and its listeners).
+
+Control operations run one at a time *per model*, under that model's lock, so that one model's slow
+or stuck load never holds up another's (a rescan brings each model in line on a control thread of its
+own); the routing table is swapped under a short ``_tables`` lock.  A load runs on a thread of its own
+and is abandoned after ``load_timeout`` (:mod:`edge_server.load_guard`: a Python model's
+``initialize()`` that never returns): the version is UNAVAILABLE with that reason, the last good
+version keeps serving, and whatever the abandoned thread loads later is closed.
 
 A new version is loaded and warmed up *beside* the serving one, published by swapping the table, and
 only then is the old version drained and unloaded.  Because the swap comes
@@ -30,16 +33,21 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
-from edge_server.backends import backend_class
 from edge_server.config import ModelConfig
 from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown
-from edge_server.loader import LoadedVersion, LoadEnvironment, load_version, read_config
+from edge_server.load_guard import load_abandonable
+from edge_server.loader import (
+    LoadedVersion,
+    LoadEnvironment,
+    ensemble_members,
+    is_ensemble,
+    planned_cpu_sessions,
+    read_config,
+)
 from edge_server.memory import settle_heap
-from edge_server.pipeline.graph import declares_ensemble, parse_steps
+from edge_server.pipeline.graph import parse_steps
 from edge_server.repository import ModelSource, check_model_name, scan, scan_model
 from edge_server.routing import Routing
 from edge_server.status_index import ModelState, StatusIndex, VersionStatus
@@ -177,7 +185,7 @@ class ModelManager:
             ordered = sorted(wanted - set(self._unloaded), key=lambda n: (is_ensemble(on_disk.get(n)), n))
             failed_ensembles: list[ModelSource] = []
             planned = {
-                name: _planned_cpu_sessions(on_disk.get(name))
+                name: planned_cpu_sessions(on_disk.get(name))
                 for name in ordered
                 if name not in self._routing.serving()
             }
@@ -220,7 +228,7 @@ class ModelManager:
             for name in ordered:
                 source = on_disk.get(name)
                 if is_ensemble(source):
-                    for member in _members(source):
+                    for member in ensemble_members(source):
                         if member in threads:
                             threads[member].join()
                 thread = threading.Thread(
@@ -463,10 +471,12 @@ class ModelManager:
         log.info("%s v%d loading", name, version, extra={"model": name, "version": version})
         began = time.monotonic()
         try:
-            loaded = self._load_in_thread(
+            loaded = load_abandonable(
                 source,
                 version,
                 config,
+                timeout=self.load_timeout,
+                closing=self._closing,
                 content_hash=content_hash,
                 env=self._env,
                 sharing=self._cpu_sessions(exclude=(name, version)) + coming,
@@ -511,44 +521,6 @@ class ModelManager:
             if (name, version) != exclude
         )
 
-    def _load_in_thread(self, source: ModelSource, version: int, *args: Any, **kwargs: Any) -> LoadedVersion:
-        """``load_version`` on a thread of its own, given up after ``load_timeout`` or at close().
-
-        Python cannot stop a thread, so a load that does not finish in time (user code stuck in
-        ``initialize()``) is abandoned: its thread runs on, and closes what it loaded if it ever ends.
-        """
-        future: Future[LoadedVersion] = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(load_version(source, version, *args, **kwargs))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        thread = threading.Thread(target=run, name=f"edge-load-{source.name}-{version}", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.load_timeout
-        while not future.done():
-            if self._closing.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
-                future.add_done_callback(_close_abandoned)
-                raise ServerShuttingDown("the server is shutting down")
-            if time.monotonic() >= deadline and not future.done():
-                future.add_done_callback(_close_abandoned)
-                log.error(
-                    "%s v%d did not finish loading within %g s (--model-load-timeout-secs); its load "
-                    "thread %s is abandoned (a Python model's initialize() may be stuck)",
-                    source.name,
-                    version,
-                    self.load_timeout,
-                    thread.name,
-                )
-                raise ModelNotReady(
-                    f"{source.name} v{version} did not finish loading within {self.load_timeout:g} s "
-                    "(--model-load-timeout-secs); its initialize() may be stuck, and its thread was "
-                    "abandoned"
-                )
-        return future.result()
-
     def _fail_model(self, name: str, current: Mapping[int, LoadedVersion], exc: EdgeServerError) -> None:
         log.error("model %s: %s", name, exc.message)
         rows = [
@@ -559,45 +531,5 @@ class ModelManager:
         self._index.publish(name, rows)
 
 
-def _close_abandoned(future: Future[LoadedVersion]) -> None:
-    """An abandoned load that ended after all: free what it brought up (it never took traffic)."""
-    if future.cancelled() or future.exception() is not None:
-        return
-    loaded = future.result()
-    log.warning("%s v%d: an abandoned load finished late; closing it", loaded.name, loaded.version)
-    loaded.retire(time.monotonic())
-
-
 def _summary(failed: dict[int, str]) -> str:
     return "; ".join(f"v{v}: {reason}" for v, reason in sorted(failed.items())) or "nothing to load"
-
-
-def _planned_cpu_sessions(source: ModelSource | None) -> int:
-    """CPU sessions ``source`` would share the cores with, read from its config before it loads.
-
-    The backend's own hook decides (ONNX Runtime counts its CPU instances); 0 where the config cannot
-    be read or the backend is not installed: its load reports that.
-    """
-    if source is None:
-        return 0
-    try:
-        config, _ = read_config(source)
-        return backend_class(config.backend).planned_cpu_sessions(config)
-    except (EdgeServerError, ImportError):
-        return 0
-
-
-def _members(source: ModelSource | None) -> list[str]:
-    """The models an ensemble's steps call, from its config (none when it cannot be read)."""
-    if source is None:
-        return []
-    try:
-        config, _ = read_config(source)
-    except EdgeServerError:
-        return []
-    steps, _ = parse_steps(config)
-    return [step.model_name for step in steps]
-
-
-def is_ensemble(source: ModelSource | None) -> bool:
-    return source is not None and declares_ensemble(source.config_path)

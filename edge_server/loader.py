@@ -20,9 +20,9 @@ from edge_server.backends.tensorrt.fallback import choose as choose_runtime
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
-from edge_server.errors import BackendUnavailable, ConfigError
+from edge_server.errors import BackendUnavailable, ConfigError, EdgeServerError
 from edge_server.pipeline.ensemble import EnsembleScheduler
-from edge_server.pipeline.graph import build_graph
+from edge_server.pipeline.graph import build_graph, declares_ensemble, parse_steps
 from edge_server.platform.gpus import gpu_ids
 from edge_server.repository import ModelSource
 from edge_server.request import ModelAccess
@@ -335,3 +335,34 @@ def instance_specs(
         )
         for name, kind, device in resolved
     ]
+
+
+def planned_cpu_sessions(source: ModelSource | None) -> int:
+    """CPU sessions ``source`` would share the cores with, read from its config before it loads.
+
+    The backend's own hook decides (ONNX Runtime counts its CPU instances); 0 where the config cannot
+    be read or the backend is not installed: its load reports that.
+    """
+    if source is None:
+        return 0
+    try:
+        config, _ = read_config(source)
+        return backend_class(config.backend).planned_cpu_sessions(config)
+    except (EdgeServerError, ImportError):
+        return 0
+
+
+def ensemble_members(source: ModelSource | None) -> list[str]:
+    """The models an ensemble's steps call, from its config (none when it cannot be read)."""
+    if source is None:
+        return []
+    try:
+        config, _ = read_config(source)
+    except EdgeServerError:
+        return []
+    steps, _ = parse_steps(config)
+    return [step.model_name for step in steps]
+
+
+def is_ensemble(source: ModelSource | None) -> bool:
+    return source is not None and declares_ensemble(source.config_path)
