@@ -8,7 +8,7 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -47,7 +47,7 @@ class DataPlane:
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         """Validate, route and queue ``request``; the future gets its outputs or its error."""
-        return self._route(request, "submit", None)  # type: ignore[return-value]
+        return self._route(request, None, here=False)  # type: ignore[return-value]
 
     def dispatch(self, request: InferRequest) -> dict[str, np.ndarray] | Future[dict[str, np.ndarray]]:
         """:meth:`submit`, except that a request that ran inline in this thread returns its outputs.
@@ -55,7 +55,7 @@ class DataPlane:
         Cheap models run in the caller's thread when an instance is idle (see the scheduler); a frontend
         that can answer at once saves a future per request this way.  Errors of an inline run raise.
         """
-        outcome = self._route(request, "dispatch", None)
+        outcome = self._route(request, None, here=True)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -69,11 +69,12 @@ class DataPlane:
         validation error raises here instead, before anything was queued.
         """
         future: Future[dict[str, np.ndarray]] = self._route(  # type: ignore[assignment]
-            request, "submit", sink
+            request, sink, here=False
         )
         future.add_done_callback(partial(_finish_stream, sink))
 
-    def _route(self, request: InferRequest, call: str, sink: ResponseSink | None) -> _Outcome:
+    def _route(self, request: InferRequest, sink: ResponseSink | None, *, here: bool) -> _Outcome:
+        """Validate and hand ``request`` to its version; ``here``: it may run in this thread."""
         # A version that is being swapped out can close between routing and queueing; a request that did
         # not ask for a specific version then goes to the version that replaced it.
         for _attempt in range(3):
@@ -96,13 +97,14 @@ class DataPlane:
                 item.stream = sink
                 sink.model_sends = True
             request.routed_version = loaded.version
+            scheduler = loaded.scheduler
             try:
-                method: Callable[..., _Outcome] = getattr(loaded.scheduler, call)
-                return method(
-                    item,
-                    shape_key,
-                    priority=request.priority,
-                    timeout_us=request.timeout_us,
+                if here:
+                    return scheduler.dispatch(
+                        item, shape_key, priority=request.priority, timeout_us=request.timeout_us
+                    )
+                return scheduler.submit(
+                    item, shape_key, priority=request.priority, timeout_us=request.timeout_us
                 )
             except SchedulerClosed:
                 if request.version is not None:

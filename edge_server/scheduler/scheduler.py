@@ -5,27 +5,9 @@ on its own backend instance, so a request passes through exactly one thread hand
 one future on its way out.  Because only idle instances form batches, a freed instance takes the
 largest batch the queue holds at that moment, as Triton's dynamic batcher does.
 
-A model without dynamic batching whose executions are cheap (a moving average under
-``INLINE_BUDGET_NS``) runs a request in the caller's own thread when an instance is idle and nothing is
-queued: a thread hand-off costs more than such a model, and the caller would only wait for it anyway.
-The idle instance is lent for that one request; its worker does not touch it meanwhile.  The
-daemon's only model, when it has one instance, does so up to ``ALONE_INLINE_BUDGET_NS``: no other
-model's requests can wait behind it on a frontend thread, and its own would wait for the instance
-anyway, so it serves as a hand-written receive-run-reply loop does, without the two thread wake-ups
-(a tenth of a millisecond each on a loaded 2-core box) that a worker costs every request.
-
-A request submitted from another scheduler's worker thread (a pipeline: an ensemble's next step,
-submitted from the done-callback of the step before it, or a BLS call from inside a Python model's
-``execute``) runs inline whenever an instance is idle and nothing is queued, whatever its cost, and
-with dynamic batching too: that thread is a pipeline's own, so blocking it stalls no frontend (the
-IPC frontend's thread is never a worker and keeps the budget), and handing the request to another
-thread would only make it wait for the answer.  A worker does this only while it is inside its own
-``execute`` (its instance is busy anyway), or, while it delivers a finished batch, when its own queue
-is empty (it holds no one up) and the callee cannot call models (a BLS model could need the very
-instance this worker would hold while running it: a deadlock no thread hand-off would have had).
-A detect-then-classify frame, whose steps all run inside the BLS model's ``execute``, thus walks
-them in one thread while their instances are free, and hands off only where a step is busy: there
-it queues, and batches with what else is queued.
+Whether a request runs in the caller's own thread instead (a cheap model, the daemon's only model, a
+pipeline's next step) is decided by one :class:`~edge_server.scheduler.inline.InlinePolicy`; this
+scheduler lends it an idle instance from the pool when it says yes.
 
 The instances, their workers, restarts after a fault, busy time and the stop belong to the
 :class:`~edge_server.scheduler.pool.InstancePool` that the sequence batcher uses too; this module keeps
@@ -43,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
@@ -58,46 +39,17 @@ from edge_server.errors import (
     ServerShuttingDown,
     Unavailable,
 )
+from edge_server.scheduler.inline import (  # noqa: F401  (re-exported: tests and benchmarks read them)
+    ALONE_INLINE_BUDGET_NS,
+    INLINE_BUDGET_NS,
+    InlinePolicy,
+)
 from edge_server.scheduler.policy import BatchSettings, next_batch
-from edge_server.scheduler.pool import InstancePool, Restart, Worker
+from edge_server.scheduler.pool import InstancePool, Restart
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue, timed_out
 from edge_server.scheduler.stats import ModelStats
 
 log = logging.getLogger(__name__)
-
-# A request runs in the caller's thread only for models whose executions average less than this:
-# about what two thread hand-offs cost in CPython, and short enough not to stall an IPC frontend.
-INLINE_BUDGET_NS = 100_000
-# The daemon's only model (one instance) may hold the caller's thread longer: a frame period at 50 fps,
-# the longest that control requests (status, health over IPC, shared-memory registration) wait
-# behind it; beyond it the two wake-ups saved are under 2% of the run.
-ALONE_INLINE_BUDGET_NS = 20_000_000
-# ... and only for requests not much larger than those the average was measured on: a request far
-# larger than usual (a 4K frame to a model measured on thumbnails) could hold a frontend thread, and
-# every other client and model behind it, for its whole execution.  It goes to a worker instead.
-INLINE_SIZE_FACTOR = 2.0
-INLINE_SIZE_SLACK = 16 * 1024
-_EMA_WEIGHT = 0.2
-
-
-def _input_bytes(item: BatchItem) -> int:
-    total = 0
-    for array in item.inputs.values():
-        total += array.nbytes
-    return total
-
-
-def _pipeline_caller(callee_calls_models: bool) -> bool:
-    """Whether this thread is a worker free to run another model's request (see the module doc)."""
-    caller = threading.current_thread()
-    if type(caller) is not Worker:
-        return False
-    if caller.executing:  # its instance is busy anyway: running the callee here holds nothing more
-        return True
-    # Delivering a finished batch: its instance is free, but would stay held while the callee runs
-    # here.  A callee that may call models (a BLS model) could need that very instance (A's step
-    # done -> B inline -> B calls A) and wait for it forever: it goes to its own worker instead.
-    return not callee_calls_models and not caller.pool.waiting()  # a benign race: a hint only
 
 
 class SchedulerClosed(ServerShuttingDown):
@@ -175,19 +127,11 @@ class ModelScheduler:
         self._in_flight = 0
         self._next_seq = 0
         self._delivered_seq = 0
-        # Inline execution is an explicit opt-in of each backend (TensorRT opts out: never on a frontend).
-        self._inline_capable = not self._settings.batching and all(
-            backend.allows_inline for _, backend in instances
+        self._inline = InlinePolicy(
+            [backend for _, backend in instances],
+            batching=self._settings.batching,
+            preserve_ordering=self._preserve_ordering,
         )
-        self._budget_ns = INLINE_BUDGET_NS  # ALONE_INLINE_BUDGET_NS while the daemon's only model
-        self._compute_ema_ns = float("inf")  # moving average of one request's execution
-        self._bytes_ema = 0.0  # moving average of the input bytes of the requests measured
-        # Any instance may be lent to a pipeline's worker thread (see the module doc), TensorRT's not.
-        # Not with preserve_ordering: an inline answer could overtake a batch running on another instance.
-        self._pipeline_inline = not self._preserve_ordering and all(
-            backend.allows_inline for _, backend in instances
-        )
-        self._calls_models = any(backend.calls_models for _, backend in instances)
         self._pool.start()
 
     # -- request side ---------------------------------------------------------------------------
@@ -216,14 +160,13 @@ class ModelScheduler:
         """
         level = self._level(priority) if priority or self._levels else 1
         now = time.monotonic_ns()
-        pipeline = self._pipeline_inline and _pipeline_caller(self._calls_models)
-        nbytes = _input_bytes(item) if self._inline_capable and not pipeline else 0
+        pipeline, nbytes = self._inline.caller(item)
         with self._lock:
             if not self._accepting:
                 raise SchedulerClosed(f"model {self._config.name!r} is unloading")
             if self._pool.unavailable:
                 raise Unavailable(self._pool.unavailable)
-            lent = self._lend(nbytes, pipeline)
+            lent = None if self._queue.size or not self._inline.pays(nbytes, pipeline) else self._pool.lend()
             if lent is None:
                 future: Future[dict] = Future()
                 self._queue.push(self._queued(item, shape_key, level, now, future, timeout_us))
@@ -265,22 +208,6 @@ class ModelScheduler:
             timeout_action=policy.timeout_action,
         )
 
-    def _lend(self, nbytes: int, pipeline: bool) -> Backend | None:
-        """An idle instance for the caller's thread, when inline execution pays (lock held).
-
-        ``pipeline``: the caller is another scheduler's worker, which may run any request inline.
-        """
-        if self._queue.size:
-            return None
-        if not pipeline:
-            if not self._inline_capable or self._compute_ema_ns >= self._budget_ns:
-                return None
-            if nbytes > INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK:
-                return None  # out of line with what was measured: a worker runs it (and measures it)
-        elif not self._pipeline_inline:
-            return None
-        return self._pool.lend()
-
     def _level(self, priority: int) -> int:
         if priority < 0:
             raise InvalidArgument(f"priority must be >= 0, got {priority}")
@@ -294,8 +221,7 @@ class ModelScheduler:
 
     def set_alone(self, alone: bool) -> None:
         """Whether this is the only model version the daemon serves (see the module doc)."""
-        one = alone and self._pool.size == 1
-        self._budget_ns = ALONE_INLINE_BUDGET_NS if one else INLINE_BUDGET_NS
+        self._inline.set_alone(alone and self._pool.size == 1)
 
     def queue_size(self) -> int:
         with self._lock:
@@ -428,7 +354,7 @@ class ModelScheduler:
             log.exception("inline execution of %r failed unexpectedly", self._config.name)
             result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
         end = time.monotonic_ns()
-        self._observe(end - start, item)
+        self._inline.observe(end - start, item)
         ok = not isinstance(result, Exception)
         self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
         return result
@@ -443,7 +369,7 @@ class ModelScheduler:
             results = self._compute(backend, [r.item for r in live], timing)
             spent = time.monotonic_ns() - start
             if len(live) == 1:
-                self._observe(spent, live[0].item)
+                self._inline.observe(spent, live[0].item)
         if seq is not None:
             with self._lock:
                 while self._delivered_seq != seq:
@@ -463,18 +389,6 @@ class ModelScheduler:
     def _compute(self, backend: Backend, items: Sequence[BatchItem], timing: Timing) -> list[Result]:
         """One result per item (the pool's execute: faults, busy time, the worker's mark)."""
         return self._pool.execute(backend, items, timing)
-
-    def _observe(self, spent_ns: int, item: BatchItem) -> None:
-        """Fold one single-request execution into the estimates that decide inline execution."""
-        if not self._inline_capable:
-            return
-        ema = self._compute_ema_ns  # a benign race: only these estimates are at stake
-        nbytes = _input_bytes(item)
-        if ema == float("inf"):
-            self._compute_ema_ns, self._bytes_ema = spent_ns, float(nbytes)
-        else:
-            self._compute_ema_ns = ema + _EMA_WEIGHT * (spent_ns - ema)
-            self._bytes_ema += _EMA_WEIGHT * (nbytes - self._bytes_ema)
 
     def _deliver(self, future: Future[dict], result: Result) -> None:
         if self._output_dims and not isinstance(result, Exception):
