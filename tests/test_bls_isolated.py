@@ -18,6 +18,7 @@ import pytest
 
 from edge_server import Server
 from edge_server.errors import EdgeServerError
+from tests.daemon import python_stubs
 from tests.test_ensemble import ASYNC_CHAIN_MODEL, CHAIN_CONFIG, CHAIN_MODEL, x
 from tests.test_ensemble import repo as repo  # noqa: F401  (the fixture: scale, shift and pipe)
 from tests.test_ensemble_decoupled import add_counted, n
@@ -61,21 +62,7 @@ def test_a_refused_bls_call_from_a_process_is_the_callees_error(repo: Path) -> N
 
 
 def _stub_pids() -> dict[str, int]:
-    """This process's Python stubs now: instance label -> pid."""
-    found: dict[str, int] = {}
-    for task in os.listdir("/proc/self/task"):
-        try:
-            children = Path(f"/proc/self/task/{task}/children").read_text().split()
-        except FileNotFoundError:
-            continue
-        for pid in children:
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
-                continue
-            if b"edge_server.backends.python_stub" in argv:
-                found[argv[argv.index(b"edge_server.backends.python_stub") + 1].decode()] = int(pid)
-    return found
+    return python_stubs(os.getpid())
 
 
 def test_a_restarted_process_keeps_its_bls_calls(repo: Path) -> None:  # noqa: F811
