@@ -104,6 +104,7 @@ class Daemon:
             load_timeout=options.load_timeout,
             latency_summaries=options.latency_summaries,
             onnxruntime_thread_policy=options.onnxruntime_thread_policy,
+            service=supervisor,
         )
         supervisor.attach(server)
         frontend = None

@@ -79,6 +79,7 @@ class Server:
         load_timeout: float = DEFAULT_LOAD_TIMEOUT_S,
         latency_summaries: SummaryOptions | None = None,
         onnxruntime_thread_policy: str = "auto",
+        service: ServiceView | None = None,
     ) -> None:
         """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
 
@@ -87,6 +88,7 @@ class Server:
         version or device, or missing) from the ONNX beside them, in the background, while the ONNX serves.
         ``latency_summaries``: every version keeps latency quantiles for Triton's summary metrics.
         ``onnxruntime_thread_policy``: auto, default or split (README, "Dynamic batching and instances").
+        ``service``: the daemon's service layer (readiness, its part of :meth:`status`); None in-process.
         """
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
@@ -136,7 +138,7 @@ class Server:
         )
         # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
         # draining, strict readiness) and the daemon's part of status().  None in-process.
-        self.service: ServiceView | None = None
+        self.service = service
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None

@@ -97,9 +97,11 @@ class KServeFrontends:
         self.options = options
         self.max_message_bytes = max_message_bytes
         shm = SystemShmRegistry() if options.allow_client_shm else None
-        self.service = KServeService(server, shm=shm, operator_gid=operator_gid)
-        self.service.settings = RuntimeSettings(
-            log_verbose=options.log_verbose, log_format=options.log_format
+        self.service = KServeService(
+            server,
+            shm=shm,
+            operator_gid=operator_gid,
+            settings=RuntimeSettings(log_verbose=options.log_verbose, log_format=options.log_format),
         )
         self.http: Any = None
         self.grpc: Any = None

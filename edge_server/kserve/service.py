@@ -106,13 +106,19 @@ class KServeService:
     """One per daemon; shared by the HTTP and gRPC frontends."""
 
     def __init__(
-        self, server: Server, *, shm: SystemShmRegistry | None = None, operator_gid: int | None = None
+        self,
+        server: Server,
+        *,
+        shm: SystemShmRegistry | None = None,
+        operator_gid: int | None = None,
+        settings: RuntimeSettings | None = None,
     ) -> None:
         self.server = server
         self.dataplane = server.dataplane
         self.shm = shm
         self.operator_gid = operator_gid
-        self.settings = RuntimeSettings()  # the frontends' log and trace settings, one for both
+        # the frontends' log and trace settings, one for both
+        self.settings = settings if settings is not None else RuntimeSettings()
 
     def authorize_control(self, peer: Peer, what: str) -> None:
         """Load and unload, as over IPC: the daemon's user or group, root, or ``--operator-group``.

@@ -79,9 +79,11 @@ class Supervisor:
         self.notifier.send("STATUS=starting: loading the model repository")
 
     def attach(self, server: Server) -> None:
-        """The server exists (its repository is loaded): readiness is answered from here on."""
+        """The server exists (its repository is loaded): readiness is answered from here on.
+
+        (The server was built with this supervisor as its ``service``.)
+        """
         self._server = server
-        server.service = self
 
     def add_frontend(self, label: str, frontend: Progressing) -> None:
         self._frontends.append((label, frontend))
