@@ -134,12 +134,12 @@ class Routing:
 
     def switch(self, serving: Serving) -> None:
         """Serve ``serving`` from now on, telling every version whether it is the daemon's only one."""
-        alone = sum(len(versions) for versions in serving.values()) == 1
+        sole = sum(len(versions) for versions in serving.values()) == 1
         with self._swap:  # held while telling, so that two swaps never tell in crossed order
             self._table = replace(self._table, serving=serving)
             for versions in serving.values():
                 for loaded in versions.values():
-                    loaded.scheduler.set_alone(alone)
+                    loaded.scheduler.set_sole_version(sole)
 
     def hold(self, versions: Iterable[LoadedVersion], *, held: bool) -> None:
         """Let (or stop letting) the live sequences of retiring ``versions`` be routed to them."""

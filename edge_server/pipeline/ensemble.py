@@ -161,7 +161,7 @@ class EnsembleScheduler:
         with self._lock:
             return len(self._waiting)
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Nothing to change: an ensemble is never alone (its members are served beside it)."""
 
     # -- walking the graph ----------------------------------------------------------------------

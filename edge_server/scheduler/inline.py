@@ -103,9 +103,9 @@ class InlinePolicy:
         # Out of line with what was measured: a worker runs it (and measures it).
         return nbytes <= INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Whether this is the daemon's only model version, with one instance (the longer budget)."""
-        self._budget_ns = ALONE_INLINE_BUDGET_NS if alone else INLINE_BUDGET_NS
+        self._budget_ns = ALONE_INLINE_BUDGET_NS if sole else INLINE_BUDGET_NS
 
     def observe(self, spent_ns: int, item: BatchItem) -> None:
         """Fold one single-request execution into the estimates that decide inline execution."""

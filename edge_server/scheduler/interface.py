@@ -29,7 +29,7 @@ class RequestScheduler(Protocol):
 
     def queue_size(self) -> int: ...
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Told on every change of what is served: whether this is the daemon's only model version."""
         ...
 

@@ -219,9 +219,9 @@ class ModelScheduler:
             return self._default_level
         return priority
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Whether this is the only model version the daemon serves (see the module doc)."""
-        self._inline.set_alone(alone and self._pool.size == 1)
+        self._inline.set_sole_version(sole and self._pool.size == 1)
 
     def queue_size(self) -> int:
         with self._lock:

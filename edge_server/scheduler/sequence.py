@@ -222,7 +222,7 @@ class SequenceScheduler:
         with self._lock:
             return self._queued
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Nothing to change: a sequence's requests always run on its slots' workers."""
 
     def liveness(self) -> tuple[int, bool]:
