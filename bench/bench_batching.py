@@ -31,7 +31,7 @@ from edge_server import Server  # noqa: E402
 from edge_server.backends.base import BatchItem, InstanceSpec, LoadContext, Timing  # noqa: E402
 from edge_server.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 from edge_server.config import load_config_file  # noqa: E402
-from edge_server.scheduler import scheduler as scheduler_module  # noqa: E402
+from edge_server.scheduler import inline as scheduler_module  # noqa: E402
 
 CNN = ROOT / "models" / "cnn" / "1" / "model.onnx"
 IDENTITY = ROOT / "models" / "identity"

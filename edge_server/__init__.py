@@ -7,8 +7,8 @@ daemon.  Importing the package imports no backend runtime (onnxruntime, TensorRT
 from __future__ import annotations
 
 from edge_server.errors import EdgeServerError
-from edge_server.lifecycle import ModelState, VersionStatus
 from edge_server.server import Server
+from edge_server.status_index import ModelState, VersionStatus
 
 __all__ = ["EdgeServerError", "ModelState", "Server", "VersionStatus"]
 __version__ = "0.1.0"

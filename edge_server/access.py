@@ -7,6 +7,7 @@ traffic, counted), and load or unload models only where the control mode allows 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -14,17 +15,28 @@ import numpy as np
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument
-from edge_server.lifecycle import ModelManager
 from edge_server.request import InferRequest, ResponseSink
+from edge_server.routing import RoutingView
 
 
 class LocalAccess:
     """Other models of this server, for models that call models."""
 
-    def __init__(self, dataplane: DataPlane, manager: ModelManager, *, control_mode: str) -> None:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        routing: RoutingView,
+        *,
+        control_mode: str,
+        load: Callable[[str], object],
+        unload: Callable[[str], None],
+    ) -> None:
+        """``load`` and ``unload``: the lifecycle's control, reached only where ``control_mode`` allows."""
         self._dataplane = dataplane
-        self._manager = manager
+        self._routing = routing
         self._control_mode = control_mode
+        self._load = load
+        self._unload = unload
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         return self._dataplane.submit(request)
@@ -37,18 +49,18 @@ class LocalAccess:
 
     def is_ready(self, name: str, version: int | None = None) -> bool:
         try:
-            self._manager.resolve(name, version)
+            self._routing.resolve(name, version)
         except EdgeServerError:
             return False
         return True
 
     def load(self, name: str) -> None:
         self._check_control("load")
-        self._manager.load(name)
+        self._load(name)
 
     def unload(self, name: str) -> None:
         self._check_control("unload")
-        self._manager.unload(name)
+        self._unload(name)
 
     def _check_control(self, what: str) -> None:
         if self._control_mode == "none":

@@ -20,13 +20,13 @@ from edge_server.errors import EdgeServerError
 from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
-from edge_server.lifecycle import ModelState
 from edge_server.memory import limit_malloc_arenas
 from edge_server.metrics.collector import LoadCounter, ServerCollector
 from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.server import ControlMode, Server
 from edge_server.service.notify import Notifier
 from edge_server.service.supervisor import Supervisor, unavailable_models
+from edge_server.status_index import ModelState
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class Daemon:
             load_timeout=options.load_timeout,
             latency_summaries=options.latency_summaries,
             onnxruntime_thread_policy=options.onnxruntime_thread_policy,
+            service=supervisor,
         )
         supervisor.attach(server)
         frontend = None

@@ -8,7 +8,7 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -18,8 +18,8 @@ import numpy as np
 from edge_server import dtypes
 from edge_server.config.model import ModelConfig, TensorSpec
 from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument, shorten
-from edge_server.lifecycle import ModelManager
 from edge_server.request import InferRequest, ResponseSink, Result
+from edge_server.routing import RoutingView
 from edge_server.scheduler.scheduler import SchedulerClosed
 
 _Outcome = Result | Future[dict[str, np.ndarray]]
@@ -42,12 +42,12 @@ def _finish_stream(sink: ResponseSink, future: Future[dict[str, np.ndarray]]) ->
 class DataPlane:
     """Routes validated requests to the serving version of a model."""
 
-    def __init__(self, manager: ModelManager) -> None:
-        self._manager = manager
+    def __init__(self, routing: RoutingView) -> None:
+        self._routing = routing
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         """Validate, route and queue ``request``; the future gets its outputs or its error."""
-        return self._route(request, "submit", None)  # type: ignore[return-value]
+        return self._route(request, None, here=False)  # type: ignore[return-value]
 
     def dispatch(self, request: InferRequest) -> dict[str, np.ndarray] | Future[dict[str, np.ndarray]]:
         """:meth:`submit`, except that a request that ran inline in this thread returns its outputs.
@@ -55,7 +55,7 @@ class DataPlane:
         Cheap models run in the caller's thread when an instance is idle (see the scheduler); a frontend
         that can answer at once saves a future per request this way.  Errors of an inline run raise.
         """
-        outcome = self._route(request, "dispatch", None)
+        outcome = self._route(request, None, here=True)
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -69,11 +69,12 @@ class DataPlane:
         validation error raises here instead, before anything was queued.
         """
         future: Future[dict[str, np.ndarray]] = self._route(  # type: ignore[assignment]
-            request, "submit", sink
+            request, sink, here=False
         )
         future.add_done_callback(partial(_finish_stream, sink))
 
-    def _route(self, request: InferRequest, call: str, sink: ResponseSink | None) -> _Outcome:
+    def _route(self, request: InferRequest, sink: ResponseSink | None, *, here: bool) -> _Outcome:
+        """Validate and hand ``request`` to its version; ``here``: it may run in this thread."""
         # A version that is being swapped out can close between routing and queueing; a request that did
         # not ask for a specific version then goes to the version that replaced it.
         for _attempt in range(3):
@@ -81,9 +82,9 @@ class DataPlane:
             if request.correlation_id:
                 # A sequence that started before a reload finishes on the version it started on (and a
                 # second start of it is refused there, as it would be without a reload).
-                loaded = self._manager.sequence_holder(request.model, request.correlation_id, request.owner)
+                loaded = self._routing.sequence_holder(request.model, request.correlation_id, request.owner)
             if loaded is None or (request.version is not None and loaded.version != request.version):
-                loaded = self._manager.resolve(request.model, request.version)
+                loaded = self._routing.resolve(request.model, request.version)
             item, shape_key = loaded.validator(request)
             if request.output_buffers:  # the client's shared memory, for backends that write there
                 item.destinations = request.output_buffers
@@ -96,13 +97,15 @@ class DataPlane:
                     )
                 item.stream = sink
                 sink.model_sends = True
+            request.routed_version = loaded.version
+            scheduler = loaded.scheduler
             try:
-                method: Callable[..., _Outcome] = getattr(loaded.scheduler, call)
-                return method(
-                    item,
-                    shape_key,
-                    priority=request.priority,
-                    timeout_us=request.timeout_us,
+                if here:
+                    return scheduler.dispatch(
+                        item, shape_key, priority=request.priority, timeout_us=request.timeout_us
+                    )
+                return scheduler.submit(
+                    item, shape_key, priority=request.priority, timeout_us=request.timeout_us
                 )
             except SchedulerClosed:
                 if request.version is not None:
@@ -110,12 +113,12 @@ class DataPlane:
         raise SchedulerClosed(f"model {shorten(request.model)} is being unloaded")
 
     def config(self, name: str, version: int | None = None) -> ModelConfig:
-        return self._manager.resolve(name, version).config
+        return self._routing.resolve(name, version).config
 
     def metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
         """KServe v2 model metadata."""
         config = self.config(name, version)
-        versions = sorted(self._manager.serving().get(name, {}))
+        versions = sorted(self._routing.serving().get(name, {}))
         batched = config.max_batch_size > 0
 
         def tensor(spec: TensorSpec) -> dict[str, Any]:
@@ -135,12 +138,12 @@ class DataPlane:
 
     def statistics(self, name: str | None = None, version: int | None = None) -> list[dict[str, Any]]:
         """Triton's per-version statistics for one model, or for every serving model."""
-        serving = self._manager.serving()
+        serving = self._routing.serving()
         if name is not None:
             if version is not None:
-                return [self._manager.resolve(name, version).stats.as_dict()]
-            self._manager.resolve(name)  # raises the precise error for unknown or unready models
-            chosen = {name: serving.get(name, {})}
+                return [self._routing.resolve(name, version).stats.as_dict()]
+            self._routing.resolve(name)  # raises the precise error for unknown or unready models
+            chosen: Mapping[str, Mapping[int, Any]] = {name: serving.get(name, {})}
         else:
             chosen = serving
         return [

@@ -20,10 +20,10 @@ from edge_server.backends.tensorrt.fallback import choose as choose_runtime
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
 from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
-from edge_server.errors import BackendUnavailable, ConfigError
+from edge_server.errors import BackendUnavailable, ConfigError, EdgeServerError
 from edge_server.paths import inside
 from edge_server.pipeline.ensemble import EnsembleScheduler
-from edge_server.pipeline.graph import build_graph
+from edge_server.pipeline.graph import build_graph, declares_ensemble, parse_steps
 from edge_server.platform.gpus import gpu_ids
 from edge_server.repository import ModelSource
 from edge_server.request import ModelAccess
@@ -31,10 +31,31 @@ from edge_server.scheduler.interface import RequestScheduler
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.sequence import SequenceScheduler
 from edge_server.scheduler.stats import ModelStats
+from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.validation import RequestValidator
 from edge_server.warmup import warm_up
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadEnvironment:
+    """What every load (and every instance restart) gets from the server, fixed at start-up.
+
+    Built once by the composition root (``server.py``) and handed to the lifecycle at construction:
+    nothing is set on it afterwards.
+    """
+
+    #: other models, through the data plane (ensembles, BLS calls); None where nothing can be called
+    access: ModelAccess | None = None
+    #: ``--engine-build on-load``: stale TensorRT plans are rebuilt while their ONNX serves
+    rebuilder: EngineRebuilder | None = None
+    #: ``--onnxruntime-thread-policy``: auto, default or split
+    thread_policy: str = "auto"
+    #: ``--metrics-config summary_latencies=true``: versions keep latency quantiles
+    summaries: SummaryOptions | None = None
+    #: the cores the loader splits among CPU instances (None: the machine's)
+    cpu_count: int | None = None
 
 
 @dataclass
@@ -54,11 +75,8 @@ class LoadedVersion:
     note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
     #: ONNX Runtime: the thread settings its first instance was built with (status shows them)
     thread_settings: dict[str, Any] | None = None
-
-    @property
-    def cpu_onnxruntime_instances(self) -> int:
-        """How many CPU ONNX Runtime sessions this version runs (the thread rule counts them)."""
-        return self.devices.count("cpu") if self.config.backend == "onnxruntime" else 0
+    #: CPU instances taking part in the box-wide thread rule (``Backend.shares_cores``)
+    cpu_sessions: int = 0
 
     def retire(self, deadline: float, *, finish_sequences: bool = False) -> None:
         """Let queued and running requests finish (until ``deadline``, monotonic), then free everything.
@@ -66,12 +84,7 @@ class LoadedVersion:
         ``finish_sequences`` (a reload with a successor): a sequence model also waits for its live
         sequences to end or idle out, so that they finish on the version they started on.
         """
-        scheduler = self.scheduler
-        if isinstance(scheduler, SequenceScheduler):
-            drained = scheduler.drain(deadline, finish_sequences=finish_sequences)
-        else:
-            drained = scheduler.drain(deadline)
-        if not drained:
+        if not self.scheduler.drain(deadline, finish_sequences=finish_sequences):
             log.warning(
                 "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
             )
@@ -118,23 +131,20 @@ def load_version(
     config: ModelConfig,
     *,
     content_hash: str,
-    cpu_count: int | None = None,
-    access: ModelAccess | None = None,
-    rebuilder: EngineRebuilder | None = None,
+    env: LoadEnvironment,
     sharing: int = 0,
-    thread_policy: str = "auto",
 ) -> LoadedVersion:
     """Load, complete, instantiate and warm up one version; raises ConfigError or BackendUnavailable.
 
-    ``access`` reaches other models (a Python model's BLS calls); None where nothing can be called.
-    ``sharing``: CPU ONNX Runtime instances of the other loaded versions, which an ONNX Runtime model's
-    CPU instances share the cores with; ``thread_policy``: ``--onnxruntime-thread-policy``.
+    ``sharing``: CPU sessions of the other loaded versions that take part in the thread rule
+    (``Backend.shares_cores``), which this model's CPU instances share the cores with.
     """
+    access = env.access
     if config.backend == "ensemble":
-        return _load_ensemble(source, version, config, content_hash=content_hash, access=access)
+        return _load_ensemble(source, version, config, content_hash=content_hash, env=env)
     version_dir = source.versions[version]
     # A TensorRT model whose plan cannot run here serves the ONNX beside it (backends/tensorrt/fallback.py).
-    choice = choose_runtime(config, version_dir, rebuilder=rebuilder)
+    choice = choose_runtime(config, version_dir, rebuilder=env.rebuilder)
     config = choice.config
     model_path = version_dir / config.model_filename
     if config.model_filename:  # checked again: the runtime's choice may have named another file
@@ -152,39 +162,20 @@ def load_version(
     specs = instance_specs(
         config,
         backend_cls,
-        cpu_count=cpu_count or os.cpu_count() or 1,
-        sharing=sharing if config.backend == "onnxruntime" else 0,
-        thread_policy=thread_policy,
+        cpu_count=env.cpu_count or os.cpu_count() or 1,
+        sharing=sharing if backend_cls.shares_cores else 0,
+        thread_policy=env.thread_policy,
     )
-    instances: list[tuple[str, Backend]] = []
-    try:
-        for spec in specs:
-            ctx = LoadContext(
-                config=config,
-                version=version,
-                version_dir=version_dir,
-                model_path=model_path,
-                instance=spec,
-                models=access,
-            )
-            instances.append((spec.name, backend_cls.create(ctx)))
-        for name, backend in instances:
-            warm_up(config, backend, version_dir, instance_name=name)
-    except BaseException:
-        for _, backend in instances:
-            backend.close()
-        raise
-    stats = ModelStats(source.name, version)
 
-    def restart(index: int) -> Backend:
-        """A fresh, warmed-up instance in place of instance ``index`` after an unrecoverable fault.
-
-        Called by the failed instance's worker.  By index, not name: the copies of a group on several
-        GPUs or DLA cores share one name.
-        """
-        spec = specs[index]
+    def build(spec: InstanceSpec) -> Backend:
+        """One instance, loaded and warmed up: at load and for every restart alike (one context build)."""
         ctx = LoadContext(
-            config=config, version=version, version_dir=version_dir, model_path=model_path, instance=spec
+            config=config,
+            version=version,
+            version_dir=version_dir,
+            model_path=model_path,
+            instance=spec,
+            models=access,
         )
         backend = backend_cls.create(ctx)
         try:
@@ -194,9 +185,29 @@ def load_version(
             raise
         return backend
 
+    instances: list[tuple[str, Backend]] = []
+    try:
+        for spec in specs:
+            instances.append((spec.name, build(spec)))
+    except BaseException:
+        for _, backend in instances:
+            backend.close()
+        raise
+    stats = ModelStats(source.name, version)
+    if env.summaries is not None:
+        stats.enable_summaries(env.summaries)
+
+    def restart(index: int) -> Backend:
+        """A fresh instance in place of instance ``index`` after an unrecoverable fault.
+
+        Called by the failed instance's worker.  By index, not name: the copies of a group on several
+        GPUs or DLA cores share one name.
+        """
+        return build(specs[index])
+
     scheduler: ModelScheduler | SequenceScheduler
     if config.sequence_batching is not None:
-        scheduler = SequenceScheduler(config, instances, stats, source.path)
+        scheduler = SequenceScheduler(config, instances, stats, source.path, restart=restart)
     else:
         scheduler = ModelScheduler(config, instances, stats, restart=restart)
     return LoadedVersion(
@@ -210,13 +221,15 @@ def load_version(
         validator=RequestValidator(config),
         note=choice.note,
         thread_settings=next((b.thread_settings for _, b in instances if b.thread_settings), None),
+        cpu_sessions=sum(1 for _, b in instances if b.shares_cores and b.device == "cpu"),
     )
 
 
 def _load_ensemble(
-    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, access: ModelAccess | None
+    source: ModelSource, version: int, config: ModelConfig, *, content_hash: str, env: LoadEnvironment
 ) -> LoadedVersion:
     """An ensemble: its graph validated against the members serving now; no instances of its own."""
+    access = env.access
     if access is None:
         raise BackendUnavailable(f"{source.name}: ensembles need a server to reach their members")
     validate_config(config)
@@ -230,6 +243,8 @@ def _load_ensemble(
     if graph.decoupled and not config.decoupled:  # its responses are its decoupled steps' responses
         config = dataclasses.replace(config, decoupled=True)
     stats = ModelStats(source.name, version)
+    if env.summaries is not None:
+        stats.enable_summaries(env.summaries)
     return LoadedVersion(
         name=source.name,
         version=version,
@@ -331,3 +346,34 @@ def instance_specs(
         )
         for name, kind, device in resolved
     ]
+
+
+def planned_cpu_sessions(source: ModelSource | None) -> int:
+    """CPU sessions ``source`` would share the cores with, read from its config before it loads.
+
+    The backend's own hook decides (ONNX Runtime counts its CPU instances); 0 where the config cannot
+    be read or the backend is not installed: its load reports that.
+    """
+    if source is None:
+        return 0
+    try:
+        config, _ = read_config(source)
+        return backend_class(config.backend).planned_cpu_sessions(config)
+    except (EdgeServerError, ImportError):
+        return 0
+
+
+def ensemble_members(source: ModelSource | None) -> list[str]:
+    """The models an ensemble's steps call, from its config (none when it cannot be read)."""
+    if source is None:
+        return []
+    try:
+        config, _ = read_config(source)
+    except EdgeServerError:
+        return []
+    steps, _ = parse_steps(config)
+    return [step.model_name for step in steps]
+
+
+def is_ensemble(source: ModelSource | None) -> bool:
+    return source is not None and declares_ensemble(source.config_path)

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge_server.backends.base import AUTO_ALONE_RULE
-from edge_server.lifecycle import ModelManager
+from edge_server.routing import RoutingView
 
 
-def model_report(manager: ModelManager) -> list[dict[str, Any]]:
+def model_report(routing: RoutingView) -> list[dict[str, Any]]:
     """One row per known model version; serving versions carry their counters."""
-    serving = manager.serving()
+    serving = routing.serving()
     rows = []
-    for status in manager.index():
+    for status in routing.index():
         row: dict[str, Any] = {
             "name": status.name,
             "version": status.version,
@@ -45,10 +44,10 @@ def model_report(manager: ModelManager) -> list[dict[str, Any]]:
     return rows
 
 
-def thread_rule(manager: ModelManager) -> dict[str, Any]:
+def thread_rule(policy: str, sessions: int, cores: int) -> dict[str, Any]:
     """The ONNX Runtime thread rule as it stands now: the daemon's policy and what ``auto`` counts."""
-    policy = manager.onnxruntime_thread_policy
-    sessions, cores = manager.cpu_onnxruntime_instances(), manager.cpu_count
+    from edge_server.backends.onnxruntime import AUTO_ALONE_RULE  # the backend's rule, imported when asked
+
     if policy != "auto":
         rule = f"--onnxruntime-thread-policy {policy}"
     elif sessions <= 1:

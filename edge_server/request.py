@@ -62,6 +62,7 @@ class InferRequest:
 
     ``correlation_id`` (0: none), ``sequence_start`` and ``sequence_end`` are Triton's sequence
     fields; ``parameters`` reach the model (``request.parameters()`` in a Python model).
+    The data plane writes one field, ``routed_version``, when it hands the request to a version.
     (Not frozen: a frozen dataclass costs three times as much to build, and every request builds one.)
     """
 
@@ -82,6 +83,9 @@ class InferRequest:
     #: set by frontends: the uid of the client, from the kernel (-1: not known, e.g. not on this host;
     #: None: the in-process API).  A sequence belongs to the owner of its start (see scheduler.sequence)
     owner: int | None = None
+    #: set by the data plane: the version that took the request (a response names it, even when a
+    #: reload swapped the serving version while it ran)
+    routed_version: int | None = None
 
 
 class RequestOptions(TypedDict, total=False):

@@ -25,9 +25,12 @@ from edge_server.backends.tensorrt.rebuild import ENGINE_BUILD_MODES, EngineRebu
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
-from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, Listener, ModelManager, VersionStatus
+from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, ModelManager
+from edge_server.loader import LoadEnvironment
 from edge_server.request import InferRequest, RequestOptions
+from edge_server.routing import Routing, RoutingView
 from edge_server.scheduler.summaries import SummaryOptions
+from edge_server.status_index import Listener, StatusIndex, VersionStatus
 from edge_server.streaming import AsyncResponseIterator, ResponseIterator
 from edge_server.versions import parse_version
 from edge_server.watcher import RepositoryWatcher
@@ -77,6 +80,7 @@ class Server:
         load_timeout: float = DEFAULT_LOAD_TIMEOUT_S,
         latency_summaries: SummaryOptions | None = None,
         onnxruntime_thread_policy: str = "auto",
+        service: ServiceView | None = None,
     ) -> None:
         """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
 
@@ -85,6 +89,7 @@ class Server:
         version or device, or missing) from the ONNX beside them, in the background, while the ONNX serves.
         ``latency_summaries``: every version keeps latency quantiles for Triton's summary metrics.
         ``onnxruntime_thread_policy``: auto, default or split (README, "Dynamic batching and instances").
+        ``service``: the daemon's service layer (readiness, its part of :meth:`status`); None in-process.
         """
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
@@ -100,21 +105,41 @@ class Server:
             raise InvalidArgument(f"model repository {repository} is not a directory")
         self.repository = repository
         self.control_mode = model_control_mode
+        # The composition root: each part gets what it needs at construction.  The routing table and
+        # the index are what the request path and the observers read; the data plane routes through
+        # the routing view; pipelines and Python models reach other models through the data plane
+        # (and the control, late-bound here, where the control mode allows); the lifecycle's control
+        # writes the table and the index and loads with one frozen environment.
+        self._index = StatusIndex(listeners)
+        self._routing = Routing(self._index)
+        self._dataplane = DataPlane(self._routing)
+        access = LocalAccess(
+            self._dataplane,
+            self._routing,
+            control_mode=model_control_mode,
+            load=lambda name: self._manager.load(name),
+            unload=lambda name: self._manager.unload(name),
+        )
+        self._rebuilder = self._engine_rebuilder(engine_build)
+        env = LoadEnvironment(
+            access=access,
+            rebuilder=self._rebuilder,
+            thread_policy=onnxruntime_thread_policy,
+            summaries=latency_summaries,
+            cpu_count=cpu_count,
+        )
         # load_timeout: a load (a Python model's initialize() included) running longer is abandoned.
         self._manager = ModelManager(
-            repository, drain_timeout=drain_timeout, cpu_count=cpu_count, load_timeout=load_timeout
+            repository,
+            routing=self._routing,
+            index=self._index,
+            env=env,
+            drain_timeout=drain_timeout,
+            load_timeout=load_timeout,
         )
-        for listener in listeners:
-            self._manager.add_listener(listener)
-        self._manager.latency_summaries = latency_summaries
-        self._manager.onnxruntime_thread_policy = onnxruntime_thread_policy
-        self._dataplane = DataPlane(self._manager)
         # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
         # draining, strict readiness) and the daemon's part of status().  None in-process.
-        self.service: ServiceView | None = None
-        # Pipelines and Python models reach other models through the data plane, handed down at load.
-        self._manager.attach(LocalAccess(self._dataplane, self._manager, control_mode=model_control_mode))
-        self._rebuilder = self._engine_rebuilder(engine_build)
+        self.service = service
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None
@@ -211,7 +236,7 @@ class Server:
 
     def models(self) -> list[VersionStatus]:
         """Every model version the server knows, with its state and, when not ready, why."""
-        return self._manager.index()
+        return self._routing.index()
 
     def model_config(self, model: str, version: int | None = None) -> ModelConfig:
         return self._dataplane.config(model, parse_version(version))
@@ -228,7 +253,7 @@ class Server:
         if model is None:
             return True if self.service is None else self.service.is_ready()
         try:
-            self._manager.resolve(model, parse_version(version))
+            self._routing.resolve(model, parse_version(version))
         except EdgeServerError:
             return False
         return True
@@ -244,8 +269,8 @@ class Server:
         return {
             **info,
             "repository": str(self.repository),
-            "onnxruntime_threads": thread_rule(self._manager),
-            "models": model_report(self._manager),
+            "onnxruntime_threads": thread_rule(*self._manager.thread_rule_now()),
+            "models": model_report(self._routing),
         }
 
     def load_model(self, model: str, *, config_override: str | None = None) -> list[VersionStatus]:
@@ -266,13 +291,23 @@ class Server:
         """Reload what changed on disk (SIGHUP); in explicit mode only the models already loaded."""
         self._check_open()
         if self.control_mode == "explicit":
-            self._manager.rescan(self._manager.serving().keys())
+            self._manager.rescan(self._routing.serving().keys())
         else:
             self._manager.rescan()
 
     @property
     def manager(self) -> ModelManager:
+        """The lifecycle's control (load, unload, rescan)."""
         return self._manager
+
+    @property
+    def routing(self) -> RoutingView:
+        """What serves now, read-only: for metrics, the supervisor and status."""
+        return self._routing
+
+    def add_listener(self, listener: Listener) -> None:
+        """Hear every model state change from now on (metrics, STATUS lines, logs); must not block."""
+        self._index.add_listener(listener)
 
     def _engine_rebuilder(self, mode: str) -> EngineRebuilder | None:
         if mode not in ENGINE_BUILD_MODES:
@@ -286,9 +321,7 @@ class Server:
             except EdgeServerError as exc:
                 log.warning("model %s: reload after the engine build failed: %s", name, exc.message)
 
-        rebuilder = EngineRebuilder(reload)
-        self._manager.engine_rebuilder = rebuilder
-        return rebuilder
+        return EngineRebuilder(reload)
 
     # -- shutdown -------------------------------------------------------------------------------
 

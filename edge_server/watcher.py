@@ -1,9 +1,11 @@
 """The watched repository (``--model-control-mode poll``): filesystem events in, model rescans out.
 
 Shape: a watchdog observer feeds every event to a :class:`ChangeTracker`; one worker thread waits until
-a model's files have gone quiet and then calls ``rescan(names)`` with every model that is due.  This is
-watchdog's ``EventDebouncer`` (each event resets a timer, one callback gets the whole batch when things
-go quiet) with one timer per model, so a slow copy into one model never holds back the others.
+a model's files have gone quiet and then starts ``rescan(names)``, on a thread of its own, with every
+model that is due.  This is watchdog's ``EventDebouncer`` (each event resets a timer, one callback gets
+the whole batch when things go quiet) with one timer per model, so a slow copy into one model never
+holds back the others; and because each round runs on its own thread, a model whose load hangs in user
+code (an ``initialize()`` that never returns) holds back only its own next round, never another model's.
 
 What "settled" means, because a half-copied model must never load (Triton's issue #356):
 
@@ -17,8 +19,9 @@ while it loaded.  A version that still fails (a writer that closes the file afte
 UNAVAILABLE while the old one serves, and the next write to it triggers a new attempt: its content
 hash differs from the one that failed.
 
-Events that arrive while a rescan runs are kept in the tracker and handled by the next round, so no
-change is lost.  Hidden and temporary files are ignored, except that renaming one into place counts
+Events for a model whose round is still running are kept in the tracker and handled by its next round,
+once that one ended, so no change is lost and one model is never rescanned twice at once.  Hidden and
+temporary files are ignored, except that renaming one into place counts
 as a change of its destination (the recommended OTA procedure).  Opens and reads are not subscribed
 to, so the server's own hashing and loading never wake the watcher.
 """
@@ -29,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +125,12 @@ class ChangeTracker:
             self._pending[model] = now
         return bool(touched)
 
-    def take_due(self, now: float) -> list[str]:
-        """The models that have settled, removed from the pending set."""
+    def take_due(self, now: float, busy: Collection[str] = ()) -> list[str]:
+        """The models that have settled, removed from the pending set; ``busy`` ones stay pending."""
         due = []
         for model, last_event in self._pending.items():
+            if model in busy:
+                continue
             quiet_for = now - last_event
             if quiet_for < self._quiet:
                 continue
@@ -146,16 +151,18 @@ class ChangeTracker:
             del self._pending[model]
         return sorted(due)
 
-    def next_check(self, now: float) -> float | None:
-        """Seconds until :meth:`take_due` may return something new, or None while nothing is pending."""
-        if not self._pending:
-            return None
+    def next_check(self, now: float, busy: Collection[str] = ()) -> float | None:
+        """Seconds until :meth:`take_due` may return something new, or None while nothing is pending.
+
+        ``busy`` models do not count: they wait for their round to end, which wakes the watcher.
+        """
         held = set(self._writing.values())
         waits = [
             last_event + (self._max_hold if model in held else self._quiet) - now
             for model, last_event in self._pending.items()
+            if model not in busy
         ]
-        return max(0.0, min(waits))
+        return max(0.0, min(waits)) if waits else None
 
     def pending(self) -> list[str]:
         return sorted(self._pending)
@@ -213,8 +220,9 @@ class _Handler(FileSystemEventHandler):
 class RepositoryWatcher:
     """Watches a repository with inotify (via watchdog) and calls ``rescan(names)`` when models settle.
 
-    ``rescan`` runs on the watcher's own thread, one call at a time; exceptions are logged and the
-    watcher goes on, so a failed load never stops it from picking up the next drop.
+    Each ``rescan`` round runs on a thread of its own, and a model is in at most one round at a time;
+    exceptions are logged and the watcher goes on, so a failed or hung load never stops it from
+    picking up the next drop of another model.
     """
 
     def __init__(
@@ -230,7 +238,8 @@ class RepositoryWatcher:
         self._tracker = ChangeTracker(self.repository, quiet_s=quiet_s, max_hold_s=max_hold_s)
         self._cond = threading.Condition()
         self._stopping = False
-        self._busy = False
+        self._running: set[str] = set()  # models whose round is running
+        self._round_threads: set[threading.Thread] = set()
         self._rounds: dict[str, int] = {}
         self._observer: BaseObserver | None = None
         self._thread: threading.Thread | None = None
@@ -270,6 +279,10 @@ class RepositoryWatcher:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._cond:
+            rounds = list(self._round_threads)
+        for thread in rounds:  # a round in progress finishes (the lifecycle abandons a hung load)
+            thread.join()
 
     def observe(self, event: FileSystemEvent) -> None:
         """Feed one event (the observer thread calls this; tests may too)."""
@@ -286,7 +299,7 @@ class RepositoryWatcher:
     def idle(self) -> bool:
         """True when no change is pending and no rescan is running."""
         with self._cond:
-            return not self._busy and not self._tracker.pending()
+            return not self._running and not self._tracker.pending()
 
     def _run(self) -> None:
         while True:
@@ -294,20 +307,29 @@ class RepositoryWatcher:
                 due: list[str] = []
                 while not self._stopping:
                     now = time.monotonic()
-                    due = self._tracker.take_due(now)
+                    due = self._tracker.take_due(now, self._running)
                     if due:
                         break
-                    self._cond.wait(self._tracker.next_check(now))
+                    self._cond.wait(self._tracker.next_check(now, self._running))
                 if self._stopping:
                     return
-                self._busy = True
-            log.info("repository changed: rescanning %s", ", ".join(due))
-            try:
-                self._rescan(due)
-            except Exception:  # the watcher never dies: the next change is picked up all the same
-                log.exception("rescan of %s failed", ", ".join(due))
-            with self._cond:
-                self._busy = False
-                for name in due:
-                    self._rounds[name] = self._rounds.get(name, 0) + 1
-                self._cond.notify_all()
+                self._running.update(due)
+                thread = threading.Thread(
+                    target=self._round, args=(due,), name="edge-repository-rescan", daemon=True
+                )
+                self._round_threads.add(thread)
+            thread.start()
+
+    def _round(self, due: list[str]) -> None:
+        """One rescan of ``due``, beside the rounds of other models (see the class doc)."""
+        log.info("repository changed: rescanning %s", ", ".join(due))
+        try:
+            self._rescan(due)
+        except Exception:  # the watcher never dies: the next change is picked up all the same
+            log.exception("rescan of %s failed", ", ".join(due))
+        with self._cond:
+            self._running.difference_update(due)
+            self._round_threads.discard(threading.current_thread())
+            for name in due:
+                self._rounds[name] = self._rounds.get(name, 0) + 1
+            self._cond.notify_all()

@@ -153,6 +153,24 @@ def frame_model(path: Path) -> None:
     path.write_bytes(model.SerializeToString())
 
 
+def python_stubs(pid: int) -> dict[str, int]:
+    """The isolated Python models' stub processes that ``pid`` started: instance label -> pid."""
+    found: dict[str, int] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in children:
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if b"edge_server.backends.python_stub" in argv:
+                found[argv[argv.index(b"edge_server.backends.python_stub") + 1].decode()] = int(child)
+    return found
+
+
 def build_repository(root: Path) -> Path:
     """The IPC test repository under ``root`` (FIFOs for the gate model beside it)."""
     if not (EXAMPLES / "identity" / "1" / "model.onnx").exists():

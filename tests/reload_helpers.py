@@ -103,7 +103,7 @@ def reason_of(server: Server, name: str, version: int | None) -> str:
 def loads_of(server: Server) -> list[int | None]:
     """The versions the server starts loading from now on, in order (a live list)."""
     versions: list[int | None] = []
-    server.manager.add_listener(lambda s: versions.append(s.version) if s.state.value == "LOADING" else None)
+    server.add_listener(lambda s: versions.append(s.version) if s.state.value == "LOADING" else None)
     return versions
 
 

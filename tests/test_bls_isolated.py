@@ -7,7 +7,10 @@ ensemble; a call the data plane refuses comes back as the callee's error.
 
 from __future__ import annotations
 
+import os
+import signal
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ import pytest
 
 from edge_server import Server
 from edge_server.errors import EdgeServerError
+from tests.daemon import python_stubs
 from tests.test_ensemble import ASYNC_CHAIN_MODEL, CHAIN_CONFIG, CHAIN_MODEL, x
 from tests.test_ensemble import repo as repo  # noqa: F401  (the fixture: scale, shift and pipe)
 from tests.test_ensemble_decoupled import add_counted, n
@@ -55,3 +59,23 @@ def test_a_refused_bls_call_from_a_process_is_the_callees_error(repo: Path) -> N
         with pytest.raises(EdgeServerError, match="unknown model 'nope'"):
             server.infer("chain", {"IN": x(1)})
         np.testing.assert_allclose(server.infer("pipe", {"IN": x(1)})["OUT"], 2 * x(1) + 3)
+
+
+def _stub_pids() -> dict[str, int]:
+    return python_stubs(os.getpid())
+
+
+def test_a_restarted_process_keeps_its_bls_calls(repo: Path) -> None:  # noqa: F811
+    """The restart builds the instance as the load did: with its way to the other models."""
+    add_isolated(repo, "chain", CHAIN_CONFIG % {"name": "chain"}, CHAIN_MODEL)
+    with Server(repo) as server:
+        inputs = {"IN": x(2, first=0.5)}
+        expected = server.infer("pipe", inputs)["OUT"]
+        np.testing.assert_array_equal(server.infer("chain", inputs)["OUT"], expected)
+        (victim,) = (pid for label, pid in _stub_pids().items() if label.startswith("chain"))
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while victim in _stub_pids().values() or not any(k.startswith("chain") for k in _stub_pids()):
+            assert time.monotonic() < deadline, "the killed instance was not replaced"
+            time.sleep(0.05)
+        np.testing.assert_array_equal(server.infer("chain", inputs)["OUT"], expected)

@@ -13,7 +13,7 @@ import pytest
 
 from edge_server import Server
 from edge_server.errors import EdgeServerError, ModelNotReady
-from edge_server.lifecycle import ModelState
+from edge_server.status_index import ModelState
 from tests.onnx_factory import affine_model
 from tests.test_pipeline_deadlock import SLOW_MODEL
 
@@ -253,11 +253,11 @@ def test_ready_only_while_every_member_is(repo: Path) -> None:
 
 def test_a_member_reload_is_picked_up_without_reloading_the_ensemble(repo: Path) -> None:
     with Server(repo, model_control_mode="explicit", load_models=["*"]) as server:
-        ensemble = server.manager.serving()["pipe"][1]
+        ensemble = server.routing.serving()["pipe"][1]
         affine_model(repo / "shift" / "2" / "model.onnx", scale=1.0, offset=10.0)
         server.load_model("shift")
         np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 10)
-        assert server.manager.serving()["pipe"][1] is ensemble
+        assert server.routing.serving()["pipe"][1] is ensemble
 
 
 def test_requests_during_a_member_reload_end_in_a_result_or_an_error(repo: Path) -> None:
@@ -416,3 +416,39 @@ def test_a_member_reload_that_breaks_the_steps_makes_the_ensemble_unavailable_un
             time.sleep(0.05)
         assert pipe_row() == (ModelState.READY, "")
         np.testing.assert_allclose(server.infer("pipe", {"IN": x()})["OUT"], 2 * x() + 5)
+
+
+def test_an_ensemble_that_batches_more_than_a_member_is_refused_at_load(tmp_path: Path) -> None:
+    """Triton's rule and message: the ensemble's max_batch_size must fit every member's."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    add_ensemble(
+        repo, "pipe", ensemble_config("pipe", PIPE).replace("max_batch_size: 8", "max_batch_size: 32")
+    )
+    with Server(repo) as server:
+        rows = {s.name: s for s in server.models()}
+        assert rows["pipe"].state is ModelState.UNAVAILABLE
+        assert (
+            "ensemble pipe allows maximum batch size 32, but it contains model scale which only allows "
+            "maximum batch size to be 8" in rows["pipe"].reason
+        )
+        with pytest.raises(ModelNotReady):
+            server.infer("pipe", {"IN": x(2)})
+        np.testing.assert_allclose(server.infer("scale", {"INPUT0": x(2)})["OUTPUT0"], 2 * x(2))
+
+
+def test_a_non_batching_ensemble_of_batching_members_loads(tmp_path: Path) -> None:
+    """The other direction is fine, as in Triton: the ensemble's shapes simply carry no batch axis."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    config = ensemble_config(
+        "pipe",
+        PIPE,
+        inputs='{ name: "IN", data_type: TYPE_FP32, dims: [ -1, 4 ] }',
+        outputs='{ name: "OUT", data_type: TYPE_FP32, dims: [ -1, 4 ] }',
+    ).replace("max_batch_size: 8", "max_batch_size: 0")
+    add_ensemble(repo, "pipe", config)
+    with Server(repo) as server:
+        np.testing.assert_allclose(server.infer("pipe", {"IN": x(3)})["OUT"], 2 * x(3) + 3)

@@ -17,7 +17,7 @@ import pytest
 from edge_server import Server
 from edge_server.client import Client
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotReady
-from edge_server.lifecycle import ModelState
+from edge_server.status_index import ModelState
 from tests.daemon import Daemon, build_repository, start_daemon, stop_daemon
 from tests.test_ensemble import add_ensemble, ensemble_config, step
 

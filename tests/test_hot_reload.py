@@ -297,11 +297,11 @@ def test_touched_file_does_not_reload_but_a_timestamp_preserving_copy_does(
 ) -> None:
     watcher = _watcher(server)
     model = repo / "m" / "1" / "model.onnx"
-    first = server.manager.serving()["m"][1]
+    first = server.routing.serving()["m"][1]
     rounds = watcher.rounds("m")
     os.utime(model)
     wait_until(lambda: watcher.rounds("m") > rounds, what="the touch to be handled")
-    assert server.manager.serving()["m"][1] is first
+    assert server.routing.serving()["m"][1] is first
     source = tmp_path / "copy-source.onnx"
     source.write_bytes(model_bytes(6.0))
     stat = model.stat()
@@ -319,7 +319,7 @@ def test_changes_arriving_during_a_load_are_queued(server: Server, repo: Path, s
         if status.version == 2 and status.state is ModelState.LOADING and not dropped:
             dropped.append(rename_into_place(stage_version(staging, 3), repo / "m" / "3"))
 
-    server.manager.add_listener(during_load)
+    server.add_listener(during_load)
     rename_into_place(stage_version(staging, 2), repo / "m" / "2")
     wait_until(lambda: answer(server) == 3.0, what="version 3")
     assert dropped

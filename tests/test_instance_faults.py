@@ -20,7 +20,7 @@ from edge_server import Server
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import ModelConfig
 from edge_server.errors import InstanceFailed, ModelExecutionError, Unavailable
-from edge_server.scheduler import scheduler as scheduler_module
+from edge_server.scheduler import pool as pool_module
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
 
@@ -76,7 +76,7 @@ def _eventually(check: object, timeout: float = 10.0) -> None:
 def test_every_instance_down_and_restart_failing_answers_unavailable(
     fragile: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(scheduler_module, "RESTART_BACKOFF_S", 0.2)
+    monkeypatch.setattr(pool_module, "RESTART_BACKOFF_S", 0.2)
     one = {"IN": np.array([1.0], np.float32)}
     with Server(fragile) as server:
         (fragile / "fragile" / "1" / "broken").touch()  # the next initialize() fails
@@ -134,7 +134,7 @@ class LostContextStandIn(Backend):
 
 
 def test_scheduler_replaces_only_the_failed_instance(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "RESTART_BACKOFF_S", 0.05)
+    monkeypatch.setattr(pool_module, "RESTART_BACKOFF_S", 0.05)
     first, second = LostContextStandIn(tag="a"), LostContextStandIn(tag="b")
     restarted: list[int] = []
     allow_restart = threading.Event()

@@ -41,8 +41,8 @@ def test_new_version_loads_beside_the_old_then_swaps(repo: Path) -> None:
     write_model(repo, versions=(1,))
     events: list[VersionStatus] = []
     with Server(repo, model_control_mode="explicit", load_models=["m"]) as server:
-        server.manager.add_listener(events.append)
-        old = server.manager.serving()["m"][1]
+        server.add_listener(events.append)
+        old = server.routing.serving()["m"][1]
         affine_model(repo / "m" / "2" / "model.onnx", offset=2.0)
         server.load_model("m")
         assert answer(server) == 2.0
@@ -50,7 +50,7 @@ def test_new_version_loads_beside_the_old_then_swaps(repo: Path) -> None:
         seen = [(e.version, e.state) for e in events]
         # v2 is loaded and published before v1 starts to drain; v1 is gone at the end
         assert seen == [(2, ModelState.LOADING), (2, ModelState.READY), (1, ModelState.UNLOADING)]
-        assert not any(t.is_alive() for t in old.scheduler._threads)
+        assert old.scheduler._pool.workers_alive() == 0
 
 
 def test_corrupt_version_never_takes_traffic(repo: Path) -> None:
@@ -119,15 +119,15 @@ def test_decisions_follow_content_not_timestamps(repo: Path) -> None:
     write_model(repo, versions=(1,))
     model = repo / "m" / "1" / "model.onnx"
     with Server(repo) as server:
-        first = server.manager.serving()["m"][1]
+        first = server.routing.serving()["m"][1]
         os.utime(model)  # touched, identical: no reload
         server.rescan()
-        assert server.manager.serving()["m"][1] is first
+        assert server.routing.serving()["m"][1] is first
         stat = model.stat()
         model.write_bytes(model_bytes(7.0))  # new content, old timestamps (a cp -p copy)
         os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         server.rescan()
-        assert server.manager.serving()["m"][1] is not first
+        assert server.routing.serving()["m"][1] is not first
         assert answer(server) == 7.0
         # the replaced copy of version 1 is the only index row: retiring the old copy left it alone
         assert [(s.version, s.state.value) for s in server.models()] == [(1, "READY")]
@@ -180,12 +180,12 @@ def test_explicit_load_star_unload_and_reload(repo: Path) -> None:
 def test_unload_frees_sessions_and_threads(repo: Path) -> None:
     write_model(repo, versions=(1,))
     with Server(repo, model_control_mode="explicit", load_models=["m"]) as server:
-        loaded = server.manager.serving()["m"][1]
-        instances = [backend for _, backend in loaded.scheduler._instances]
+        loaded = server.routing.serving()["m"][1]
+        instances = loaded.scheduler._pool.backends()
         server.unload_model("m")
         assert not _instance_threads("m")
         assert all(getattr(backend, "_session", None) is None for backend in instances)
-        assert "m" not in server.manager.serving()
+        assert "m" not in server.routing.serving()
 
 
 def test_requests_queued_on_the_old_version_finish_there(repo: Path) -> None:
@@ -195,7 +195,7 @@ def test_requests_queued_on_the_old_version_finish_there(repo: Path) -> None:
         futures: list[Future[dict[str, np.ndarray]]] = [
             server.submit("m", {"INPUT0": ZEROS}) for _ in range(40)
         ]
-        assert server.manager.serving()["m"][1].scheduler.queue_size() > 0
+        assert server.routing.serving()["m"][1].scheduler.queue_size() > 0
         affine_model(repo / "m" / "2" / "model.onnx", offset=2.0)
         server.load_model("m")
         values = {float(f.result(timeout=10)["OUTPUT0"][0, 0]) for f in futures}
@@ -234,7 +234,7 @@ def test_files_changing_during_a_load_discard_it(repo: Path, changed: str) -> No
                 target.write_bytes(replacement)
 
         written: list[bool] = []
-        server.manager.add_listener(write_during_load)
+        server.add_listener(write_during_load)
         affine_model(repo / "m" / "2" / "model.onnx", offset=2.0)
         server.load_model("m")
         assert written and answer(server) == 1.0

@@ -18,6 +18,7 @@ from edge_server.config.model import InstanceGroup, ModelConfig, TensorSpec
 from edge_server.errors import ConfigError, InvalidArgument
 from edge_server.loader import instance_specs
 from edge_server.server import Server
+from edge_server.status_index import ModelState
 from tests.daemon import EXAMPLES, ROOT, Daemon
 
 SPIN = "session.intra_op.allow_spinning"
@@ -109,27 +110,52 @@ def test_a_model_alone_on_the_box_keeps_onnxruntime_defaults(tmp_path: Path) -> 
         _check_works(server, "a")
 
 
-def test_two_models_split_the_cores_and_the_first_is_rebuilt(tmp_path: Path) -> None:
-    with Server(_repo(tmp_path, "a", "b")) as server:  # a loads alone first, then b arrives
+def test_two_models_of_one_repository_split_the_cores_from_their_first_load(tmp_path: Path) -> None:
+    loads: list[str] = []
+
+    def heard(status: object) -> None:
+        if getattr(status, "state", None) is ModelState.LOADING:
+            loads.append(getattr(status, "name", ""))
+
+    with Server(_repo(tmp_path, "a", "b"), listeners=[heard]) as server:  # decided from the repository
         for name, threads in _threads(server).items():
             assert threads["policy"] == "split", name
             assert threads["intra_op_threads"] == max(1, CPUS // 2) and threads["inter_op_threads"] == 1
             assert threads["spinning"] is False
             assert threads["rule_at_load"] == f"auto: 2 CPU ONNX Runtime instances share {CPUS} cores"
             _check_works(server, name)
+        assert sorted(loads) == ["a", "b"]  # each built once, split from the start
 
 
-def test_a_model_loaded_later_rebuilds_the_one_alone(tmp_path: Path) -> None:
+def _counts(server: Server, name: str) -> tuple[int, int]:
+    (row,) = server.statistics(name)
+    return row["inference_count"], row["execution_count"]
+
+
+def test_a_model_loaded_later_never_reloads_the_one_alone(tmp_path: Path) -> None:
+    """Loading b leaves a serving as it is (its session, its statistics): a split waits for a's reload."""
     repo = _repo(tmp_path, "a", "b")
-    with Server(repo, model_control_mode="explicit", load_models=["a"]) as server:
+    loads: list[str] = []
+
+    def heard(status: object) -> None:
+        if getattr(status, "state", None) is ModelState.LOADING:
+            loads.append(getattr(status, "name", ""))
+
+    with Server(repo, model_control_mode="explicit", load_models=["a"], listeners=[heard]) as server:
         assert _threads(server)["a"]["policy"] == "default"
-        server.load_model("b")
-        assert {t["policy"] for t in _threads(server).values()} == {"split"}
         _check_works(server, "a")
-        server.unload_model("b")  # a stays split until it is reloaded (README)
-        assert _threads(server)["a"]["policy"] == "split"
+        _check_works(server, "a")
+        server.load_model("b")
+        assert _threads(server)["b"]["policy"] == "split"  # b counts a, which shares the cores
+        assert _threads(server)["a"]["policy"] == "default"  # not rebuilt: it serves on
+        assert _counts(server, "a") == (2, 2)  # statistics are cumulative per version
+        assert loads == ["a", "b"]  # a was loaded once
+        _check_works(server, "a")
         server.load_model("a")  # unchanged files: kept as it is
-        assert _threads(server)["a"]["policy"] == "split"
+        assert _counts(server, "a") == (3, 3) and loads == ["a", "b"]
+        (repo / "a" / "config.pbtxt").write_text((repo / "a" / "config.pbtxt").read_text() + "\n")
+        server.load_model("a")  # a real reload: now it is built with b beside it
+        assert _threads(server)["a"]["policy"] == "split" and loads == ["a", "b", "a"]
 
 
 def test_per_model_and_triton_parameters_win_over_the_daemon_rule(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from edge_server.client import Client
 from edge_server.errors import EdgeServerError
-from tests.daemon import Daemon, build_repository, start_daemon, stop_daemon
+from tests.daemon import Daemon, build_repository, python_stubs, start_daemon, stop_daemon
 
 CRASH_CONFIG = """
 name: "%(name)s"
@@ -193,20 +193,7 @@ def client(iso_daemon: Daemon) -> Iterator[Client]:
 
 def _stubs(daemon: Daemon) -> dict[str, int]:
     """The daemon's stub processes now: instance label -> pid."""
-    found: dict[str, int] = {}
-    for task in os.listdir(f"/proc/{daemon.pid}/task"):
-        try:
-            children = Path(f"/proc/{daemon.pid}/task/{task}/children").read_text().split()
-        except FileNotFoundError:
-            continue
-        for pid in children:
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
-                continue
-            if b"edge_server.backends.python_stub" in argv:
-                found[argv[argv.index(b"edge_server.backends.python_stub") + 1].decode()] = int(pid)
-    return found
+    return python_stubs(daemon.pid)
 
 
 def _healthy(client: Client, daemon: Daemon) -> None:

@@ -289,7 +289,7 @@ def test_reload_lets_live_sequences_finish_on_the_old_version(tmp_path: Path) ->
         loading.start()
         swapped = threading.Event()
         while not swapped.wait(0.02):
-            if 2 in server.manager.serving().get("acc", {}):
+            if 2 in server.routing.serving().get("acc", {}):
                 swapped.set()
         # The live sequence goes on on version 1; a new one starts on version 2.
         assert scalar(server.infer("acc", one(2), correlation_id=1)) == 3
@@ -300,7 +300,7 @@ def test_reload_lets_live_sequences_finish_on_the_old_version(tmp_path: Path) ->
         assert scalar(server.infer("acc", one(3), correlation_id=1, sequence_end=True)) == 6
         loading.join(timeout=10)
         assert not loading.is_alive()
-        assert sorted(server.manager.serving()["acc"]) == [2]
+        assert sorted(server.routing.serving()["acc"]) == [2]
         assert scalar(server.infer("acc", one(1), correlation_id=2, sequence_end=True)) == 1006
 
 
@@ -378,7 +378,7 @@ def test_unload_does_not_wait_for_idle_sequences(tmp_path: Path) -> None:
         began = time.monotonic()
         server.unload_model("acc")  # does not wait 30 s for the sequence: it is dropped
         assert time.monotonic() - began < 10
-        assert "acc" not in server.manager.serving()
+        assert "acc" not in server.routing.serving()
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))

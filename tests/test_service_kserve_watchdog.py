@@ -89,7 +89,7 @@ def test_a_wedged_http_event_loop_is_seen_then_clears(server: Server) -> None:
             conn.close()
 
         asker = threading.Thread(target=ask)
-        with server.manager._status_lock:  # the event loop blocks on it inside the handler
+        with server._index.lock:  # the event loop blocks on it inside the handler
             asker.start()
             stuck = _until(tick, bool)
             assert list(stuck) == ["HTTP frontend"]
@@ -140,7 +140,7 @@ def test_a_wedged_grpc_worker_pool_is_seen_then_clears(
     channel = grpc.insecure_channel(f"127.0.0.1:{frontend.port}")  # type: ignore[attr-defined]
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     try:
-        with server.manager._status_lock:
+        with server._index.lock:
             calls = [stub.RepositoryIndex.future(service_pb2.RepositoryIndexRequest()) for _ in range(2)]
             stuck = _until(tick, bool)
             assert list(stuck) == ["gRPC frontend"]

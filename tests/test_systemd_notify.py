@@ -240,7 +240,7 @@ def test_a_wedged_ipc_frontend_is_seen_by_the_liveness_check(tmp_path: Path) -> 
                     time.sleep(0.15)
                 answer: list[list[dict]] = []
                 asker = threading.Thread(target=lambda: answer.append(client.models()))
-                with server.manager._status_lock:  # the frontend thread will block on it
+                with server._index.lock:  # the frontend thread will block on it
                     asker.start()
                     deadline = time.monotonic() + 5
                     while not (stuck := tick()) and time.monotonic() < deadline:

@@ -55,8 +55,6 @@ class InstanceSpec:
 #: ``--onnxruntime-thread-policy``: ``auto`` gives ONNX Runtime's default threads to the only CPU ONNX
 #: Runtime instance on the box and splits the cores otherwise; ``default`` and ``split`` force one.
 ONNXRUNTIME_THREAD_POLICIES = ("auto", "default", "split")
-#: the ``rule`` of thread settings that ``auto`` chose because the instance was alone on the box
-AUTO_ALONE_RULE = "auto: the only CPU ONNX Runtime instance"
 
 
 @dataclass(frozen=True)
@@ -81,6 +79,10 @@ class Backend(abc.ABC):
     #: device call can block.
     allows_inline: bool = False
 
+    #: whether the model may call other models (BLS): the scheduler never runs such a request on a
+    #: worker that holds an instance of its own (see ``scheduler._pipeline_caller``)
+    calls_models: bool = False
+
     #: device label for status and metrics: "cpu", "cuda:0", "dla:1"
     device: str = "cpu"
 
@@ -91,6 +93,21 @@ class Backend(abc.ABC):
     def gpu_available(cls) -> bool:
         """Whether this backend can place instances on a GPU on this machine (decides KIND_AUTO)."""
         return False
+
+    #: whether this backend's CPU instances take part in the box-wide thread rule (ONNX Runtime's,
+    #: ``--onnxruntime-thread-policy``): the loader then counts the other models' such instances into
+    #: :attr:`InstanceSpec.box_instances`, and the lifecycle counts this model's for theirs
+    shares_cores: bool = False
+
+    @classmethod
+    def planned_cpu_sessions(cls, config: ModelConfig) -> int:
+        """How many CPU sessions that share the cores a model of this config will open (before loading).
+
+        The lifecycle counts them for the models a rescan brings in, so that a thread rule (ONNX
+        Runtime's) is decided from the whole repository at the first load, never by rebuilding a
+        serving model later.  0: this backend's instances do not take part in such a rule.
+        """
+        return 0
 
     @classmethod
     @abc.abstractmethod

@@ -21,7 +21,6 @@ import onnxruntime as ort
 
 from edge_server import dtypes
 from edge_server.backends.base import (
-    AUTO_ALONE_RULE,
     ONNXRUNTIME_THREAD_POLICIES,
     InstanceSpec,
     LoadContext,
@@ -41,6 +40,9 @@ DEFAULT_MAX_BATCH_SIZE = 4
 
 
 _Graph = tuple[str, str, list[int]]
+
+#: the ``rule`` of thread settings that ``auto`` chose because the instance was alone on the box
+AUTO_ALONE_RULE = "auto: the only CPU ONNX Runtime instance"
 
 #: ``parameters { key: "thread_policy" }`` values; see :func:`session_options`.
 THREAD_POLICIES = ("default", "split")
@@ -237,6 +239,21 @@ class OnnxRuntimeBackend(TensorBackend):
     @classmethod
     def gpu_available(cls) -> bool:
         return "CUDAExecutionProvider" in ort.get_available_providers()
+
+    shares_cores = True  # the thread rule (see thread_policy) counts every CPU session on the box
+
+    @classmethod
+    def planned_cpu_sessions(cls, config: ModelConfig) -> int:
+        """The CPU instances ``instance_group`` asks for (one, without it): the thread rule counts them."""
+        if not config.instance_groups:
+            return 0 if cls.gpu_available() else 1
+        gpu = cls.gpu_available()
+        count = 0
+        for group in config.instance_groups:
+            on_cpu = group.kind in ("KIND_CPU", "KIND_MODEL") or (group.kind == "KIND_AUTO" and not gpu)
+            if on_cpu and not group.secondary_devices:
+                count += group.count
+        return count
 
     @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:

@@ -98,9 +98,11 @@ class KServeFrontends:
         self.options = options
         self.max_message_bytes = max_message_bytes
         shm = SystemSharedMemory(max_input_bytes=max_message_bytes) if options.allow_client_shm else None
-        self.service = KServeService(server, shm=shm, control_policy=control_policy)
-        self.service.settings = RuntimeSettings(
-            log_verbose=options.log_verbose, log_format=options.log_format
+        self.service = KServeService(
+            server,
+            shm=shm,
+            control_policy=control_policy,
+            settings=RuntimeSettings(log_verbose=options.log_verbose, log_format=options.log_format),
         )
         self.http: Any = None
         self.grpc: Any = None

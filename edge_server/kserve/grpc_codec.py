@@ -149,9 +149,7 @@ def encode(
 ) -> service_pb2.ModelInferResponse:
     response = service_pb2.ModelInferResponse(
         model_name=request.model,
-        model_version=str(request.version)
-        if request.version is not None
-        else service.serving_version(request.model),
+        model_version="" if request.routed_version is None else str(request.routed_version),
         id=request.request_id,
     )
     for key, value in response_parameters(outputs).items():

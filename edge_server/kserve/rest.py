@@ -141,7 +141,7 @@ def encode(
     request = decoded.request
     header: dict[str, Any] = {
         "model_name": decoded.model,
-        "model_version": decoded.version_text or service.serving_version(decoded.model),
+        "model_version": decoded.version_text or _version_text(request.routed_version),
     }
     if request.request_id:
         header["id"] = request.request_id
@@ -150,3 +150,7 @@ def encode(
         header["parameters"] = dict(parameters)
     header["outputs"] = entries
     return codec.encode_body(header, chunks)
+
+
+def _version_text(version: int | None) -> str:
+    return "" if version is None else str(version)

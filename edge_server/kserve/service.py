@@ -24,9 +24,9 @@ from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, 
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
-from edge_server.lifecycle import ModelState
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.shm import Lease
+from edge_server.status_index import ModelState
 from edge_server.validation import check_parameters
 from edge_server.versions import parse_version
 
@@ -103,12 +103,14 @@ class KServeService:
         *,
         shm: SystemSharedMemory | None = None,
         control_policy: ControlPolicy | None = None,
+        settings: RuntimeSettings | None = None,
     ) -> None:
         self.server = server
         self.dataplane = server.dataplane
         self.shm = shm
         self.control_policy = control_policy or ControlPolicy()
-        self.settings = RuntimeSettings()  # the frontends' log and trace settings, one for both
+        # the frontends' log and trace settings, one for both
+        self.settings = settings if settings is not None else RuntimeSettings()
 
     def authorize_control(self, peer: Peer, what: str) -> None:
         """Control (load, unload, log and trace settings): :class:`ControlPolicy`, as over IPC.
@@ -144,11 +146,6 @@ class KServeService:
     def statistics(self, name: str = "", version: str | int | None = None) -> dict[str, Any]:
         stats = self.dataplane.statistics(name or None, parse_version(version) if name else None)
         return {"model_stats": stats}
-
-    def serving_version(self, name: str) -> str:
-        """The version a request without one was routed to (the newest serving), for responses."""
-        versions = self.server.manager.serving().get(name, {})
-        return str(max(versions)) if versions else ""
 
     # -- repository ------------------------------------------------------------------------------
 

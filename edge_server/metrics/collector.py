@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from edge_server.lifecycle import ModelState, VersionStatus
 from edge_server.scheduler.summaries import Summary
+from edge_server.status_index import ModelState, VersionStatus
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -171,7 +171,7 @@ class ServerCollector:
         backlog = _gauge("edge_sequence_backlog", "Sequences waiting for a slot or candidate place")
         occupied = _gauge("edge_sequence_slots_occupied", "Batch slots held by a sequence (direct strategy)")
         summaries = {kind: Metric(name, doc, "summary") for kind, (name, doc) in TRITON_SUMMARIES.items()}
-        for name, versions in self._server.manager.serving().items():
+        for name, versions in self._server.routing.serving().items():
             for version, loaded in versions.items():
                 labels = {"model": name, "version": str(version)}
                 stats = loaded.stats.as_dict()

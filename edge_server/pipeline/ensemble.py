@@ -38,6 +38,7 @@ from edge_server.pipeline.decoupled import DecoupledWalk
 from edge_server.pipeline.graph import EnsembleGraph, Step, build_graph
 from edge_server.pipeline.steps import step_request
 from edge_server.request import BatchItem, ModelAccess, Result, Timing
+from edge_server.scheduler.pool import wait_until_idle
 from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.stats import ModelStats
 
@@ -160,7 +161,7 @@ class EnsembleScheduler:
         with self._lock:
             return len(self._waiting)
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Nothing to change: an ensemble is never alone (its members are served beside it)."""
 
     # -- walking the graph ----------------------------------------------------------------------
@@ -312,15 +313,9 @@ class EnsembleScheduler:
         with self._lock:
             self._accepting = False
 
-    def drain(self, deadline: float) -> bool:
+    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
         self.close_intake()
-        with self._lock:
-            while self._running or self._waiting:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+        return wait_until_idle(self._cond, lambda: bool(self._running or self._waiting), deadline)
 
     def stop(self, grace: float = 2.0) -> None:
         """Fail what still waits for a slot; requests inside the members finish there on their own."""

@@ -3,7 +3,8 @@
 Every tensor of an ensemble has exactly one producer (an ensemble input or one step's output) and may
 have many consumers (steps, or the ensemble's outputs).  With one producer per tensor, the steps form a
 graph whose edges are tensors; :func:`build_graph` rejects everything that would make a request fail
-or hang later, each error naming the step and the tensor: unknown or unready members, member tensors
+or hang later, each error naming the step and the tensor: unknown or unready members, members whose
+``max_batch_size`` is smaller than the ensemble's (Triton's rule), member tensors
 that do not exist, required member inputs left unmapped, tensors consumed but never produced, tensors
 produced twice, ensemble inputs no step uses, cycles, and dtype or shape disagreements between the
 producer and the consumer of a tensor.
@@ -116,6 +117,14 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         except EdgeServerError as exc:
             raise _fail(config, f"{step.describe()}: {exc.message}") from None
         members[step.index] = member
+        if config.max_batch_size > member.max_batch_size:
+            # Triton's rule and words: a request the ensemble accepts must fit every step's model.
+            # (A non-batching ensemble of batching members is fine: its tensors carry no batch axis.)
+            raise ConfigError(
+                f"{config.source or config.name}: ensemble {config.name} allows maximum batch size "
+                f"{config.max_batch_size}, but it contains model {step.model_name} which only allows "
+                f"maximum batch size to be {member.max_batch_size}"
+            )
         if not step.output_map:
             raise _fail(config, f"{step.describe()}: output_map is empty; the step would produce nothing")
         for name in step.input_map:

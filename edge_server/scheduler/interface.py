@@ -29,7 +29,7 @@ class RequestScheduler(Protocol):
 
     def queue_size(self) -> int: ...
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Told on every change of what is served: whether this is the daemon's only model version."""
         ...
 
@@ -37,8 +37,13 @@ class RequestScheduler(Protocol):
         """Take no new requests (``SchedulerClosed``); what is queued still runs."""
         ...
 
-    def drain(self, deadline: float) -> bool:
-        """Close intake and wait until ``deadline`` (monotonic) for queued and running requests."""
+    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
+        """Close intake and wait until ``deadline`` (monotonic) for queued and running requests.
+
+        ``finish_sequences`` (a reload with a successor): a sequence batcher also waits for its live
+        sequences to end or idle out; the others ignore it.  Every drain waits through
+        :func:`edge_server.scheduler.pool.wait_until_idle`.
+        """
         ...
 
     def stop(self, grace: float = 2.0) -> None:

@@ -5,50 +5,28 @@ on its own backend instance, so a request passes through exactly one thread hand
 one future on its way out.  Because only idle instances form batches, a freed instance takes the
 largest batch the queue holds at that moment, as Triton's dynamic batcher does.
 
-A model without dynamic batching whose executions are cheap (a moving average under
-``INLINE_BUDGET_NS``) runs a request in the caller's own thread when an instance is idle and nothing is
-queued: a thread hand-off costs more than such a model, and the caller would only wait for it anyway.
-The idle instance is lent for that one request; its worker does not touch it meanwhile.  The
-daemon's only model, when it has one instance, does so up to ``ALONE_INLINE_BUDGET_NS``: no other
-model's requests can wait behind it on a frontend thread, and its own would wait for the instance
-anyway, so it serves as a hand-written receive-run-reply loop does, without the two thread wake-ups
-(a tenth of a millisecond each on a loaded 2-core box) that a worker costs every request.
+Whether a request runs in the caller's own thread instead (a cheap model, the daemon's only model, a
+pipeline's next step) is decided by one :class:`~edge_server.scheduler.inline.InlinePolicy`; this
+scheduler lends it an idle instance from the pool when it says yes.
 
-A request submitted from another scheduler's worker thread (a pipeline: an ensemble's next step,
-submitted from the done-callback of the step before it, or a BLS call from inside a Python model's
-``execute``) runs inline whenever an instance is idle and nothing is queued, whatever its cost, and
-with dynamic batching too: that thread is a pipeline's own, so blocking it stalls no frontend (the
-IPC frontend's thread is never a worker and keeps the budget), and handing the request to another
-thread would only make it wait for the answer.  A worker does this only while it is inside its own
-``execute`` (its instance is busy anyway), or, while it delivers a finished batch, when its own queue
-is empty (it holds no one up) and the callee cannot call models (a BLS model could need the very
-instance this worker would hold while running it: a deadlock no thread hand-off would have had).
-A detect-then-classify frame, whose steps all run inside the BLS model's ``execute``, thus walks
-them in one thread while their instances are free, and hands off only where a step is busy: there
-it queues, and batches with what else is queued.
+The instances, their workers, restarts after a fault, busy time and the stop belong to the
+:class:`~edge_server.scheduler.pool.InstancePool` that the sequence batcher uses too; this module keeps
+what the dynamic batcher alone does: form a batch (:meth:`ModelScheduler.form`) and deliver it
+(:meth:`ModelScheduler.run`), and the inline runs.
 
-An instance whose backend raises :class:`InstanceFailed` (its process died, its device context is
-lost) is taken out of service: its worker closes it and asks the ``restart`` callback for a new one
-in its place, after a back-off (1 s, 2 s, 4 s ... ``RESTART_BACKOFF_MAX_S``), while the other instances
-keep serving.  See :meth:`ModelScheduler._replace`.
-
-Lock order: the scheduler's lock is never held while a backend runs or a future is completed.  A
-future's done-callbacks run in the thread that completes it, and a pipeline's callback submits the next
-step, maybe to this very scheduler: completing under the lock would deadlock on it.  So requests that
-leave without running (timed out in the queue, failed at stop) are collected under the lock and failed
-after it is released.
+Lock order: the pool's lock (this scheduler's too) is never held while a backend runs or a future is
+completed.  A future's done-callbacks run in the thread that completes it, and a pipeline's callback
+submits the next step, maybe to this very scheduler: completing under the lock would deadlock on it.
+So requests that leave without running (timed out in the queue, failed at stop) are collected under
+the lock and failed after it is released.
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import dataclasses
-import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -56,108 +34,22 @@ import numpy as np
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig, QueuePolicy
 from edge_server.errors import (
-    EdgeServerError,
-    InstanceFailed,
     InvalidArgument,
     ModelExecutionError,
     ServerShuttingDown,
     Unavailable,
 )
+from edge_server.scheduler.inline import (  # noqa: F401  (re-exported: tests and benchmarks read them)
+    ALONE_INLINE_BUDGET_NS,
+    INLINE_BUDGET_NS,
+    InlinePolicy,
+)
 from edge_server.scheduler.policy import BatchSettings, next_batch
+from edge_server.scheduler.pool import InstancePool, Restart
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue, timed_out
 from edge_server.scheduler.stats import ModelStats
 
 log = logging.getLogger(__name__)
-
-# A request runs in the caller's thread only for models whose executions average less than this:
-# about what two thread hand-offs cost in CPython, and short enough not to stall an IPC frontend.
-INLINE_BUDGET_NS = 100_000
-# The daemon's only model (one instance) may hold the caller's thread longer: a frame period at 50 fps,
-# the longest that control requests (status, health over IPC, shared-memory registration) wait
-# behind it; beyond it the two wake-ups saved are under 2% of the run.
-ALONE_INLINE_BUDGET_NS = 20_000_000
-# ... and only for requests not much larger than those the average was measured on: a request far
-# larger than usual (a 4K frame to a model measured on thumbnails) could hold a frontend thread, and
-# every other client and model behind it, for its whole execution.  It goes to a worker instead.
-INLINE_SIZE_FACTOR = 2.0
-INLINE_SIZE_SLACK = 16 * 1024
-_EMA_WEIGHT = 0.2
-
-# Replacing failed instances: the n-th restart in a row waits RESTART_BACKOFF_S * 2**(n-1), at most
-# RESTART_BACKOFF_MAX_S; the count starts again once an instance has served for RESTART_RESET_S.
-RESTART_BACKOFF_S = 1.0
-RESTART_BACKOFF_MAX_S = 30.0
-RESTART_RESET_S = 60.0
-
-#: Builds a new, warmed-up backend for the instance at this index (the loader's); raises if it cannot.
-Restart = Callable[[int], Backend]
-
-
-def _input_bytes(item: BatchItem) -> int:
-    total = 0
-    for array in item.inputs.values():
-        total += array.nbytes
-    return total
-
-
-def close_instances(
-    threads: Sequence[threading.Thread],
-    instances: Sequence[tuple[str, Backend]],
-    deadline: float,
-    state: Callable[[threading.Thread, Backend], tuple[bool, bool]],
-) -> None:
-    """Join each instance's worker until ``deadline`` and close its backend, at stop.
-
-    ``state`` says whether an instance is still busy (its worker stuck in user code: it is logged and
-    left running, never closed under it) or already closed.  The caller is held no longer than that.
-    """
-    for thread, (name, backend) in zip(threads, instances, strict=True):
-        thread.join(max(0.0, deadline - time.monotonic()))
-        busy, closed = state(thread, backend)
-        if busy:
-            log.error("instance %s is still executing after the drain deadline; left running", name)
-            continue
-        if closed:
-            continue
-        try:
-            backend.close()
-        except Exception:
-            log.exception("closing instance %s failed", name)
-
-
-class _Worker(threading.Thread):
-    """An instance's worker thread: requests submitted from it may run inline (see the module doc)."""
-
-    def __init__(self, scheduler: ModelScheduler, index: int, name: str) -> None:
-        super().__init__(target=scheduler._worker, args=(index,), name=name, daemon=True)
-        self.scheduler = scheduler
-        self.executing = False  # inside its own backend's execute: its instance is busy anyway
-
-    def run(self) -> None:
-        _name_os_thread(self.name)
-        super().run()
-
-
-def _name_os_thread(name: str) -> None:
-    """Give the OS thread the worker's name (first 15 bytes), for ``top -H``, ``perf`` and /proc."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):  # not Linux: the name is only a convenience
-        pass
-
-
-def _pipeline_caller(callee_calls_models: bool) -> bool:
-    """Whether this thread is a worker free to run another model's request (see the module doc)."""
-    caller = threading.current_thread()
-    if type(caller) is not _Worker:
-        return False
-    if caller.executing:  # its instance is busy anyway: running the callee here holds nothing more
-        return True
-    # Delivering a finished batch: its instance is free, but would stay held while the callee runs
-    # here.  A callee that may call models (a BLS model) could need that very instance (A's step
-    # done -> B inline -> B calls A) and wait for it forever: it goes to its own worker instead.
-    return not callee_calls_models and not caller.scheduler._queue.size  # a benign race: a hint only
 
 
 class SchedulerClosed(ServerShuttingDown):
@@ -181,6 +73,17 @@ class _Expired:
 
     requests: list[QueuedRequest]
     now_ns: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    """A batch taken from the queue, and its place in the delivery order (``preserve_ordering``)."""
+
+    requests: list[QueuedRequest]
+    seq: int
+
+
+_Work = _Batch | _Expired
 
 
 class ModelScheduler:
@@ -214,46 +117,22 @@ class ModelScheduler:
         self._override_allowed = db is None
         self._preserve_ordering = bool(db and db.preserve_ordering)
         self._output_dims = {t.name: t.dims for t in config.outputs if t.reshape is not None}
-        # A plain lock (entered directly on the request path) and a condition over it for the workers.
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        # The pool's lock is this scheduler's: a plain lock (entered directly on the request path) and
+        # a condition over it for the workers.
+        self._pool: InstancePool[_Work] = InstancePool(config.name, instances, self, restart=restart)
+        self._lock = self._pool.lock
+        self._cond = self._pool.cond
         self._queue = RequestQueue(self._levels, self._policies)
         self._accepting = True
-        self._stopping = False
         self._in_flight = 0
         self._next_seq = 0
         self._delivered_seq = 0
-        self._instances = instances
-        # Watched, not used: finished executions (the watchdog's progress counter) and the time each
-        # instance spent executing (metrics).  Each instance is used by one thread at a time.
-        self._progress = 0
-        self._busy_ns: collections.defaultdict[Backend, int] = collections.defaultdict(int)  # restarts too
-        # Inline execution is an explicit opt-in of each backend (TensorRT opts out: never on a frontend).
-        self._inline_capable = not self._settings.batching and all(
-            backend.allows_inline for _, backend in instances
+        self._inline = InlinePolicy(
+            [backend for _, backend in instances],
+            batching=self._settings.batching,
+            preserve_ordering=self._preserve_ordering,
         )
-        self._budget_ns = INLINE_BUDGET_NS  # ALONE_INLINE_BUDGET_NS while the daemon's only model
-        self._compute_ema_ns = float("inf")  # moving average of one request's execution
-        self._bytes_ema = 0.0  # moving average of the input bytes of the requests measured
-        self._waiting: set[Backend] = set()  # instances whose worker is idle, waiting for work
-        self._borrowed: set[Backend] = set()  # idle instances lent to a caller's thread
-        # Unrecoverable instance faults (see _replace): failed instances wait here for their worker.
-        self._restart = restart
-        self._failed: set[Backend] = set()
-        self._restarts = [0] * len(instances)  # consecutive restarts per instance (the back-off)
-        self._since = [time.monotonic()] * len(instances)  # when each instance entered service
-        self._unavailable = ""  # why requests are refused: every instance is down and restarts fail
-        for _, backend in instances:
-            backend.watch(functools.partial(self._lost, backend))
-        # Any instance may be lent to a pipeline's worker thread (see the module doc), TensorRT's not.
-        # Not with preserve_ordering: an inline answer could overtake a batch running on another instance.
-        self._pipeline_inline = not self._preserve_ordering and all(
-            backend.allows_inline for _, backend in instances
-        )
-        self._calls_models = any(getattr(backend, "calls_models", False) for _, backend in instances)
-        self._threads = [_Worker(self, index, f"edge-{name}") for index, (name, _) in enumerate(instances)]
-        for thread in self._threads:
-            thread.start()
+        self._pool.start()
 
     # -- request side ---------------------------------------------------------------------------
 
@@ -281,14 +160,13 @@ class ModelScheduler:
         """
         level = self._level(priority) if priority or self._levels else 1
         now = time.monotonic_ns()
-        pipeline = self._pipeline_inline and _pipeline_caller(self._calls_models)
-        nbytes = _input_bytes(item) if self._inline_capable and not pipeline else 0
+        pipeline, nbytes = self._inline.caller(item)
         with self._lock:
             if not self._accepting:
                 raise SchedulerClosed(f"model {self._config.name!r} is unloading")
-            if self._unavailable:
-                raise Unavailable(self._unavailable)
-            lent = self._lend(nbytes, pipeline)
+            if self._pool.unavailable:
+                raise Unavailable(self._pool.unavailable)
+            lent = None if self._queue.size or not self._inline.pays(nbytes, pipeline) else self._pool.lend()
             if lent is None:
                 future: Future[dict] = Future()
                 self._queue.push(self._queued(item, shape_key, level, now, future, timeout_us))
@@ -301,9 +179,8 @@ class ModelScheduler:
             result = self._run_inline(lent, item, now)
         finally:
             with self._lock:
-                self._borrowed.discard(lent)
+                self._pool.give_back(lent)
                 self._in_flight -= 1
-                self._progress += 1
                 if self._queue.size or not self._accepting:
                     self._cond.notify_all()  # the instance's worker may be waiting for it
         return result
@@ -331,26 +208,6 @@ class ModelScheduler:
             timeout_action=policy.timeout_action,
         )
 
-    def _lend(self, nbytes: int, pipeline: bool) -> Backend | None:
-        """An idle instance for the caller's thread, when inline execution pays (lock held).
-
-        ``pipeline``: the caller is another scheduler's worker, which may run any request inline.
-        """
-        if self._queue.size:
-            return None
-        if not pipeline:
-            if not self._inline_capable or self._compute_ema_ns >= self._budget_ns:
-                return None
-            if nbytes > INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK:
-                return None  # out of line with what was measured: a worker runs it (and measures it)
-        elif not self._pipeline_inline:
-            return None
-        for backend in self._waiting:
-            if backend not in self._borrowed and backend not in self._failed:
-                self._borrowed.add(backend)
-                return backend
-        return None
-
     def _level(self, priority: int) -> int:
         if priority < 0:
             raise InvalidArgument(f"priority must be >= 0, got {priority}")
@@ -362,10 +219,9 @@ class ModelScheduler:
             return self._default_level
         return priority
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Whether this is the only model version the daemon serves (see the module doc)."""
-        one = alone and len(self._instances) == 1
-        self._budget_ns = ALONE_INLINE_BUDGET_NS if one else INLINE_BUDGET_NS
+        self._inline.set_sole_version(sole and self._pool.size == 1)
 
     def queue_size(self) -> int:
         with self._lock:
@@ -374,11 +230,11 @@ class ModelScheduler:
     def liveness(self) -> tuple[int, bool]:
         """(executions finished so far, whether requests are queued or running): see service.liveness."""
         with self._lock:
-            return self._progress, bool(len(self._queue) or self._in_flight)
+            return self._pool.progress, bool(len(self._queue) or self._in_flight)
 
     def instance_busy_ns(self) -> dict[str, int]:
         """Nanoseconds each instance has spent executing, by instance name (a utilisation figure)."""
-        return {name: self._busy_ns.get(backend, 0) for name, backend in self._instances}
+        return self._pool.busy_ns()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -388,19 +244,13 @@ class ModelScheduler:
             self._accepting = False
             self._cond.notify_all()
 
-    def drain(self, deadline: float) -> bool:
+    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
         """Close intake and wait, until ``deadline`` (monotonic), for queued and running requests.
 
-        Returns False if the deadline passed first.
+        Returns False if the deadline passed first.  (``finish_sequences``: the sequence batcher's.)
         """
         self.close_intake()
-        with self._lock:
-            while len(self._queue) or self._in_flight:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+        return self._pool.drain(deadline, lambda: bool(len(self._queue) or self._in_flight))
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop the workers, fail whatever is still queued, and close every instance.
@@ -410,76 +260,49 @@ class ModelScheduler:
         """
         with self._lock:
             self._accepting = False
-            self._stopping = True
             leftover = self._queue.drain()
-            self._cond.notify_all()
+            self._pool.mark_stopping()
         for request in leftover:
             if request.future.set_running_or_notify_cancel():
                 request.future.set_exception(
                     ServerShuttingDown(f"model {self._config.name!r} was unloaded before the request ran")
                 )
+        self._pool.stop(grace)
 
-        def state(thread: threading.Thread, backend: Backend) -> tuple[bool, bool]:
-            with self._lock:  # busy; or closed already by its worker (_replace)
-                return thread.is_alive() or backend in self._borrowed, backend in self._failed
+    # -- the pool's batcher: form a batch, run and deliver it --------------------------------------
 
-        close_instances(self._threads, self._instances, time.monotonic() + grace, state)
+    def waiting(self) -> int:
+        return self._queue.size
 
-    # -- workers --------------------------------------------------------------------------------
+    def form(self, index: int) -> tuple[_Work | None, float | None]:
+        """The next batch and its sequence number, or requests to fail (timed out); pool lock held."""
+        now = time.monotonic_ns()
+        expired = self._queue.expire(now)
+        if expired:  # failed by the worker once the lock is released (see the module doc)
+            return _Expired(expired, now), None
+        settings = self._settings if self._accepting else self._flush
+        decision = next_batch(self._queue.head(settings.max_batch_size + 1), now, settings)
+        if decision.count:
+            batch = self._queue.pop(decision.count)
+            seq = self._next_seq
+            self._next_seq += 1
+            self._in_flight += len(batch)
+            return _Batch(batch, seq), None
+        return None, (decision.wait_ns / 1e9 if decision.wait_ns else None)
 
-    def _worker(self, index: int) -> None:
-        backend = self._instances[index][1]
-        while True:
-            try:
-                taken = self._take_batch(backend)
-                if taken is None:
-                    if backend not in self._failed:
-                        return  # stopping
-                    replacement = self._replace(index, backend)
-                    if replacement is None:
-                        return
-                    backend = replacement
-                    continue
-                if isinstance(taken, _Expired):
-                    self._fail_expired(taken)
-                    continue
-                self._run(backend, *taken)
-                # Drop the batch now, not at the next request: its inputs may be views of a client's
-                # shared memory that must be unmapped when the client unregisters it.
-                taken = None
-            except Exception:  # the loop never dies: log it and serve the next batch
-                log.exception("scheduler worker for %r hit an unexpected error", self._config.name)
+    def run(self, backend: Backend, work: _Work) -> None:
+        if isinstance(work, _Expired):
+            self._fail_expired(work)
+        else:
+            self._run(backend, work.requests, work.seq)
 
-    def _take_batch(self, backend: Backend) -> tuple[list[QueuedRequest], int] | _Expired | None:
-        """The next batch and its sequence number, requests to fail (timed out), or None: stop."""
+    def all_down(self, why: str) -> None:
+        """Every instance is down and restarting failed: what waits fails now, UNAVAILABLE."""
         with self._lock:
-            self._waiting.add(backend)
-            try:
-                return self._next_batch_locked(backend)
-            finally:
-                self._waiting.discard(backend)
-
-    def _next_batch_locked(self, backend: Backend) -> tuple[list[QueuedRequest], int] | _Expired | None:
-        while not self._stopping:
-            if backend in self._failed:
-                return None  # the worker replaces it
-            if backend in self._borrowed:
-                self._cond.wait()
-                continue
-            now = time.monotonic_ns()
-            expired = self._queue.expire(now)
-            if expired:  # failed by the caller once the lock is released (see the module doc)
-                return _Expired(expired, now)
-            settings = self._settings if self._accepting else self._flush
-            decision = next_batch(self._queue.head(settings.max_batch_size + 1), now, settings)
-            if decision.count:
-                batch = self._queue.pop(decision.count)
-                seq = self._next_seq
-                self._next_seq += 1
-                self._in_flight += len(batch)
-                return batch, seq
-            self._cond.wait(decision.wait_ns / 1e9 if decision.wait_ns else None)
-        return None
+            leftover = self._queue.drain()
+        for request in leftover:
+            if request.future.set_running_or_notify_cancel():
+                request.future.set_exception(Unavailable(why))
 
     def _fail_expired(self, expired: _Expired) -> None:
         """Fail requests that timed out in the queue (REJECT); called without the lock."""
@@ -501,7 +324,6 @@ class ModelScheduler:
             with self._lock:
                 self._in_flight -= len(batch)
                 self._delivered_seq += 1
-                self._progress += 1
                 if self._preserve_ordering or not self._accepting:
                     self._cond.notify_all()
 
@@ -532,8 +354,7 @@ class ModelScheduler:
             log.exception("inline execution of %r failed unexpectedly", self._config.name)
             result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
         end = time.monotonic_ns()
-        self._observe(end - start, item)
-        self._busy_ns[backend] += end - start
+        self._inline.observe(end - start, item)
         ok = not isinstance(result, Exception)
         self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
         return result
@@ -547,9 +368,8 @@ class ModelScheduler:
         if live:
             results = self._compute(backend, [r.item for r in live], timing)
             spent = time.monotonic_ns() - start
-            self._busy_ns[backend] += spent
             if len(live) == 1:
-                self._observe(spent, live[0].item)
+                self._inline.observe(spent, live[0].item)
         if seq is not None:
             with self._lock:
                 while self._delivered_seq != seq:
@@ -567,105 +387,8 @@ class ModelScheduler:
             )
 
     def _compute(self, backend: Backend, items: Sequence[BatchItem], timing: Timing) -> list[Result]:
-        """One result per item; a failure of the whole batch becomes every item's error."""
-        caller = threading.current_thread()
-        worker = type(caller) is _Worker
-        if worker:
-            was, caller.executing = caller.executing, True  # type: ignore[attr-defined]
-        try:
-            results = backend.execute(items, timing)
-            if len(results) != len(items):
-                raise ModelExecutionError(
-                    f"backend returned {len(results)} results for {len(items)} requests"
-                )
-            return results
-        except InstanceFailed as exc:  # not "this request failed": this instance can never serve again
-            self._lost(backend, exc)
-            return [exc] * len(items)
-        except EdgeServerError as exc:
-            return [exc] * len(items)
-        except Exception as exc:
-            log.exception("instance of %r failed a batch of %d", self._config.name, len(items))
-            return [ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")] * len(items)
-        finally:
-            if worker:
-                caller.executing = was  # type: ignore[attr-defined]
-
-    def _observe(self, spent_ns: int, item: BatchItem) -> None:
-        """Fold one single-request execution into the estimates that decide inline execution."""
-        if not self._inline_capable:
-            return
-        ema = self._compute_ema_ns  # a benign race: only these estimates are at stake
-        nbytes = _input_bytes(item)
-        if ema == float("inf"):
-            self._compute_ema_ns, self._bytes_ema = spent_ns, float(nbytes)
-        else:
-            self._compute_ema_ns = ema + _EMA_WEIGHT * (spent_ns - ema)
-            self._bytes_ema += _EMA_WEIGHT * (nbytes - self._bytes_ema)
-
-    def _lost(self, backend: Backend, exc: InstanceFailed) -> None:
-        """Take ``backend`` out of service (from execute, or reported by the backend while idle)."""
-        with self._lock:
-            self._failed.add(backend)
-            self._cond.notify_all()  # wakes its worker, also one waiting while the instance is lent
-
-    def _replace(self, index: int, dead: Backend) -> Backend | None:
-        """Put a restarted instance in the place of a failed one; None when the scheduler stops first.
-
-        Runs in the failed instance's own worker, so the other instances keep serving meanwhile, and
-        queued requests wait for the first instance free.  The worker closes the failed backend, waits
-        its back-off, and asks ``restart`` for a new one; while every instance is down and a restart
-        has failed, queued and new requests fail with UNAVAILABLE instead of waiting for it.
-        """
-        name = self._instances[index][0]
-        try:
-            dead.close()
-        except Exception:
-            log.exception("closing failed instance %s", name)
-        if time.monotonic() - self._since[index] >= RESTART_RESET_S:
-            self._restarts[index] = 0
-        while True:
-            delay = min(RESTART_BACKOFF_S * 2 ** self._restarts[index], RESTART_BACKOFF_MAX_S)
-            self._restarts[index] += 1
-            if self._restart is None:
-                log.error("instance %s failed and cannot be restarted; it stays out of service", name)
-                delay = float("inf")
-            else:
-                log.error("instance %s failed; out of service, restarting in %.0f s", name, delay)
-            with self._lock:
-                if self._cond.wait_for(lambda: self._stopping, None if delay == float("inf") else delay):
-                    return None
-            assert self._restart is not None
-            try:
-                fresh = self._restart(index)
-            except Exception as exc:
-                log.error("restarting instance %s failed: %s", name, exc)
-                self._refuse_if_all_down(f"restarting failed: {exc}")
-                continue
-            fresh.watch(functools.partial(self._lost, fresh))
-            with self._lock:
-                stopping = self._stopping
-                if not stopping:
-                    self._instances[index] = (name, fresh)
-                    self._busy_ns[fresh] = self._busy_ns.pop(dead, 0)  # the slot's utilisation goes on
-                    self._failed.discard(dead)
-                    self._since[index] = time.monotonic()
-                    self._unavailable = ""
-            if stopping:
-                fresh.close()
-                return None
-            log.warning("instance %s restarted and back in service", name)
-            return fresh
-
-    def _refuse_if_all_down(self, why: str) -> None:
-        with self._lock:
-            if len(self._failed) < len(self._instances):
-                return
-            self._unavailable = f"model {self._config.name!r}: every instance failed and {why}"
-            leftover = self._queue.drain()
-        for request in leftover:
-            if request.future.set_running_or_notify_cancel():
-                request.future.set_exception(Unavailable(self._unavailable))
+        """One result per item (the pool's execute: faults, busy time, the worker's mark)."""
+        return self._pool.execute(backend, items, timing)
 
     def _deliver(self, future: Future[dict], result: Result) -> None:
         if self._output_dims and not isinstance(result, Exception):

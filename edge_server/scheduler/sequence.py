@@ -28,7 +28,12 @@ slot (direct) or candidate place (oldest) taken waits in the backlog at most its
 timeout, or else ``max_sequence_idle_microseconds``, then its requests fail with QUEUE_FULL: a client
 that keeps every slot busy cannot make another's start wait without end.
 
-Lock order: one lock; backends run and futures complete outside it.  A sequence is ``busy`` while
+The instances, their workers, restarts after a fault (an isolated model's process that died), busy
+time and the stop belong to the :class:`~edge_server.scheduler.pool.InstancePool` the dynamic batcher
+uses too; this module forms a batch from the sequences (:meth:`SequenceScheduler.form`) and runs and
+delivers it (:meth:`SequenceScheduler.run`).
+
+Lock order: one lock (the pool's); backends run and futures complete outside it.  A sequence is ``busy`` while
 one of its requests executes, which is what keeps its requests one at a time and its state
 consistent: the state is written back before ``busy`` is cleared.
 """
@@ -37,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Hashable
 from concurrent.futures import Future
@@ -49,17 +53,18 @@ from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig
 from edge_server.errors import (
     Cancelled,
-    EdgeServerError,
     InvalidArgument,
     ModelExecutionError,
     QueueFull,
     RequestTimeout,
     ServerShuttingDown,
+    Unavailable,
     shorten,
 )
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, Rescheduled
 from edge_server.scheduler.policy import BatchSettings, next_batch
-from edge_server.scheduler.scheduler import SchedulerClosed, close_instances
+from edge_server.scheduler.pool import InstancePool, Restart
+from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.sequence_tensors import SequenceTensors, State
 from edge_server.scheduler.stats import ModelStats
 
@@ -118,7 +123,13 @@ class SequenceScheduler:
     """The scheduler of a model version with ``sequence_batching``; same interface as ModelScheduler."""
 
     def __init__(
-        self, config: ModelConfig, instances: list[tuple[str, Backend]], stats: ModelStats, model_dir: Path
+        self,
+        config: ModelConfig,
+        instances: list[tuple[str, Backend]],
+        stats: ModelStats,
+        model_dir: Path,
+        *,
+        restart: Restart | None = None,
     ) -> None:
         seq = config.sequence_batching
         assert seq is not None
@@ -138,8 +149,9 @@ class SequenceScheduler:
         )
         self._max_candidates = seq.max_candidate_sequences
         self._max_sequences = MAX_SEQUENCES
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._pool: InstancePool[list[_Row]] = InstancePool(config.name, instances, self, restart=restart)
+        self._lock = self._pool.lock
+        self._cond = self._pool.cond
         # sequences that take requests (END not yet sent), by (owner, correlation id)
         self._live: dict[tuple[int | None, int | str], _Sequence] = {}
         self._refused: list[_Request] = []  # backlogged past their bound: failed outside the lock
@@ -151,20 +163,9 @@ class SequenceScheduler:
         self._queued = 0
         self._in_flight = 0
         self._accepting = True
-        self._stopping = False
         self._counts = {"started": 0, "ended": 0, "expired": 0}
-        self._instances = instances
-        # Watched, not used: finished executions (the watchdog's progress counter) and each instance's
-        # time spent executing (metrics); see ModelScheduler.
-        self._progress = 0
-        self._busy_ns: collections.defaultdict[Backend, int] = collections.defaultdict(int)  # restarts too
         stats.sequence_stats = self.sequence_stats
-        self._threads = [
-            threading.Thread(target=self._worker, args=(index,), name=f"edge-{name}", daemon=True)
-            for index, (name, _) in enumerate(instances)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._pool.start()
 
     # -- request side ---------------------------------------------------------------------------
 
@@ -179,8 +180,10 @@ class SequenceScheduler:
         now = time.monotonic_ns()
         future: Future[dict] = Future()
         with self._lock:
-            if self._stopping:
+            if self._pool.stopping:
                 raise SchedulerClosed(f"model {self._name!r} was unloaded")
+            if self._pool.unavailable:
+                raise Unavailable(self._pool.unavailable)
             seq = self._live.get(key)
             if start:
                 if seq is not None:
@@ -236,7 +239,7 @@ class SequenceScheduler:
         with self._lock:
             return self._queued
 
-    def set_alone(self, alone: bool) -> None:
+    def set_sole_version(self, sole: bool) -> None:
         """Nothing to change: a sequence's requests always run on its slots' workers."""
 
     def liveness(self) -> tuple[int, bool]:
@@ -246,10 +249,10 @@ class SequenceScheduler:
         until it expires, which is not a hang.
         """
         with self._lock:
-            return self._progress, bool(self._in_flight)
+            return self._pool.progress, bool(self._in_flight)
 
     def instance_busy_ns(self) -> dict[str, int]:
-        return {name: self._busy_ns.get(backend, 0) for name, backend in self._instances}
+        return self._pool.busy_ns()
 
     def sequence_stats(self) -> dict[str, Any]:
         """Sequence counts and slot occupancy for the statistics."""
@@ -263,7 +266,7 @@ class SequenceScheduler:
             if self._direct:
                 out["slots"] = [
                     {"instance": name, "total": len(slots), "occupied": sum(s is not None for s in slots)}
-                    for (name, _), slots in zip(self._instances, self._slots, strict=True)
+                    for name, slots in zip(self._pool.names(), self._slots, strict=True)
                 ]
             else:
                 out["candidates"] = len(self._candidates)
@@ -392,70 +395,68 @@ class SequenceScheduler:
         the data plane keeps routing their requests here).  Returns False if the deadline passed first.
         """
         self.close_intake()
-        with self._lock:
-            while self._queued or self._in_flight or (finish_sequences and self._held):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+        return self._pool.drain(
+            deadline, lambda: bool(self._queued or self._in_flight or (finish_sequences and self._held))
+        )
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop the workers, fail what is still queued, close the instances (see ModelScheduler.stop)."""
         with self._lock:
             self._accepting = False
-            self._stopping = True
-            leftover = [r for seq in self._held for r in seq.pending] + self._refused
-            self._refused = []
+            self._pool.mark_stopping()
+            leftover = self._take_all_pending()
             for seq in list(self._held):  # a busy one's worker finds it released when its batch ends
-                seq.pending.clear()
                 self._release(seq, expired=False)
             self._backlog.clear()
-            self._queued = 0
             self._cond.notify_all()
-        for request in leftover:
+        self._fail(leftover, ServerShuttingDown(f"model {self._name!r} was unloaded before the request ran"))
+        self._pool.stop(grace)
+
+    def _take_all_pending(self) -> list[_Request]:
+        """Every queued request, taken off its sequence, and those refused a slot (lock held)."""
+        leftover = [r for seq in self._held for r in seq.pending] + self._refused
+        self._refused = []
+        for seq in self._held:
+            seq.pending.clear()
+        self._queued = 0
+        return leftover
+
+    @staticmethod
+    def _fail(requests: list[_Request], error: Exception) -> None:
+        for request in requests:
             if request.rescheduled or request.future.set_running_or_notify_cancel():
-                request.future.set_exception(
-                    ServerShuttingDown(f"model {self._name!r} was unloaded before the request ran")
-                )
-        close_instances(
-            self._threads, self._instances, time.monotonic() + grace, lambda t, _: (t.is_alive(), False)
-        )
+                request.future.set_exception(error)
 
-    # -- workers --------------------------------------------------------------------------------
+    # -- the pool's batcher: form a batch, run and deliver it --------------------------------------
 
-    def _worker(self, instance: int) -> None:
-        backend = self._instances[instance][1]
-        while True:
-            try:
-                rows = self._take(instance)
-                if rows is None:
-                    return
-                self._run(backend, rows)
-                rows = None
-            except Exception:  # the loop never dies: log it and serve the next batch
-                log.exception("sequence worker for %r hit an unexpected error", self._name)
+    def waiting(self) -> int:
+        return self._queued
 
-    def _take(self, instance: int) -> list[_Row] | None:
+    def all_down(self, why: str) -> None:
+        """Every instance is down and restarting failed: queued requests fail now, UNAVAILABLE."""
         with self._lock:
-            while not self._stopping:
-                now = time.monotonic_ns()
-                reap_ns = self._reap(now)
-                if self._refused:
-                    self._fail_refused()
-                    continue
-                rows, wait_ns = self._form_direct(instance, now) if self._direct else self._form_oldest(now)
-                if rows:
-                    for seq, request in rows:
-                        if seq is not None and request is not None:
-                            seq.busy = True
-                            seq.pending.popleft()
-                            self._queued -= 1
-                            self._in_flight += 1
-                    return rows
-                waits = [w for w in (wait_ns, reap_ns) if w]
-                self._cond.wait(min(waits) / 1e9 if waits else None)
-        return None
+            leftover = self._take_all_pending()
+            self._cond.notify_all()
+        self._fail(leftover, Unavailable(why))
+
+    def form(self, index: int) -> tuple[list[_Row] | None, float | None]:
+        """Rows for instance ``index`` (its slots, or the oldest sequences), or how long to wait."""
+        now = time.monotonic_ns()
+        reap_ns = self._reap(now)
+        if self._refused:
+            self._fail_refused()  # lets go of the lock while it answers: look again afterwards
+            return None, 0.0
+        rows, wait_ns = self._form_direct(index, now) if self._direct else self._form_oldest(now)
+        if rows:
+            for seq, request in rows:
+                if seq is not None and request is not None:
+                    seq.busy = True
+                    seq.pending.popleft()
+                    self._queued -= 1
+                    self._in_flight += 1
+            return rows, None
+        waits = [w for w in (wait_ns, reap_ns) if w]
+        return None, (min(waits) / 1e9 if waits else None)
 
     def _ready(self, candidates: list[_Sequence]) -> list[_Sequence]:
         return [s for s in candidates if s.pending and not s.busy]
@@ -503,7 +504,7 @@ class SequenceScheduler:
 
     # -- execution ------------------------------------------------------------------------------
 
-    def _run(self, backend: Backend, rows: list[_Row]) -> None:
+    def run(self, backend: Backend, rows: list[_Row]) -> None:
         start_ns = time.monotonic_ns()
         live: list[tuple[_Sequence, _Request]] = []
         cancelled: list[_Sequence] = []
@@ -525,9 +526,6 @@ class SequenceScheduler:
         results = [self._end_reschedule(r, res, end_ns) for (_, r), res in zip(live, results, strict=True)]
         again: list[_Request] = []
         with self._lock:
-            self._progress += 1
-            if live:
-                self._busy_ns[backend] += end_ns - start_ns
             for (seq, request), result in zip(live, results, strict=True):
                 if isinstance(result, Rescheduled):
                     if seq in self._held:  # the same request runs again, first of its sequence
@@ -601,24 +599,10 @@ class SequenceScheduler:
                 batch.append(tensors.row(request.item, ready=True, state=state))
             elif self._direct:  # a slot without a ready request: READY=0, its state passes through
                 batch.append(tensors.filler(like, tensors.stackable(state, like_state)))
-        all_results = self._compute(backend, batch, timing)
+        all_results = self._pool.execute(backend, batch, timing)
         results = [all_results[i] for i in real]
         if tensors.has_state:
             for (seq, _), result in zip(live, results, strict=True):
                 if not isinstance(result, Exception | Rescheduled) and seq.state is not None:
                     seq.state.update(tensors.take_state(result))
         return results
-
-    def _compute(self, backend: Backend, items: list[BatchItem], timing: Timing) -> list[Result]:
-        try:
-            results = backend.execute(items, timing)
-            if len(results) != len(items):
-                raise ModelExecutionError(
-                    f"backend returned {len(results)} results for {len(items)} requests"
-                )
-            return results
-        except EdgeServerError as exc:
-            return [exc] * len(items)
-        except Exception as exc:
-            log.exception("instance of %r failed a batch of %d", self._name, len(items))
-            return [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(items)

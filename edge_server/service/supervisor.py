@@ -20,10 +20,10 @@ import time
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from edge_server.lifecycle import ModelState, VersionStatus
 from edge_server.service.liveness import LivenessMonitor, Progressing
 from edge_server.service.notify import Notifier
 from edge_server.service.states import DaemonState, ServiceState
+from edge_server.status_index import ModelState, VersionStatus
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -79,9 +79,11 @@ class Supervisor:
         self.notifier.send("STATUS=starting: loading the model repository")
 
     def attach(self, server: Server) -> None:
-        """The server exists (its repository is loaded): readiness is answered from here on."""
+        """The server exists (its repository is loaded): readiness is answered from here on.
+
+        (The server was built with this supervisor as its ``service``.)
+        """
         self._server = server
-        server.service = self
 
     def add_frontend(self, label: str, frontend: Progressing) -> None:
         self._frontends.append((label, frontend))
@@ -183,7 +185,7 @@ class Supervisor:
 
     def _parts(self) -> Iterable[tuple[Hashable, str, Progressing]]:
         if self._server is not None:
-            for name, versions in self._server.manager.serving().items():
+            for name, versions in self._server.routing.serving().items():
                 for version, loaded in versions.items():
                     yield id(loaded.scheduler), f"model {name} v{version}", loaded.scheduler
         for label, frontend in self._frontends:
