@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -114,6 +115,7 @@ class Server:
         # Pipelines and Python models reach other models through the data plane, handed down at load.
         self._manager.attach(LocalAccess(self._dataplane, self._manager, control_mode=model_control_mode))
         self._rebuilder = self._engine_rebuilder(engine_build)
+        self._drain_timeout = drain_timeout
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None
@@ -298,9 +300,15 @@ class Server:
             self._closed.set()
         if self._rebuilder is not None:
             self._rebuilder.close()
-        if self.watcher is not None:
-            self.watcher.stop()  # first, so that no rescan starts while the models are unloaded
+        if deadline is None:
+            deadline = time.monotonic() + self._drain_timeout
+        # The watcher first, so that no rescan starts while the models are unloaded.  A rescan in
+        # progress (a hot-dropped model loading) is not waited for before the drain: the manager's
+        # close abandons its load, and the watcher's thread ends within the same deadline.
+        watcher_done = self.watcher is None or self.watcher.stop(time.monotonic())
         self._manager.close(deadline)
+        if self.watcher is not None and not watcher_done and not self.watcher.stop(deadline):
+            log.warning("the repository watcher's rescan did not end by the shutdown deadline")
 
     def __enter__(self) -> Server:
         return self

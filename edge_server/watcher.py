@@ -255,8 +255,14 @@ class RepositoryWatcher:
         self._thread.start()
         log.info("watching %s for model changes", self.repository)
 
-    def stop(self) -> None:
-        """Stop watching and wait for a rescan in progress to finish; pending changes are dropped."""
+    def stop(self, deadline: float | None = None) -> bool:
+        """Stop watching; pending changes are dropped and no new rescan starts.
+
+        Waits for a rescan in progress until ``deadline`` (monotonic; None: as long as it takes) and
+        returns whether it ended.  A rescan may be loading a model whose ``initialize()`` takes minutes:
+        a stop must not wait for it past the daemon's one shutdown budget, so the server passes its
+        deadline, has the manager abandon the load, and calls ``stop`` again to wait for what is left.
+        """
         observer, self._observer = self._observer, None
         if observer is not None:
             try:
@@ -267,9 +273,14 @@ class RepositoryWatcher:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            return False
+        self._thread = None
+        return True
 
     def observe(self, event: FileSystemEvent) -> None:
         """Feed one event (the observer thread calls this; tests may too)."""
