@@ -61,7 +61,9 @@ LEADER=""
 
 cleanup() {
     if [ -n "$NSPAWN" ] && kill -0 "$NSPAWN" 2>/dev/null; then
-        kill "$NSPAWN" 2>/dev/null
+        kill "$NSPAWN" 2>/dev/null  # the container shuts down; killed if it takes over 10 s
+        for _ in $(seq 100); do kill -0 "$NSPAWN" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL ${LEADER:+"$LEADER"} "$NSPAWN" 2>/dev/null  # the container's init does not die with nspawn
         wait "$NSPAWN" 2>/dev/null
     fi
     for group in "${CGROUPS[@]}"; do
@@ -74,6 +76,7 @@ cleanup() {
     fi
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM  # through cleanup: the container and its cgroups go too
 
 # -- containers ------------------------------------------------------------------------------------
 
