@@ -65,6 +65,24 @@ class DaemonOptions:
     onnxruntime_thread_policy: str = "auto"  # auto: ONNX Runtime's defaults only for a model alone on the box
 
 
+def startup_failure_status(failed: dict[str, str]) -> str:
+    """The ``STATUS=`` line of a daemon that exits because models failed to load at start-up."""
+    names = sorted(failed)
+    if len(names) == 1:
+        return f"failed: model {names[0]} did not load: {failed[names[0]]}"
+    reasons = "; ".join(f"{name}: {failed[name]}" for name in names)
+    return f"failed: models {', '.join(names)} did not load: {reasons}"
+
+
+def _log_startup_failure(failed: dict[str, str]) -> None:
+    for name, reason in sorted(failed.items()):
+        log.error("model %s failed to load: %s", name, reason)
+    log.error(
+        "exiting: %d model(s) failed to load at start-up (--exit-on-error false serves the rest)",
+        len(failed),
+    )
+
+
 class Daemon:
     def __init__(self, options: DaemonOptions) -> None:
         self._options = options
@@ -105,15 +123,11 @@ class Daemon:
         metrics = None
         kserve = None
         status = 0
+        failed: dict[str, str] = {}
         try:
-            failed = unavailable_models(server.models())
-            if failed and options.exit_on_error:
-                for name, reason in sorted(failed.items()):
-                    log.error("model %s failed to load: %s", name, reason)
-                log.error(
-                    "exiting: %d model(s) failed to load at start-up (--exit-on-error false serves the rest)",
-                    len(failed),
-                )
+            failed = unavailable_models(server.models()) if options.exit_on_error else {}
+            if failed:
+                _log_startup_failure(failed)
                 status = 1
                 return status
             kserve = KServeFrontends(
@@ -167,7 +181,9 @@ class Daemon:
             deadline = time.monotonic() + options.drain_timeout
             self._escalate_on_second_signal()
             log.info("stopping: draining requests (up to %.1f s)", options.drain_timeout)
-            supervisor.stopping()  # STOPPING=1; readiness false from here on
+            # STOPPING=1; readiness false from here on.  A start-up failure stays in STATUS= (what
+            # `systemctl status` shows after the exit), naming the model and why.
+            supervisor.stopping(startup_failure_status(failed) if failed else None)
             if frontend is not None:
                 frontend.refuse_new()
             if kserve is not None:
@@ -180,7 +196,10 @@ class Daemon:
             if metrics is not None:
                 metrics.close()
             supervisor.stopped()
-            log.info("stopped")
+            if failed:  # the last lines of the journal say why, after the other models' unloading
+                _log_startup_failure(failed)
+            else:
+                log.info("stopped")
         return status
 
     @staticmethod

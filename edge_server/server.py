@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -140,6 +141,7 @@ class Server:
         # The daemon's service (edge_server.service.supervisor): readiness from its state (starting,
         # draining, strict readiness) and the daemon's part of status().  None in-process.
         self.service = service
+        self._drain_timeout = drain_timeout
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
         self.watcher: RepositoryWatcher | None = None
@@ -337,9 +339,15 @@ class Server:
             self._closed.set()
         if self._rebuilder is not None:
             self._rebuilder.close()
-        if self.watcher is not None:
-            self.watcher.stop()  # first, so that no rescan starts while the models are unloaded
+        if deadline is None:
+            deadline = time.monotonic() + self._drain_timeout
+        # The watcher first, so that no rescan starts while the models are unloaded.  A rescan in
+        # progress (a hot-dropped model loading) is not waited for before the drain: the manager's
+        # close abandons its load, and the watcher's thread ends within the same deadline.
+        watcher_done = self.watcher is None or self.watcher.stop(time.monotonic())
         self._manager.close(deadline)
+        if self.watcher is not None and not watcher_done and not self.watcher.stop(deadline):
+            log.warning("the repository watcher's rescan did not end by the shutdown deadline")
 
     def __enter__(self) -> Server:
         return self

@@ -264,8 +264,14 @@ class RepositoryWatcher:
         self._thread.start()
         log.info("watching %s for model changes", self.repository)
 
-    def stop(self) -> None:
-        """Stop watching and wait for a rescan in progress to finish; pending changes are dropped."""
+    def stop(self, deadline: float | None = None) -> bool:
+        """Stop watching; pending changes are dropped and no new rescan starts.
+
+        Waits for a rescan in progress until ``deadline`` (monotonic; None: as long as it takes) and
+        returns whether it ended.  A rescan may be loading a model whose ``initialize()`` takes minutes:
+        a stop must not wait for it past the daemon's one shutdown budget, so the server passes its
+        deadline, has the manager abandon the load, and calls ``stop`` again to wait for what is left.
+        """
         observer, self._observer = self._observer, None
         if observer is not None:
             try:
@@ -276,13 +282,16 @@ class RepositoryWatcher:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread = self._thread
         with self._cond:
             rounds = list(self._round_threads)
-        for thread in rounds:  # a round in progress finishes (the lifecycle abandons a hung load)
-            thread.join()
+        # The rescan thread, then any round in progress (the lifecycle abandons a hung load).
+        for waited in ([thread] if thread is not None else []) + rounds:
+            waited.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if waited.is_alive():
+                return False
+        self._thread = None
+        return True
 
     def observe(self, event: FileSystemEvent) -> None:
         """Feed one event (the observer thread calls this; tests may too)."""

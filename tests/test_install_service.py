@@ -17,6 +17,7 @@ from edge_server.cli import build_parser
 from edge_server.client import Client
 from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.service.settings import apply_settings
+from edge_server.tools.service_unit import char_majors, device_rules, render_unit
 from tests.daemon import ROOT, start_pyzmq_gc
 
 
@@ -54,8 +55,12 @@ def test_install_and_uninstall_staged_under_a_root(tmp_path: Path) -> None:
     assert f"wrote {unit}" in result.stdout and f"wrote {settings}" in result.stdout
     assert "sudo systemctl enable --now edge-server" in result.stdout
     text = unit.read_text()
-    assert f"ExecStart={Path(sys.executable).with_name('edge-server')} serve\n" in text
+    program = Path(sys.executable).with_name("edge-server")
+    assert f"ExecStart={program} serve --operator-group edge-server-operators\n" in text
     assert "Type=notify" in text and "WatchdogSec=" in text and "\nPrivateDevices" not in text
+    assert "group edge-server-operators: also load and unload models" in result.stdout
+    # Staged for an image on another machine: its devices and groups are unknown here.
+    assert "\nSupplementaryGroups=video render\n" in text and "\nDevicePolicy=auto\n" in text
     assert 'model-repository = "/var/lib/edge-server/models"' in settings.read_text()
     assert (repository / "digits" / "1" / "model.onnx").is_file()
     assert (repository / "preprocess" / "1" / "model.py").is_file()
@@ -71,6 +76,70 @@ def test_install_and_uninstall_staged_under_a_root(tmp_path: Path) -> None:
     assert "--purge deletes it" in removed.stdout
     purged = cli("uninstall-service", "--root", str(root), "--purge")
     assert purged.returncode == 0 and not (root / "var/lib/edge-server").exists()
+
+
+def test_the_unit_names_only_groups_the_system_has(tmp_path: Path) -> None:
+    """A group in SupplementaryGroups= that does not exist stops the unit from ever starting (216/GROUP)."""
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "group").write_text("root:x:0:\nvideo:x:44:\nusers:x:100:\n")  # no render
+    assert cli("install-service", "--root", str(root)).returncode == 0
+    text = (root / "etc/systemd/system/edge-server.service").read_text()
+    assert "\nSupplementaryGroups=video\n" in text and "render\n" not in text.split("[Service]")[1]
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    assert cli("install-service", "--root", str(root)).returncode == 0
+    text = (root / "etc/systemd/system/edge-server.service").read_text()
+    assert "\nSupplementaryGroups=" not in text
+    assert "# SupplementaryGroups= none: no group video or render on this system" in text
+
+
+def test_device_rules_allow_a_driver_whole_and_a_shared_major_by_path() -> None:
+    majors = char_majors(
+        "Character devices:\n  1 mem\n 10 misc\n226 drm\n235 nvhost\n236 17000000.gpu\n"
+        "\nBlock devices:\n  7 loop\n235 sd\n"
+    )
+    assert majors == {1: "mem", 10: "misc", 226: "drm", 235: "nvhost", 236: "17000000.gpu"}
+    nodes = [
+        ("/dev/nvhost-ctrl", 235),
+        ("/dev/nvhost-ctrl-nvdla0", 235),
+        ("/dev/nvmap", 10),
+        ("/dev/nvgpu/igpu0/ctrl", 236),
+        ("/dev/dri/renderD128", 226),
+        ("/dev/unknown", 99),
+    ]
+    assert device_rules(nodes, majors) == [
+        "char-nvhost rw",
+        "/dev/nvmap rw",
+        "char-17000000.gpu rw",
+        "char-drm rw",
+        "/dev/unknown rw",
+    ]
+    text = render_unit("/usr/bin/edge-server", groups=["video"], devices=["char-nvhost rw", "/dev/nvmap rw"])
+    assert "\nDevicePolicy=closed\nDeviceAllow=char-nvhost rw\nDeviceAllow=/dev/nvmap rw\n" in text
+    closed = render_unit("/usr/bin/edge-server", groups=["video"], devices=[])
+    assert "\nDevicePolicy=closed\n" in closed and "\nDeviceAllow=" not in closed
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
+def test_the_unit_for_a_jetson_passes_verify_and_scores_ok(tmp_path: Path) -> None:
+    unit = tmp_path / "edge-server.service"
+    unit.write_text(
+        render_unit("/bin/true", groups=["video", "render"], devices=["char-nvhost rw", "/dev/nvmap rw"])
+    )
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "edge-server.service" not in result.stderr, result.stderr
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if "--offline" in result.stderr:
+        pytest.skip("systemd-analyze security has no --offline here (systemd < 250)")
+    score = float(result.stdout.split("Overall exposure level for edge-server.service:")[1].split()[0])
+    assert score <= 2.0, result.stdout  # 6.0 MEDIUM before the unit was tightened
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")

@@ -192,6 +192,14 @@ def test_exit_on_error_exits_non_zero_without_ready(tmp_path: Path, notify: Noti
     notify.poll(0.2)
     assert notify.since(0, "READY") == []
     assert notify.since(0, "STOPPING")
+    # What `systemctl status` shows after the exit: the last STATUS= names the model and why it failed,
+    # and so do the last log lines (the unloading of the other models comes before them).
+    status = notify.since(0, "STATUS")[-1]["STATUS"]
+    assert status.startswith("failed: model broken did not load: "), status
+    assert "onnx" in status.lower(), status
+    last = [line for line in result.stderr.splitlines() if line.strip()][-2:]
+    assert "model broken failed to load: " in last[0], result.stderr
+    assert "exiting: 1 model(s) failed to load at start-up" in last[1], result.stderr
 
 
 def test_strict_readiness_with_a_failed_model(tmp_path: Path, notify: NotifySocket) -> None:

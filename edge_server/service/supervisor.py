@@ -106,11 +106,15 @@ class Supervisor:
         self.state.move(DaemonState.SERVING)
         self.notifier.send("READY=1", f"STATUS={self.status_line()}")
 
-    def stopping(self) -> None:
-        """The drain begins: not ready any more, STOPPING=1; the watchdog pings on without checks."""
+    def stopping(self, status: str | None = None) -> None:
+        """The drain begins: not ready any more, STOPPING=1; the watchdog pings on without checks.
+
+        ``status``: the STATUS= line instead of "draining requests and stopping", e.g. why the daemon
+        is exiting; systemd keeps the last one in ``systemctl status`` after the process is gone.
+        """
         self._stopping = True
         self.state.move(DaemonState.DRAINING)
-        self.notifier.send("STOPPING=1", "STATUS=draining requests and stopping")
+        self.notifier.send("STOPPING=1", f"STATUS={status or 'draining requests and stopping'}")
 
     def stopped(self) -> None:
         self._stop.set()

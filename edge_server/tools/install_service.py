@@ -1,17 +1,18 @@
 """``edge-server install-service`` / ``uninstall-service``: the systemd appliance in one command.
 
-Install creates the ``edge-server`` system user (groups ``video`` and ``render``, which own the GPU and
-DLA device nodes on a Jetson), puts the unit in ``/etc/systemd/system`` with ``ExecStart`` pointing at
-this installation, creates the repository directory (seeded with the example models on request) and
-writes ``/etc/edge-server/edge-server.toml`` unless one exists.  It prints each thing it did and the
-next command.  ``--root DIR`` stages the files under DIR without touching users or systemd (for
-images, and for the tests).
+Install creates the ``edge-server`` system user (in groups ``video`` and ``render`` where they exist,
+which own the GPU and DLA device nodes on a Jetson) and the ``edge-server-operators`` group (who may
+load and unload models), puts the unit in ``/etc/systemd/system`` fitted to this machine (see
+:mod:`edge_server.tools.service_unit`), creates the repository directory (seeded with the example models
+on request) and writes ``/etc/edge-server/edge-server.toml`` unless one exists.  It prints each thing it
+did and the next command.  ``--root DIR`` stages the files under DIR without touching users or systemd
+(for images, and for the tests).  ``uninstall-service --purge`` removes the user and both groups and
+says what it could not remove.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import os
 import shutil
 import subprocess
@@ -20,10 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from edge_server.errors import InvalidArgument
+from edge_server.tools.service_unit import (
+    DEVICE_GROUPS,
+    OPERATOR_GROUP,
+    UNIT_NAME,
+    group_names,
+    render_unit,
+    this_machine_devices,
+)
 
-UNIT_NAME = "edge-server.service"
 SERVICE_USER = "edge-server"
-DEVICE_GROUPS = ("video", "render")
 CONFIG_DIR = Path("etc/edge-server")
 STATE_DIR = Path("var/lib/edge-server")
 UNIT_DIR = Path("etc/systemd/system")
@@ -56,12 +63,6 @@ def add_parser(subparsers: Any) -> None:
     remove.set_defaults(tool_run=uninstall_service)
 
 
-def unit_text(program: str) -> str:
-    """The shipped unit with ``ExecStart`` pointing at ``program``."""
-    template = importlib.resources.files("edge_server.service").joinpath(UNIT_NAME).read_text()
-    return template.replace("@EDGE_SERVER@", program)
-
-
 def this_program() -> str:
     """The ``edge-server`` beside this interpreter (a virtual environment's bin/), else ``python -m``."""
     beside = Path(sys.executable).with_name("edge-server")
@@ -77,24 +78,29 @@ def _check_root(root: Path, verb: str) -> bool:
     return staged
 
 
-def _run(command: list[str], done: list[str], *, check: bool = True) -> None:
-    result = subprocess.run(command, capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise InvalidArgument(f"{' '.join(command)} failed: {result.stderr.strip()}")
-    done.append(f"ran {' '.join(command)}")
-
-
-def _group_exists(name: str) -> bool:
-    import grp
-
+def _run(command: list[str], done: list[str], *, check: bool = True) -> bool:
+    """Run ``command``; with ``check`` a failure raises, without it the failure is reported in ``done``."""
     try:
-        grp.getgrnam(name)
-    except KeyError:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as exc:  # the program is missing
+        result = subprocess.CompletedProcess(command, 127, "", str(exc))
+    said = result.stderr.strip()
+    if result.returncode != 0:
+        if check:
+            raise InvalidArgument(f"{' '.join(command)} failed: {said}")
+        done.append(f"ERROR: {' '.join(command)} failed (status {result.returncode}): {said}")
         return False
+    done.append(f"ran {' '.join(command)}" + (f" ({said})" if said else ""))
     return True
 
 
-def _ensure_user(done: list[str]) -> None:
+def _systemd_running() -> bool:
+    """sd_booted(): in a chroot or an image build there is no systemd to reload."""
+    return shutil.which("systemctl") is not None and os.path.isdir("/run/systemd/system")
+
+
+def _ensure_user(done: list[str]) -> list[str]:
+    """The service user and the operator group; returns the device groups the user is in."""
     import pwd
 
     try:
@@ -114,12 +120,21 @@ def _ensure_user(done: list[str]) -> None:
             shell,
         ]
         _run([*command, SERVICE_USER], done)
-    groups = [g for g in DEVICE_GROUPS if _group_exists(g)]
+    present = group_names(None) or set()
+    groups = [g for g in DEVICE_GROUPS if g in present]
     if groups:
         _run(["usermod", "--append", "--groups", ",".join(groups), SERVICE_USER], done)
     missing = [g for g in DEVICE_GROUPS if g not in groups]
     if missing:
-        done.append(f"no group {', '.join(missing)} on this system (not a Jetson?): not added")
+        done.append(
+            f"no group {', '.join(missing)} on this system (not a Jetson?): not added, and left out of "
+            "the unit's SupplementaryGroups="
+        )
+    if OPERATOR_GROUP in present:
+        done.append(f"kept the existing group {OPERATOR_GROUP}")
+    else:
+        _run(["groupadd", "--system", OPERATOR_GROUP], done)
+    return groups
 
 
 def install_service(args: argparse.Namespace) -> int:
@@ -129,17 +144,29 @@ def install_service(args: argparse.Namespace) -> int:
     root: Path = args.root
     staged = _check_root(root, "install-service")
     done: list[str] = []
+    groups: list[str] | None
+    devices: list[str] | None
     if staged:
-        done.append(f"staged under {root}: no user created, systemctl not run")
+        done.append(
+            f"staged under {root}: no user or group created ({SERVICE_USER}, {OPERATOR_GROUP}), "
+            "systemctl not run"
+        )
+        image_groups = group_names(root / "etc" / "group")
+        groups = None if image_groups is None else [g for g in DEVICE_GROUPS if g in image_groups]
+        devices = None
     else:
-        _ensure_user(done)
+        groups = _ensure_user(done)
+        devices = this_machine_devices()
     program = args.exec or this_program()
     if program.startswith(("/home/", "/root/")):
         done.append(f"WARNING: {program} is under a home directory, which the unit hides (ProtectHome=yes)")
     unit = root / UNIT_DIR / UNIT_NAME
     unit.parent.mkdir(parents=True, exist_ok=True)
-    unit.write_text(unit_text(program))
-    done.append(f"wrote {unit} (ExecStart={program} serve)")
+    unit.write_text(render_unit(program, groups=groups, devices=devices))
+    done.append(f"wrote {unit} (ExecStart={program} serve --operator-group {OPERATOR_GROUP})")
+    if devices is not None:
+        listed = ", ".join(rule.split()[0] for rule in devices) or "none (no GPU or DLA node here)"
+        done.append(f"devices the unit allows besides /dev/null and the like: {listed}")
 
     repository = root / STATE_DIR / "models"
     repository.mkdir(parents=True, exist_ok=True)
@@ -188,13 +215,16 @@ def install_service(args: argparse.Namespace) -> int:
         chosen = {"model-repository": f"/{STATE_DIR}/models", "model-control-mode": "poll"}
         settings.write_text(render_settings(serve, chosen))
         done.append(f"wrote {settings} (every serve flag listed; model-repository and poll mode set)")
-    if not staged and shutil.which("systemctl"):
+    if not staged and _systemd_running():
         _run(["systemctl", "daemon-reload"], done)
     for line in done:
         print(f"  {line}")
+    print("who may do what:")
+    print(f"  group {SERVICE_USER}: reach the socket (status, models, infer); add client users to it")
+    print(f"  group {OPERATOR_GROUP}: also load and unload models; add the people who deploy models")
     print("next:")
     print("  sudo systemctl enable --now edge-server    # returns once the models are loaded")
-    print("  edge-server status                         # as root or a member of group edge-server")
+    print(f"  sudo usermod --append --groups {SERVICE_USER} USER    # then log in again; edge-server status")
     return 0
 
 
@@ -202,13 +232,13 @@ def uninstall_service(args: argparse.Namespace) -> int:
     root: Path = args.root
     staged = _check_root(root, "uninstall-service")
     done: list[str] = []
-    if not staged and shutil.which("systemctl"):
+    if not staged and _systemd_running():
         _run(["systemctl", "disable", "--now", UNIT_NAME], done, check=False)
     unit = root / UNIT_DIR / UNIT_NAME
     if unit.exists():
         unit.unlink()
         done.append(f"removed {unit}")
-    if not staged and shutil.which("systemctl"):
+    if not staged and _systemd_running():
         _run(["systemctl", "daemon-reload"], done)
     for path in (root / CONFIG_DIR, root / STATE_DIR):
         if not path.exists():
@@ -218,8 +248,30 @@ def uninstall_service(args: argparse.Namespace) -> int:
             done.append(f"deleted {path}")
         else:
             done.append(f"kept {path} (--purge deletes it)")
+    ok = True
     if args.purge and not staged:
-        _run(["userdel", SERVICE_USER], done, check=False)
+        ok = _remove_accounts(done)
     for line in done:
         print(f"  {line}")
-    return 0
+    return 0 if ok else 1
+
+
+def _remove_accounts(done: list[str]) -> bool:
+    """The user, its group and the operator group, whoever else is in them; False if one stayed."""
+    import pwd
+
+    ok = True
+    try:
+        pwd.getpwnam(SERVICE_USER)
+    except KeyError:
+        done.append(f"no user {SERVICE_USER}")
+    else:
+        ok = _run(["userdel", SERVICE_USER], done, check=False)
+    # userdel leaves the user's group when other users are in it ("group edge-server not removed
+    # because it has other members"), and exits 0: remove it here, members or not.
+    for group in (SERVICE_USER, OPERATOR_GROUP):
+        if group in (group_names(None) or set()):
+            ok = _run(["groupdel", group], done, check=False) and ok
+        else:
+            done.append(f"no group {group}")
+    return ok
