@@ -20,6 +20,7 @@ from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
+from edge_server.limits import add_limit_arguments, limit_options
 from edge_server.metrics.options import metrics_config_item, summary_options
 from edge_server.server import CONTROL_MODES
 from edge_server.service.journal import JOURNAL_SOCKET, JournalHandler, stderr_is_journal
@@ -183,12 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: requests all clients together may have in flight; more are refused",
     )
     serve.add_argument(
-        "--max-connections",
-        type=positive,
-        default=None,
-        help="IPC: connections at once (default: as many as the descriptor budget allows, at most 4096)",
-    )
-    serve.add_argument(
         "--max-frames",
         type=positive,
         default=protocol.MAX_FRAMES,
@@ -201,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: largest request header decoded (msgpack); larger ones are refused unread",
     )
     add_kserve_arguments(serve)
+    add_limit_arguments(serve)
     serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
     )
@@ -354,7 +350,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_client_requests=args.max_client_requests,
         max_requests=args.max_requests,
         max_client_regions=args.max_client_regions,
-        max_connections=args.max_connections,
+        limits=limit_options(args),
         max_frames=args.max_frames,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,

@@ -21,6 +21,7 @@ from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.lifecycle import ModelState
+from edge_server.limits import LimitOptions, Limits
 from edge_server.memory import limit_malloc_arenas
 from edge_server.metrics.collector import LoadCounter, ServerCollector
 from edge_server.scheduler.summaries import SummaryOptions
@@ -48,7 +49,7 @@ class DaemonOptions:
     max_client_requests: int = protocol.DEFAULT_MAX_CLIENT_REQUESTS
     max_requests: int = protocol.DEFAULT_MAX_REQUESTS
     max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS
-    max_connections: int | None = None  # IPC: connections at once (None: the descriptor budget's)
+    limits: LimitOptions = LimitOptions()  # every listener's descriptor and memory budget
     max_frames: int = protocol.MAX_FRAMES  # IPC: frames in one message
     operator_group: str | None = None  # may load/unload besides the daemon's own user and group
     drain_timeout: float = 30.0
@@ -121,11 +122,13 @@ class Daemon:
                 )
                 status = 1
                 return status
+            limits = Limits(options.limits)  # one budget, asked by every listener below
             kserve = KServeFrontends(
                 server,
                 options.kserve,
                 max_message_bytes=options.max_message_bytes,
                 operator_gid=operator_gid(options.operator_group),
+                limits=limits,
             )
             kserve.start()
             for label, probe in kserve.probes():
@@ -146,7 +149,7 @@ class Daemon:
                     max_client_requests=options.max_client_requests,
                     max_requests=options.max_requests,
                     max_client_regions=options.max_client_regions,
-                    max_connections=options.max_connections,
+                    limits=limits,
                     max_frames=options.max_frames,
                 )
                 frontend.start()
@@ -161,7 +164,9 @@ class Daemon:
                     service=supervisor.state,
                     frontends=lambda: [frontend] if frontend else [],
                 )
-                metrics = serve_metrics(collector, address=options.metrics_address, port=options.metrics_port)
+                metrics = serve_metrics(
+                    collector, address=options.metrics_address, port=options.metrics_port, limits=limits
+                )
             ready = [s for s in server.models() if s.state is ModelState.READY]
             log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
             supervisor.serving()

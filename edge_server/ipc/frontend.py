@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import resource
 import socket
 import struct
 import threading
@@ -42,6 +41,7 @@ from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
 from edge_server.ipc.peers import Peer, PeerTable, connection_of, same_connection
 from edge_server.ipc.wakeup import signal_eventfd
+from edge_server.limits import Connection, LimitOptions, Limits
 from edge_server.memory import trim_heap
 from edge_server.request import ResponseSink
 
@@ -90,6 +90,7 @@ class IpcFrontend:
         max_requests: int = protocol.DEFAULT_MAX_REQUESTS,
         max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS,
         max_frames: int = protocol.MAX_FRAMES,
+        limits: Limits | None = None,
     ) -> None:
         self.server = server
         self._dataplane = server.dataplane
@@ -120,8 +121,11 @@ class IpcFrontend:
         )
         self._stopping = False
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
-        self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
-        self.max_regions = 0
+        # The daemon's one descriptor budget, shared with its other listeners; alone: one of its own.
+        self._limits = limits or Limits(LimitOptions(max_connections=max_connections or 0))
+        self.max_connections = self._limits.max_connections
+        self.max_regions = self._limits.regions
+        self._counted: dict[int, Connection] = {}  # each connection in the budget, by its descriptor
         self.operator_gid = operator_gid
         self._connections = 0
         self._listening = True
@@ -163,11 +167,12 @@ class IpcFrontend:
             raise
         self._ctx, self._sock = ctx, sock
         self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self.max_connections, self.max_regions = fd_budget(self.max_connections)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # The thread takes the socket over; Thread.start() is the memory barrier ZeroMQ asks for.
         self._thread = threading.Thread(target=self._run, name="edge-ipc-frontend", daemon=True)
         self._thread.start()
+        # Another listener filling the budget must close this door too (libzmq aborts at EMFILE).
+        self._limits.watch(self._wake)
         log.info("IPC frontend listening on %s", self.address)
 
     def refuse_new(self) -> None:
@@ -268,24 +273,18 @@ class IpcFrontend:
                 self._handle(frames, dropped)
             elif item is monitor:
                 while cast(int, monitor.get(_EVENTS)) & _POLLIN:
-                    event = recv_monitor_message(monitor)
-                    if event["event"] == zmq.EVENT_ACCEPTED:
-                        self._connections += 1
-                        if self._connections > self.max_connections:
-                            refuse_connection(event["value"])
-                            self.refused_connections += 1
-                        if self._connections >= self.max_connections and self._listening:
-                            self._pause_accepting()
-                    elif event["event"] == zmq.EVENT_DISCONNECTED:
-                        self._connections = max(0, self._connections - 1)
-                        peers.disconnect_seen()
-                        if self._connections < self.max_connections and not self._listening:
-                            self._resume_accepting()
+                    self._connection_event(recv_monitor_message(monitor))
             else:
                 try:
                     os.eventfd_read(self._wake_fd)
                 except BlockingIOError:
                     pass
+        full = self._limits.full()
+        if full == self._listening:  # another listener may have filled or freed the budget
+            if full:
+                self._pause_accepting()
+            else:
+                self._resume_accepting()
         if self._replies:
             self._send_replies(sock)
         if time.monotonic() >= peers.next_deadline():  # handling may have brought probes forward
@@ -294,6 +293,31 @@ class IpcFrontend:
         if self._stopping:
             return not peers.busy() or time.monotonic() >= self._stop_deadline
         return False
+
+    def _connection_event(self, event: dict[str, Any]) -> None:
+        """Count an accepted connection in the daemon's budget (refused over a cap), or uncount one."""
+        fd = event["value"]
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            connection = self._limits.connect(socket_uid(fd))
+            self._counted[fd] = connection
+            if connection.refusal is not None:
+                refuse_connection(fd)
+                self.refused_connections += 1
+                if self.refused_connections & (self.refused_connections - 1) == 0:  # 1, 2, 4, 8...
+                    log.warning(
+                        "IPC frontend: connection refused (%d so far): %s",
+                        self.refused_connections,
+                        connection.refusal,
+                    )
+                return
+            self._connections += 1
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self._peers.disconnect_seen()
+            counted = self._counted.pop(fd, None)
+            if counted is not None:
+                self._limits.disconnect(counted)
+                if counted.refusal is None:
+                    self._connections = max(0, self._connections - 1)
 
     def _pause_accepting(self) -> None:
         """Hide the socket file while the connection cap is reached.
@@ -341,6 +365,9 @@ class IpcFrontend:
         self._monitor.close(0)
         self._sock.close(linger=500)  # lets the last replies leave
         self._ctx.term()
+        for connection in self._counted.values():  # closed with the socket: the budget is the daemon's
+            self._limits.disconnect(connection)
+        self._counted.clear()
         with self._wake_lock:
             os.close(self._wake_fd)
             self._wake_fd = -1
@@ -622,30 +649,16 @@ class _IpcStream(ResponseSink):
         self.frontend._wake()
 
 
-#: Descriptors kept free for everything but connections and regions: models, files, hand-offs.
-FD_RESERVE = 320
-
-
-def fd_budget(max_connections: int) -> tuple[int, int]:
-    """(connections, shared-memory regions) the daemon may hold without running out of descriptors.
-
-    libzmq aborts the whole process when ``accept`` fails with EMFILE, so the daemon raises its soft
-    descriptor limit to the hard one and keeps connections and regions (one descriptor each) within
-    what is left after a reserve.  ``max_connections`` (0: as many as fit) is capped by that too.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    room = max(16, (min(soft, 1 << 20) - FD_RESERVE) // 2)
-    connections = min(room, max_connections) if max_connections > 0 else min(room, 4096)
-    return connections, room
-
-
 _CREDS = struct.Struct("3i")
+
+
+def socket_uid(fd: int) -> int | None:
+    """The uid of the process at the other end of Unix socket ``fd`` (SO_PEERCRED); None on TCP."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            return int(_CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))[1])
+    except OSError:
+        return None
 
 
 def peer_identity(frame: zmq.Frame) -> tuple[int, set[int]]:

@@ -15,6 +15,7 @@ from edge_server.kserve.probes import GrpcProbe, LoopProbe, loopback
 from edge_server.kserve.service import KServeService
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import SystemShmRegistry
+from edge_server.limits import Limits
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -93,8 +94,10 @@ class KServeFrontends:
         *,
         max_message_bytes: int,
         operator_gid: int | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.options = options
+        self.limits = limits or Limits()
         self.max_message_bytes = max_message_bytes
         shm = SystemShmRegistry() if options.allow_client_shm else None
         self.service = KServeService(server, shm=shm, operator_gid=operator_gid)
@@ -119,6 +122,7 @@ class KServeFrontends:
                 host=options.http_address,
                 port=options.http_port,
                 max_body_bytes=self.max_message_bytes,
+                limits=self.limits,
             )
             self.http.start()
             self._probes.append(("HTTP frontend", LoopProbe(self.http.call_soon)))
@@ -136,6 +140,7 @@ class KServeFrontends:
                 host=options.grpc_address,
                 port=options.grpc_port,
                 max_message_bytes=self.max_message_bytes,
+                limits=self.limits,
             )
             self.grpc.start()
             host = loopback(self.grpc.host)

@@ -36,8 +36,10 @@ from edge_server.errors import (
     Unsupported,
 )
 from edge_server.kserve import rest
+from edge_server.kserve.http_protocol import PEER_KEY, http_protocol
 from edge_server.kserve.service import KServeService, error_status
 from edge_server.kserve.shm import Peer
+from edge_server.limits import Limits
 
 if TYPE_CHECKING:
     import uvicorn
@@ -45,9 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
-MAX_HEADER_BYTES = 64 << 10  # request line and headers together
 _JSON = [(b"content-type", b"application/json")]
-_PEER_KEY = "edge_server.peer"  # scope key: the connection's Peer (a list of none or one)
 _MODEL_PATH = re.compile(
     r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/stats|/infer|/trace/setting)?"
 )
@@ -301,7 +301,7 @@ def _peer(scope: Scope) -> Peer:
     The kernel's answer for a socket holds for the connection's life (sock_diag costs 30-40 us a
     request on the 2-core VM); ``client`` is the socket's own address (uvicorn's proxy headers are off).
     """
-    cached: list[Peer] | None = scope.get(_PEER_KEY)
+    cached: list[Peer] | None = scope.get(PEER_KEY)
     if cached:
         return cached[0]
     client = scope.get("client") or ("", 0)
@@ -342,8 +342,10 @@ class HttpFrontend:
         port: int = 8000,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         drain_timeout: float = 5.0,
+        limits: Limits | None = None,
     ) -> None:
         self.app = KServeHttpApp(service, max_body_bytes=max_body_bytes)
+        self.limits = limits or Limits()  # the daemon's; alone, one of the frontend's own
         self.host = host
         self.port = port
         self.drain_timeout = drain_timeout
@@ -370,7 +372,7 @@ class HttpFrontend:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
-            http=_http_impl(),
+            http=http_protocol(self.limits, self.app.max_body_bytes),
             loop=_loop_impl(),
             lifespan="off",
             log_config=None,
@@ -380,6 +382,7 @@ class HttpFrontend:
             date_header=False,
             # The client is the socket's peer, never what a header says (and the middleware costs time).
             proxy_headers=False,
+            timeout_keep_alive=self.limits.idle_timeout_s,  # type: ignore[arg-type]
         )
         server = uvicorn.Server(config)
         self._server = server
@@ -428,84 +431,6 @@ class HttpFrontend:
         self.refuse_new()
         self._thread.join(self.drain_timeout + 5)
         self._server = None
-
-
-class _OneWriteTransport:
-    """A connection's transport that sends a response's head together with its body.
-
-    uvicorn writes the status line and headers, then the body, as two writes: two ``send`` calls, two
-    TCP segments, and on loopback the client woken twice; that cost about a third of a tiny model's
-    round trip.  A response head is held here until the next write (the body, or an empty one) and both
-    leave in one ``writelines``.  ``100 Continue`` is not held; a held head is sent before a close.
-    """
-
-    __slots__ = ("_transport", "_head")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._head: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        head = self._head
-        if head is not None:
-            self._head = None
-            self._transport.writelines((head, data))
-        elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 100 "):
-            self._head = data
-        else:
-            self._transport.write(data)
-
-    def close(self) -> None:
-        if self._head is not None:
-            head, self._head = self._head, None
-            self._transport.write(head)
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-def _http_impl() -> Any:
-    """The HTTP protocol: uvicorn's httptools one, bounding the request line and headers; or h11."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        return "h11"
-
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        """httptools keeps every header line it is sent; past MAX_HEADER_BYTES the request is a 400.
-
-        Its responses leave in one write (see :class:`_OneWriteTransport`).
-        """
-
-        _header_bytes = 0
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.transport = _OneWriteTransport(transport)  # type: ignore[assignment]
-            self._peer: list[Peer] = []  # the connection's Peer, built by its first request
-
-        def on_message_begin(self) -> None:
-            self._header_bytes = 0
-            super().on_message_begin()
-            self.scope[_PEER_KEY] = self._peer  # type: ignore[literal-required]
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value))
-            super().on_header(name, value)
-
-        def _count(self, size: int) -> None:
-            self._header_bytes += size
-            if self._header_bytes > MAX_HEADER_BYTES:
-                # raised inside a parser callback: httptools reports it as a parser error, and uvicorn
-                # answers 400 and closes the connection
-                raise ValueError(f"request line and headers over {MAX_HEADER_BYTES} bytes")
-
-    return BoundedHttpToolsProtocol
 
 
 def _loop_impl() -> str:
