@@ -15,6 +15,7 @@ import socket
 import tempfile
 import threading
 import traceback
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -348,3 +349,64 @@ def test_grpc_streams_are_capped_per_user_and_health_never_queues(
         channel.close()
         other.close()
     still_serves(proc)
+
+
+def rss_kib(pid: int, field: str = "VmHWM:") -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field}")
+
+
+def test_json_data_past_its_declared_shape_is_refused_unparsed(tmp_path: Path) -> None:
+    """Item 5: an 8 KiB gzip body inflating to 8 MiB of ``[],[],...`` is refused before json.loads
+    builds millions of lists (+257 MiB before), other HTTP clients are served meanwhile, and the error
+    does not quote the input."""
+    import gzip
+
+    http = free_port()
+    proc = start_daemon(
+        tmp_path, build_repository(tmp_path), "j.sock", "--allow-http", "true", "--http-port", str(http)
+    )
+    try:
+        before = rss_kib(proc.pid)
+        data = b"[" + b"[]," * ((8 << 20) // 3) + b"[]]"
+        body = b'{"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[4],"data":' + data + b"}]}"
+        packed = gzip.compress(body)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http}/v2/models/identity/infer",
+            data=packed,
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+            method="POST",
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        message = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 400, message
+        assert "declared shapes" in message and len(message) < 400, message
+        grown_mib = (rss_kib(proc.pid) - before) / 1024
+        assert grown_mib < 64, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
+        assert http_get(http, "/v2/health/live") == 200
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()
+
+
+def test_a_type_error_quotes_a_few_values_not_the_whole_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 5: the error for wrongly typed data quotes its first values, never ``json.dumps`` of all."""
+    from edge_server.kserve import codec
+
+    dumped: list[int] = []
+    real = json.dumps
+
+    def counting(value: Any, *args: Any, **kwargs: Any) -> str:
+        text = real(value, *args, **kwargs)
+        dumped.append(len(text))
+        return text
+
+    monkeypatch.setattr(codec.json, "dumps", counting)
+    data = [["x"] * 1000] * 1000
+    with pytest.raises(Exception) as refused:
+        codec.from_json(data, "FP32", (1000, 1000), "INPUT0")
+    assert "INPUT0" in str(refused.value) and len(str(refused.value)) < 300
+    assert dumped and max(dumped) < 200, dumped

@@ -37,6 +37,7 @@ from edge_server.errors import (
 )
 from edge_server.kserve import rest
 from edge_server.kserve.http_protocol import PEER_KEY, http_protocol
+from edge_server.kserve.json_bounds import check_json_objects
 from edge_server.kserve.service import KServeService, error_status
 from edge_server.kserve.shm import Peer
 from edge_server.limits import Limits
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+#: Bodies at least this large are decoded (inflated, parsed) on a worker thread, not on the event loop.
+OFF_LOOP_BYTES = 1 << 20
 _JSON = [(b"content-type", b"application/json")]
 _MODEL_PATH = re.compile(
     r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/stats|/infer|/trace/setting)?"
@@ -184,7 +187,10 @@ class KServeHttpApp:
             except ValueError:
                 raise InvalidArgument("Inference-Header-Content-Length must be an integer") from None
         peer = _peer(scope)
-        decoded = rest.decode(self.service, model, version, body, length, peer)
+        if len(body) < OFF_LOOP_BYTES:
+            decoded = rest.decode(self.service, model, version, body, length, peer)
+        else:  # parsing megabytes of JSON would stall every other client of this loop
+            decoded = await asyncio.to_thread(rest.decode, self.service, model, version, body, length, peer)
         outputs = await self.service.infer(decoded.request)
         response, json_length = rest.encode(self.service, decoded, outputs, peer)
         if json_length is None:
@@ -223,6 +229,7 @@ class KServeHttpApp:
         body = await self._body(receive, headers)
         if not body.strip():
             return {}
+        check_json_objects(body, shapes=False)
         try:
             value = json.loads(body)
         except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
@@ -261,15 +268,21 @@ class KServeHttpApp:
             return body
         if encoding not in (b"gzip", b"deflate"):
             raise Unsupported(f"Content-Encoding {encoding.decode(errors='replace')!r}; use gzip or deflate")
-        # gzip and zlib streams alike (wbits 47: detect), inflated no further than the limit.
-        inflater = zlib.decompressobj(47 if encoding == b"gzip" else 15)
-        try:
-            plain = inflater.decompress(body, limit + 1)
-        except zlib.error as exc:
-            raise MalformedMessage(f"the {encoding.decode()} body cannot be inflated: {exc}") from None
-        if len(plain) > limit or inflater.unconsumed_tail:
-            raise MessageTooLarge(f"the inflated request body is over this server's limit of {limit} bytes")
-        return plain
+        if len(body) < OFF_LOOP_BYTES // 64:  # inflates to at most ~1 MiB (zlib's ratio is at most 1032)
+            return _inflate(body, encoding, limit)
+        return await asyncio.to_thread(_inflate, body, encoding, limit)
+
+
+def _inflate(body: bytes, encoding: bytes, limit: int) -> bytes:
+    """Gzip and zlib streams alike (wbits 47: detect), inflated no further than ``limit``."""
+    inflater = zlib.decompressobj(47 if encoding == b"gzip" else 15)
+    try:
+        plain = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise MalformedMessage(f"the {encoding.decode()} body cannot be inflated: {exc}") from None
+    if len(plain) > limit or inflater.unconsumed_tail:
+        raise MessageTooLarge(f"the inflated request body is over this server's limit of {limit} bytes")
+    return plain
 
 
 def _json(value: Any) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
