@@ -163,13 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-client-reply-bytes",
         type=positive,
         default=protocol.DEFAULT_MAX_CLIENT_REPLY_BYTES,
-        help="IPC: a client with more bytes of replies waiting for it (it does not read) is disconnected",
+        help="IPC and gRPC streams: a client (a stream) with more bytes of replies waiting for it (it does "
+        "not read) is disconnected (cancelled)",
     )
     serve.add_argument(
         "--max-client-requests",
         type=positive,
         default=protocol.DEFAULT_MAX_CLIENT_REQUESTS,
-        help="IPC: requests one client may have in flight (queued, running, open streams); more are refused",
+        help="IPC: requests one client may have in flight (queued, running, open streams); more are refused; "
+        "gRPC: requests one stream may have in flight; it reads no more until one is answered",
     )
     serve.add_argument(
         "--max-client-regions",

@@ -45,6 +45,8 @@ DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 256 << 20
 DEFAULT_MAX_CLIENT_BODY_BYTES = 128 << 20
 DEFAULT_MAX_CLIENT_STREAMS = 32
+DEFAULT_MAX_CLIENT_REQUESTS = 1024
+DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
 #: Connections the metrics endpoint serves at once (one thread each); Prometheus needs one.
 METRICS_CONNECTIONS = 8
 
@@ -61,6 +63,9 @@ class LimitOptions:
     max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
     max_client_body_bytes: int = DEFAULT_MAX_CLIENT_BODY_BYTES
     max_client_streams: int = DEFAULT_MAX_CLIENT_STREAMS
+    # --max-client-requests and --max-client-reply-bytes: IPC's, and each gRPC stream's
+    max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
+    max_client_reply_bytes: int = DEFAULT_MAX_CLIENT_REPLY_BYTES
 
 
 def descriptor_room() -> int:
@@ -108,6 +113,8 @@ class Limits:
         self.max_body_bytes = options.max_body_bytes_in_flight
         self.max_client_body_bytes = options.max_client_body_bytes
         self.max_client_streams = options.max_client_streams
+        self.max_client_requests = options.max_client_requests
+        self.max_client_reply_bytes = options.max_client_reply_bytes
         self._lock = threading.Lock()
         self._aside = 0  # connections set aside for listeners that accept by themselves (gRPC)
         self._connections = 0
@@ -119,6 +126,7 @@ class Limits:
         self.refused_connections = 0
         self.refused_bodies = 0
         self.refused_streams = 0
+        self.cut_off_streams = 0  # gRPC streams cancelled for not reading their responses
 
     # -- descriptors --------------------------------------------------------------------------------
 
@@ -235,6 +243,10 @@ class Limits:
             self._streams[uid] = held + 1
         return None
 
+    def stream_cut_off(self) -> None:
+        with self._lock:
+            self.cut_off_streams += 1
+
     def close_stream(self, uid: int | None) -> None:
         with self._lock:
             held = self._streams.get(uid, 0) - 1
@@ -256,6 +268,7 @@ class Limits:
                 "refused_bodies": self.refused_bodies,
                 "streams": sum(self._streams.values()),
                 "refused_streams": self.refused_streams,
+                "cut_off_streams": self.cut_off_streams,
             }
 
 
@@ -344,4 +357,6 @@ def limit_options(args: Any) -> LimitOptions:
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
         max_client_body_bytes=args.max_client_body_bytes,
         max_client_streams=args.max_client_streams,
+        max_client_requests=args.max_client_requests,
+        max_client_reply_bytes=args.max_client_reply_bytes,
     )

@@ -410,3 +410,53 @@ def test_a_type_error_quotes_a_few_values_not_the_whole_input(monkeypatch: pytes
         codec.from_json(data, "FP32", (1000, 1000), "INPUT0")
     assert "INPUT0" in str(refused.value) and len(str(refused.value)) < 300
     assert dumped and max(dumped) < 200, dumped
+
+
+def test_a_grpc_stream_that_does_not_read_is_cut_off_at_the_reply_bound(tmp_path: Path) -> None:
+    """Item 6: a stream that sends 400 x 1 MiB requests and never reads its responses is cancelled
+    once more than --max-client-reply-bytes of them wait for it (as over IPC), instead of pinning them.
+    (With fewer requests in flight than that, the stream just stops reading: a request's slot is freed
+    when its response is sent, not when it is produced.)"""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    grpc_port = free_port()
+    proc = start_daemon(
+        tmp_path,
+        build_repository(tmp_path),
+        "s.sock",
+        "--allow-grpc",
+        "true",
+        "--grpc-port",
+        str(grpc_port),
+        "--max-client-reply-bytes",
+        str(16 << 20),
+        "--max-client-requests",
+        "64",
+    )
+    raw = np.zeros(1 << 18, np.float32).tobytes()  # 1 MiB
+    request = service_pb2.ModelInferRequest(model_name="identity")
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[1 << 18])
+    del tensor
+    request.raw_input_contents.append(raw)
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{grpc_port}", options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    try:
+        before = rss_kib(proc.pid)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        call = stub.ModelStreamInfer(iter([request] * 400))  # and never read
+        with Client(proc.address, timeout=10) as client:
+            wait_for(
+                lambda: client.ipc_status()["limits"]["cut_off_streams"] == 1, timeout=60, what="cut off"
+            )
+        with pytest.raises(grpc.RpcError) as cut:
+            for _ in call:  # what grpc had sent before the cut, then the end
+                pass
+        assert cut.value.code() == grpc.StatusCode.CANCELLED, cut.value
+        grown_mib = (rss_kib(proc.pid) - before) / 1024
+        assert grown_mib < 200, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
+        still_serves(proc)
+    finally:
+        channel.close()
+        assert stop_daemon(proc) == 0, proc.log()

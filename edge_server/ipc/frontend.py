@@ -202,9 +202,13 @@ class IpcFrontend:
 
     # -- introspection (tests, status lines) ----------------------------------------------------
 
-    def status(self) -> dict[str, int]:
-        """Counters for status lines and tests; exact when called on the frontend thread."""
+    def status(self) -> dict[str, Any]:
+        """Counters for status lines and tests; exact when called on the frontend thread.
+
+        ``limits``: the daemon's budget over every listener (:meth:`edge_server.limits.Limits.status`).
+        """
         return {
+            "limits": self._limits.status(),
             "connections": self._connections,
             "refused_connections": self.refused_connections,
             "paused_accepting": self.paused_accepting,

@@ -18,7 +18,6 @@ A unary call holds a worker thread until its answer; a stream holds one worker a
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edge_server.errors import AddressInUse, EdgeServerError, TooManyRequests, Unsupported
 from edge_server.kserve import grpc_codec
+from edge_server.kserve.grpc_stream import StreamCall
 from edge_server.kserve.grpc_wire import WireRequest, parse_infer_request
 from edge_server.kserve.service import KServeService, OutputWant, error_status
 from edge_server.kserve.shm import Peer, peer_uid
@@ -39,7 +39,6 @@ from edge_server.request import InferRequest, ResponseSink
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MAX_STREAM_IN_FLIGHT = 1024
 MAX_WORKERS = 128  # calls served at once (an open stream counts as one); more wait in grpc's queue
 #: Workers inference (ModelInfer, open streams) may never take: health, metadata and control calls
 #: always find one, so that they never queue behind inference.
@@ -82,7 +81,7 @@ class _StreamSink(ResponseSink):
     def __init__(
         self,
         service: KServeService,
-        responses: queue.SimpleQueue[Any],
+        call: StreamCall,
         request: InferRequest,
         wants: list[OutputWant] | None,
         peer: Peer,
@@ -91,7 +90,7 @@ class _StreamSink(ResponseSink):
     ) -> None:
         super().__init__()
         self._service = service
-        self._responses = responses
+        self._call = call
         self._request = request
         self._wants = wants
         self._peer = peer
@@ -102,6 +101,7 @@ class _StreamSink(ResponseSink):
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
     ) -> None:
         request = self._request
+        response: Any = None
         try:
             if error is not None:
                 raise error
@@ -109,20 +109,19 @@ class _StreamSink(ResponseSink):
                 response = grpc_codec.encode(self._service, request, self._wants, outputs, self._peer)
             elif self._empty_final and final:
                 response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
-            else:
-                response = None
             if response is not None:
                 if self._empty_final:
                     response.parameters[FINAL_FLAG].bool_param = final
-                self._responses.put(service_pb2.ModelStreamInferResponse(infer_response=response))
+                response = service_pb2.ModelStreamInferResponse(infer_response=response)
         except Exception as exc:  # noqa: BLE001 - one response's error is sent; the stream goes on
             _http, _code, message = error_status(exc)
             response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
             if self._empty_final:
                 response.parameters[FINAL_FLAG].bool_param = final
-            self._responses.put(
-                service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
-            )
+            response = service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
+        # A final without a response still ends the request: its slot is freed when that is taken.
+        if response is not None or final:
+            self._call.put(response, ends_request=final)
         if final:
             self._finished(self)
 
@@ -247,8 +246,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             limits.close_stream(peer.uid)
 
     def _stream(self, request_iterator: Iterator[WireRequest], context: Any, peer: Peer) -> Iterator[Any]:
-        responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        slots = threading.BoundedSemaphore(MAX_STREAM_IN_FLIGHT)
+        call = StreamCall(context, self.frontend.limits)
         lock = threading.Lock()
         open_sinks: set[_StreamSink] = set()
         reading = [True]
@@ -257,16 +255,15 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             with lock:
                 open_sinks.discard(sink)
                 done = not reading[0] and not open_sinks
-            slots.release()
             if done:
-                responses.put(None)
+                call.end()
 
         def start(wire: WireRequest) -> None:
             request = wire.message
             try:
                 infer, wants = grpc_codec.decode(self.service, request, peer, wire.raw)
                 empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
-                sink = _StreamSink(self.service, responses, infer, wants, peer, empty_final, finished)
+                sink = _StreamSink(self.service, call, infer, wants, peer, empty_final, finished)
                 with lock:
                     open_sinks.add(sink)
                 try:
@@ -276,13 +273,14 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         open_sinks.discard(sink)
                     raise
             except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
-                responses.put(_stream_error(request, exc))
-                slots.release()
+                call.put(_stream_error(request, exc), ends_request=True)
 
         def read() -> None:
             try:
                 for request in request_iterator:
-                    slots.acquire()
+                    call.acquire()
+                    if call.cut_off:
+                        break
                     start(request)
             except Exception as exc:  # noqa: BLE001 - the client went away or broke the stream
                 log.debug("stream reader stopped: %s", exc)
@@ -291,15 +289,14 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     reading[0] = False
                     done = not open_sinks
                 if done:
-                    responses.put(None)
+                    call.end()
 
-        context.add_callback(lambda: responses.put(None))  # the call ended (cancelled, deadline)
+        context.add_callback(call.end)  # the call ended (cancelled, deadline)
         reader = threading.Thread(target=read, name="edge-grpc-stream", daemon=True)
         reader.start()
         self.frontend.stream_opened(+1)
         try:
-            while (response := responses.get()) is not None:
-                yield response
+            yield from call.responses()
         finally:
             self.frontend.stream_opened(-1)
             with lock:
