@@ -134,6 +134,7 @@ class IpcFrontend:
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
+        self._trims_until = 0.0  # trims of the heap are scheduled until then
         self.turns = 0  # loop turns of the frontend thread: its progress counter for the watchdog
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -564,6 +565,8 @@ class IpcFrontend:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
+            if self._peers.find(identity) is not None:
+                self._trim_later()  # it went away, maybe with replies queued or requests running
             self._peers.drop(identity, "disconnected")
 
     def _send_counted(self, sock: zmq.Socket, peer: Peer, frames: list[Any]) -> None:
@@ -618,15 +621,27 @@ class IpcFrontend:
         if peer.connection is not None and same_connection(peer.connection):
             refuse_connection(peer.connection[0])
         self._peers.drop(peer.identity, "disconnected for not reading its replies")
-        # The replies are freed by ZeroMQ's I/O thread and pyzmq's collector a moment later; the pages
-        # of the outputs go back to the system once they are.
-        timer = threading.Timer(_TRIM_DELAY_S, trim_heap)
-        timer.daemon = True
-        timer.start()
+        self._trim_later()
+
+    def _trim_later(self) -> None:
+        """Hand the memory of a dropped client's replies back to the system once it is freed.
+
+        ZeroMQ's I/O thread and pyzmq's collector free them over the next seconds, and glibc keeps
+        freed pages in its arenas (measured: 300 x 1-8 MiB requests of a client that went away left
+        +70 to +370 MiB resident until a trim): trim after 1 s and again after 5 s, once per burst.
+        """
+        now = time.monotonic()
+        if now < self._trims_until:
+            return
+        self._trims_until = now + _TRIM_DELAYS_S[0]
+        for delay in _TRIM_DELAYS_S:
+            timer = threading.Timer(delay, trim_heap)
+            timer.daemon = True
+            timer.start()
 
 
-#: After a slow client is disconnected, when to hand the memory of its replies back to the system.
-_TRIM_DELAY_S = 1.0
+#: After a client holding replies is dropped, when to hand their memory back to the system.
+_TRIM_DELAYS_S = (1.0, 5.0)
 
 
 class _IpcStream(ResponseSink):
