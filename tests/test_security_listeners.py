@@ -498,3 +498,85 @@ def test_memory_goes_back_after_a_client_with_large_requests_is_gone(tmp_path: P
         still_serves(proc)
     finally:
         assert stop_daemon(proc) == 0, proc.log()
+
+
+FLOOD_CONFIG = """
+name: "flood"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ -1 ] } ]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+
+FLOOD_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(n):
+                if request.is_cancelled():
+                    break
+                out = pb_utils.Tensor("OUT", np.full(1 << 18, i, dtype=np.float32))  # 1 MiB
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def test_a_decoupled_flood_to_a_grpc_stream_that_does_not_read_is_cut_off(tmp_path: Path) -> None:
+    """Item 6: a decoupled model answering 400 x 1 MiB to a stream that never reads: the stream is
+    cancelled past --max-client-reply-bytes, and the responses are not kept (+402 MiB before)."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    repo = build_repository(tmp_path)
+    (repo / "flood" / "1").mkdir(parents=True)
+    (repo / "flood" / "config.pbtxt").write_text(FLOOD_CONFIG)
+    (repo / "flood" / "1" / "model.py").write_text(FLOOD_MODEL)
+    grpc_port = free_port()
+    proc = start_daemon(
+        tmp_path,
+        repo,
+        "d.sock",
+        "--allow-grpc",
+        "true",
+        "--grpc-port",
+        str(grpc_port),
+        "--max-client-reply-bytes",
+        str(16 << 20),
+    )
+    request = service_pb2.ModelInferRequest(model_name="flood")
+    request.inputs.add(name="IN", datatype="INT32", shape=[1])
+    request.raw_input_contents.append(np.array([400], np.int32).tobytes())
+    channel = grpc.insecure_channel(
+        f"127.0.0.1:{grpc_port}", options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    stop = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        yield request
+        stop.wait()
+
+    try:
+        before = rss_kib(proc.pid)
+        call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests())
+        with Client(proc.address, timeout=10) as client:
+            wait_for(lambda: client.ipc_status()["limits"]["cut_off_streams"] == 1, timeout=60, what="a cut")
+        with pytest.raises(grpc.RpcError) as cut:
+            for _ in call:
+                pass
+        assert cut.value.code() == grpc.StatusCode.CANCELLED, cut.value
+        grown_mib = (rss_kib(proc.pid) - before) / 1024
+        assert grown_mib < 200, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
+        still_serves(proc)
+    finally:
+        stop.set()
+        channel.close()
+        assert stop_daemon(proc) == 0, proc.log()
