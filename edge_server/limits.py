@@ -219,6 +219,17 @@ class Limits:
             self._bodies += nbytes
         return None
 
+    def room(self, uid: int | None) -> int:
+        """Bytes :meth:`reserve` would grant ``uid`` now (for inflating a compressed body no further)."""
+        with self._lock:
+            return max(
+                0,
+                min(
+                    self.max_client_body_bytes - self._body_by_uid.get(uid, 0),
+                    self.max_body_bytes - self._bodies,
+                ),
+            )
+
     def release(self, uid: int | None, nbytes: int) -> None:
         """Bytes counted by :meth:`reserve` are spent (the request was answered, or its connection closed)."""
         if nbytes <= 0:

@@ -580,3 +580,28 @@ def test_a_decoupled_flood_to_a_grpc_stream_that_does_not_read_is_cut_off(tmp_pa
         stop.set()
         channel.close()
         assert stop_daemon(proc) == 0, proc.log()
+
+
+def test_a_compressed_body_is_inflated_no_further_than_the_users_body_budget(
+    listener_daemon: tuple[Daemon, int, int],
+) -> None:
+    """Item 5: 8 KiB of gzip that inflates to 4 MiB counts 4 MiB against the user's body budget (1 MiB
+    here): refused 503 before it is inflated past that, not pinned once per connection."""
+    import gzip
+
+    proc, http, _grpc = listener_daemon
+    n = 2 << 20
+    body = b'{"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[%d],"data":[' % n
+    body += b"0," * (n - 1) + b"0]}]}"
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http}/v2/models/identity/infer",
+        data=gzip.compress(body),
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    message = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 503 and "body budget" in message, message
+    assert http_get(http, "/v2/health/live") == 200
+    still_serves(proc)

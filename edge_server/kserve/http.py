@@ -33,10 +33,11 @@ from edge_server.errors import (
     MalformedMessage,
     MessageTooLarge,
     ProtocolError,
+    Unavailable,
     Unsupported,
 )
 from edge_server.kserve import rest
-from edge_server.kserve.http_protocol import PEER_KEY, http_protocol
+from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget, http_protocol
 from edge_server.kserve.json_bounds import check_json_objects
 from edge_server.kserve.service import KServeService, error_status
 from edge_server.kserve.shm import Peer
@@ -115,7 +116,7 @@ class KServeHttpApp:
             name, version, action = match.group(1), match.group(2) or "", match.group(3) or ""
             if action == "/infer":
                 _expect(method, "POST", path)
-                body = await self._body(receive, headers)
+                body = await self._body(receive, headers, scope)
                 return await self._infer(scope, headers, name, version, body)
             if action == "/trace/setting":
                 return await self._settings(method, receive, headers, path)
@@ -238,8 +239,12 @@ class KServeHttpApp:
             raise MalformedMessage("the request body must be a JSON object")
         return value
 
-    async def _body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes:
-        """The whole body, refused before it is read when its declared length is over the limit."""
+    async def _body(self, receive: Receive, headers: dict[bytes, bytes], scope: Scope | None = None) -> bytes:
+        """The whole body, refused before it is read when its declared length is over the limit.
+
+        An inference body (``scope`` given) is inflated no further than the room its user has left in
+        the body budget, and the inflated bytes are counted there until the response is sent.
+        """
         limit = self.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -268,20 +273,35 @@ class KServeHttpApp:
             return body
         if encoding not in (b"gzip", b"deflate"):
             raise Unsupported(f"Content-Encoding {encoding.decode(errors='replace')!r}; use gzip or deflate")
+        budget: BodyBudget | None = scope.get(BUDGET_KEY) if scope is not None else None
+        room = limit if budget is None else min(limit, budget.room())
         if len(body) < OFF_LOOP_BYTES // 64:  # inflates to at most ~1 MiB (zlib's ratio is at most 1032)
-            return _inflate(body, encoding, limit)
-        return await asyncio.to_thread(_inflate, body, encoding, limit)
+            plain = _inflate(body, encoding, room)
+        else:
+            plain = await asyncio.to_thread(_inflate, body, encoding, room)
+        if plain is None:
+            if room < limit:
+                raise Unavailable(
+                    f"the inflated request body is over the {room} bytes left in this user's body budget "
+                    "(--max-client-body-bytes, --max-body-bytes-in-flight)"
+                )
+            raise MessageTooLarge(f"the inflated request body is over this server's limit of {limit} bytes")
+        if budget is not None:
+            refusal = budget.reserve(len(plain))
+            if refusal is not None:
+                raise Unavailable(refusal)
+        return plain
 
 
-def _inflate(body: bytes, encoding: bytes, limit: int) -> bytes:
-    """Gzip and zlib streams alike (wbits 47: detect), inflated no further than ``limit``."""
+def _inflate(body: bytes, encoding: bytes, limit: int) -> bytes | None:
+    """Gzip and zlib streams alike (wbits 47: detect), inflated no further than ``limit`` (None: past it)."""
     inflater = zlib.decompressobj(47 if encoding == b"gzip" else 15)
     try:
         plain = inflater.decompress(body, limit + 1)
     except zlib.error as exc:
         raise MalformedMessage(f"the {encoding.decode()} body cannot be inflated: {exc}") from None
     if len(plain) > limit or inflater.unconsumed_tail:
-        raise MessageTooLarge(f"the inflated request body is over this server's limit of {limit} bytes")
+        return None
     return plain
 
 

@@ -9,7 +9,9 @@ that stops one byte short, and counts neither descriptors nor body bytes.  Here 
   :data:`MAX_HEADER_BYTES` of them) and its body within ``--body-timeout-secs``, or is closed;
   between requests, uvicorn's keep-alive timeout is ``--idle-timeout-secs``;
 * counts its body's bytes against its user's and the daemon's body budget as they arrive, and is
-  answered 503 and closed when one is spent; they are given back when the response is sent.
+  answered 503 and closed when one is spent; they are given back when the response is sent.  A
+  compressed body is inflated no further than that budget's room, and counted too
+  (:class:`BodyBudget`, in the request's scope).
 
 Its responses leave in one write (see :class:`_OneWriteTransport`).
 """
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers together
 PEER_KEY = "edge_server.peer"  # scope key: the connection's Peer (a list of one)
+BUDGET_KEY = "edge_server.budget"  # scope key: the connection's BodyBudget
 
 
 class _OneWriteTransport:
@@ -73,6 +76,34 @@ def _refusal(status: int, reason: str, message: str) -> bytes:
     ).encode() + body
 
 
+class BodyBudget:
+    """What the app may count against the connection's share of the body budget (an inflated body).
+
+    Counted bytes are given back with the connection's body bytes, when the response is sent.
+    """
+
+    __slots__ = ("_limits", "_connection", "held")
+
+    def __init__(self, limits: Limits, connection: Connection) -> None:
+        self._limits = limits
+        self._connection = connection
+        self.held = 0
+
+    def room(self) -> int:
+        return self._limits.room(self._connection.uid)
+
+    def reserve(self, nbytes: int) -> str | None:
+        refusal = self._limits.reserve(self._connection.uid, nbytes)
+        if refusal is None:
+            self.held += nbytes
+        return refusal
+
+    def give_back(self) -> None:
+        if self.held:
+            self._limits.release(self._connection.uid, self.held)
+            self.held = 0
+
+
 def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
     """The protocol class for uvicorn's ``http`` setting: httptools, bounded as the module says; or h11.
 
@@ -104,6 +135,7 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
             peer.uid = peer_uid(peer)  # the kernel's answer holds for the connection's life
             self._peer: list[Peer] = [peer]
             self._connection = limits.connect(peer.uid)
+            self._budget = BodyBudget(limits, self._connection)
             if self._connection.refusal is not None:
                 self._refuse(503, "Service Unavailable", self._connection.refusal)
                 return
@@ -153,6 +185,7 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
             self._in_headers = True
             super().on_message_begin()
             self.scope[PEER_KEY] = self._peer  # type: ignore[literal-required]
+            self.scope[BUDGET_KEY] = self._budget  # type: ignore[literal-required]
             if self._timer is None:  # a keep-alive connection's next request: its headers are timed too
                 self._arm(limits.header_timeout_s)
 
@@ -210,5 +243,6 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
             if self._reserved and self._connection is not None:
                 limits.release(self._connection.uid, self._reserved)
             self._reserved = self._received = 0
+            self._budget.give_back()
 
     return BoundedHttpToolsProtocol
