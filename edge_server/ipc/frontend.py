@@ -42,7 +42,7 @@ from edge_server.ipc.handoff import FdHandoff, handoff_path
 from edge_server.ipc.peers import Peer, PeerTable, connection_of, same_connection
 from edge_server.ipc.wakeup import signal_eventfd
 from edge_server.limits import Connection, LimitOptions, Limits
-from edge_server.memory import trim_heap
+from edge_server.memory import DeferredTrim
 from edge_server.request import ResponseSink
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class IpcFrontend:
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
-        self._trims_until = 0.0  # trims of the heap are scheduled until then
+        self._trimmer = DeferredTrim()  # after a client is dropped
         self.turns = 0  # loop turns of the frontend thread: its progress counter for the watchdog
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -318,6 +318,7 @@ class IpcFrontend:
             self._connections += 1
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             self._peers.disconnect_seen()
+            self._trim_later()  # ZeroMQ frees what was queued for or from that connection
             counted = self._counted.pop(fd, None)
             if counted is not None:
                 self._limits.disconnect(counted)
@@ -624,24 +625,13 @@ class IpcFrontend:
         self._trim_later()
 
     def _trim_later(self) -> None:
-        """Hand the memory of a dropped client's replies back to the system once it is freed.
+        """Hand the memory of a dropped client's replies and requests back to the system once freed.
 
-        ZeroMQ's I/O thread and pyzmq's collector free them over the next seconds, and glibc keeps
-        freed pages in its arenas (measured: 300 x 1-8 MiB requests of a client that went away left
-        +70 to +370 MiB resident until a trim): trim after 1 s and again after 5 s, once per burst.
+        ZeroMQ's I/O thread, pyzmq's collector and the schedulers free them over the next seconds, and
+        glibc keeps freed pages in its arenas (measured: 300 x 1-8 MiB requests of a client that went
+        away left +70 to +370 MiB resident until a trim): trim 1 s and 5 s after the last drop.
         """
-        now = time.monotonic()
-        if now < self._trims_until:
-            return
-        self._trims_until = now + _TRIM_DELAYS_S[0]
-        for delay in _TRIM_DELAYS_S:
-            timer = threading.Timer(delay, trim_heap)
-            timer.daemon = True
-            timer.start()
-
-
-#: After a client holding replies is dropped, when to hand their memory back to the system.
-_TRIM_DELAYS_S = (1.0, 5.0)
+        self._trimmer.request()
 
 
 class _IpcStream(ResponseSink):
