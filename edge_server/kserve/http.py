@@ -144,12 +144,12 @@ class KServeHttpApp:
             return _json(service.statistics())
         if path == "/v2/repository/index":
             _expect(method, "POST", path)
-            request = await self._json_body(receive, headers)
+            request = await self._json_body(receive, headers, scope)
             ready = request.get("ready", False)
             return _json(service.repository_index(ready is True))
         if match := _REPO_PATH.fullmatch(path):
             _expect(method, "POST", path)
-            request = await self._json_body(receive, headers)
+            request = await self._json_body(receive, headers, scope)
             params = request.get("parameters", {})
             if not isinstance(params, dict):
                 raise InvalidArgument("'parameters' must be a JSON object")
@@ -215,7 +215,7 @@ class KServeHttpApp:
         if action == "status":
             return _json(registry.status(region))
         _expect(scope["method"], "POST", scope["path"])
-        request = await self._json_body(receive, headers)
+        request = await self._json_body(receive, headers, scope)
         if action == "unregister":
             registry.unregister(region)
             return 200, b"", []
@@ -226,8 +226,10 @@ class KServeHttpApp:
         )
         return 200, b"", []
 
-    async def _json_body(self, receive: Receive, headers: dict[bytes, bytes]) -> dict[str, Any]:
-        body = await self._body(receive, headers)
+    async def _json_body(
+        self, receive: Receive, headers: dict[bytes, bytes], scope: Scope | None = None
+    ) -> dict[str, Any]:
+        body = await self._body(receive, headers, scope)
         if not body.strip():
             return {}
         check_json_objects(body, shapes=False)
@@ -242,8 +244,8 @@ class KServeHttpApp:
     async def _body(self, receive: Receive, headers: dict[bytes, bytes], scope: Scope | None = None) -> bytes:
         """The whole body, refused before it is read when its declared length is over the limit.
 
-        An inference body (``scope`` given) is inflated no further than the room its user has left in
-        the body budget, and the inflated bytes are counted there until the response is sent.
+        A compressed body is inflated no further than the room its user has left in the body budget
+        (when ``scope`` carries it), and the inflated bytes are counted there until the response is sent.
         """
         limit = self.max_body_bytes
         declared = headers.get(b"content-length")
