@@ -81,7 +81,9 @@ def serve_grpc(port: int, tuned: bool) -> None:
 def serve_uvicorn(port: int) -> None:
     import uvicorn
 
-    from edge_server.kserve.http import _http_impl, _loop_impl
+    from edge_server.kserve.http import _loop_impl
+    from edge_server.kserve.http_protocol import http_protocol
+    from edge_server.limits import Limits
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -122,7 +124,7 @@ def serve_uvicorn(port: int) -> None:
         app,
         host="127.0.0.1",
         port=port,
-        http=_http_impl(),
+        http=http_protocol(Limits(), 64 << 20),
         loop=_loop_impl(),
         lifespan="off",
         log_config=None,

@@ -20,6 +20,7 @@ from edge_server.errors import EdgeServerError, InvalidArgument
 from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
+from edge_server.limits import add_limit_arguments, limit_options
 from edge_server.metrics.options import metrics_config_item, summary_options
 from edge_server.server import CONTROL_MODES
 from edge_server.service.journal import JOURNAL_SOCKET, JournalHandler, stderr_is_journal
@@ -165,13 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-client-reply-bytes",
         type=positive,
         default=protocol.DEFAULT_MAX_CLIENT_REPLY_BYTES,
-        help="IPC: a client with more bytes of replies waiting for it (it does not read) is disconnected",
+        help="IPC and gRPC streams: a client (a stream) with more bytes of replies waiting for it (it does "
+        "not read) is disconnected (cancelled)",
     )
     serve.add_argument(
         "--max-client-requests",
         type=positive,
         default=protocol.DEFAULT_MAX_CLIENT_REQUESTS,
-        help="IPC: requests one client may have in flight (queued, running, open streams); more are refused",
+        help="IPC: requests one client may have in flight (queued, running, open streams); more are refused; "
+        "gRPC: requests one stream may have in flight; it reads no more until one is answered",
     )
     serve.add_argument(
         "--max-client-regions",
@@ -186,12 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: requests all clients together may have in flight; more are refused",
     )
     serve.add_argument(
-        "--max-connections",
-        type=positive,
-        default=None,
-        help="IPC: connections at once (default: as many as the descriptor budget allows, at most 4096)",
-    )
-    serve.add_argument(
         "--max-frames",
         type=positive,
         default=protocol.MAX_FRAMES,
@@ -204,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="IPC: largest request header decoded (msgpack); larger ones are refused unread",
     )
     add_kserve_arguments(serve)
+    add_limit_arguments(serve)
     serve.add_argument(
         "--exit-timeout-secs", type=float, default=30.0, help="how long to drain requests when stopping"
     )
@@ -367,7 +365,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_client_requests=args.max_client_requests,
         max_requests=args.max_requests,
         max_client_regions=args.max_client_regions,
-        max_connections=args.max_connections,
+        limits=limit_options(args),
         max_frames=args.max_frames,
         operator_group=args.operator_group,
         drain_timeout=args.exit_timeout_secs,

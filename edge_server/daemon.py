@@ -20,6 +20,7 @@ from edge_server.errors import EdgeServerError
 from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
+from edge_server.limits import LimitOptions, Limits
 from edge_server.memory import limit_malloc_arenas
 from edge_server.metrics.collector import LoadCounter, ServerCollector
 from edge_server.scheduler.summaries import SummaryOptions
@@ -48,7 +49,7 @@ class DaemonOptions:
     max_client_requests: int = protocol.DEFAULT_MAX_CLIENT_REQUESTS
     max_requests: int = protocol.DEFAULT_MAX_REQUESTS
     max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS
-    max_connections: int | None = None  # IPC: connections at once (None: the descriptor budget's)
+    limits: LimitOptions = LimitOptions()  # every listener's descriptor and memory budget
     max_frames: int = protocol.MAX_FRAMES  # IPC: frames in one message
     operator_group: str | None = None  # may control (load, unload, settings) as root and the daemon do
     drain_timeout: float = 30.0
@@ -130,11 +131,13 @@ class Daemon:
                 _log_startup_failure(failed)
                 status = 1
                 return status
+            limits = Limits(options.limits)  # one budget, asked by every listener below
             kserve = KServeFrontends(
                 server,
                 options.kserve,
                 max_message_bytes=options.max_message_bytes,
                 control_policy=control_policy,
+                limits=limits,
             )
             kserve.start()
             for label, probe in kserve.probes():
@@ -155,7 +158,7 @@ class Daemon:
                     max_client_requests=options.max_client_requests,
                     max_requests=options.max_requests,
                     max_client_regions=options.max_client_regions,
-                    max_connections=options.max_connections,
+                    limits=limits,
                     max_frames=options.max_frames,
                 )
                 frontend.start()
@@ -170,7 +173,9 @@ class Daemon:
                     service=supervisor.state,
                     frontends=lambda: [frontend] if frontend else [],
                 )
-                metrics = serve_metrics(collector, address=options.metrics_address, port=options.metrics_port)
+                metrics = serve_metrics(
+                    collector, address=options.metrics_address, port=options.metrics_port, limits=limits
+                )
             ready = [s for s in server.models() if s.state is ModelState.READY]
             log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
             supervisor.serving()

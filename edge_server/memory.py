@@ -18,6 +18,8 @@ import ctypes.util
 import gc
 import logging
 import os
+import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,47 @@ def trim_heap() -> None:
     """
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+class DeferredTrim:
+    """Trims the heap ``delays`` seconds after the last :meth:`request` (each delay once), on a timer.
+
+    For memory that is freed a while after the event that dooms it: the replies and queued requests of
+    a client that went away are freed by ZeroMQ's I/O thread, pyzmq's collector and the schedulers
+    over the following seconds, and a burst of such events must end with a trim after the last one.
+    At most one timer thread is alive.
+    """
+
+    def __init__(self, delays: tuple[float, ...] = (1.0, 5.0)) -> None:
+        self._delays = delays
+        self._lock = threading.Lock()
+        self._last = 0.0
+        self._timer: threading.Timer | None = None
+
+    def request(self) -> None:
+        with self._lock:
+            self._last = time.monotonic()
+            if self._timer is None:
+                self._arm(self._delays[0], 0)
+
+    def _arm(self, delay: float, stage: int) -> None:
+        timer = threading.Timer(max(0.0, delay), self._fire, args=(stage,))
+        timer.daemon = True
+        self._timer = timer
+        timer.start()
+
+    def _fire(self, stage: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            due = self._last + self._delays[stage]
+            if now < due:  # requested again meanwhile: wait until that is as old
+                self._arm(due - now, stage)
+                return
+            trim_heap()
+            if stage + 1 < len(self._delays):
+                self._arm(self._last + self._delays[stage + 1] - now, stage + 1)
+            else:
+                self._timer = None
 
 
 def limit_malloc_arenas(arenas: int = DAEMON_MALLOC_ARENAS) -> None:

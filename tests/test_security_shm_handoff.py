@@ -258,7 +258,7 @@ def test_a_mapped_region_counts_two_descriptors_and_a_refused_one_keeps_none(tmp
     region's two descriptors (the one handed over and mmap's own), and a refused registration's
     descriptor is closed at once instead of waiting for its token to expire."""
     from edge_server.client._common import register_fields
-    from edge_server.ipc.frontend import FD_RESERVE
+    from edge_server.limits import FD_RESERVE
 
     nofile = FD_RESERVE + 80  # room for 40 connections and 40 shared-memory descriptors
     proc = start_daemon(tmp_path, build_repository(tmp_path), "fd.sock", nofile=nofile)

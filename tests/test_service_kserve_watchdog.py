@@ -150,11 +150,10 @@ def test_a_wedged_grpc_worker_pool_is_seen_then_clears(
         channel.close()
 
 
-def test_streams_holding_every_grpc_worker_are_not_a_wedge(
-    server: Server, small_grpc: tuple[object, GrpcProbe]
-) -> None:
-    """Open streams hold a worker each for as long as the client likes: a client can fill the pool, and
-    that must not make systemd restart the daemon.  The probe waits, and is not counted."""
+def test_streams_never_hold_every_grpc_worker(server: Server, small_grpc: tuple[object, GrpcProbe]) -> None:
+    """Open streams hold a worker each for as long as the client likes, but never the workers kept for
+    health and control calls: the stream past that is refused RESOURCE_EXHAUSTED, the pool is never
+    saturated, and the probe keeps being answered."""
     frontend, probe = small_grpc
     tick = _ticker([("gRPC frontend", probe)])
     channel = grpc.insecure_channel(f"127.0.0.1:{frontend.port}")  # type: ignore[attr-defined]
@@ -168,22 +167,21 @@ def test_streams_holding_every_grpc_worker_are_not_a_wedge(
     streams = [stub.ModelStreamInfer(requests(end)) for end in ends]
     try:
         deadline = time.monotonic() + 10
-        while not frontend.saturated() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        while not any(s.done() for s in streams) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert frontend.saturated()  # type: ignore[attr-defined]
+        refused = [s for s in streams if s.done()]
+        assert len(refused) == 1 and refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert not frontend.saturated()  # type: ignore[attr-defined]
+        answered = probe.liveness()[0]
         _healthy_for(tick, 4 * STALL_S)
-        assert probe.liveness()[1] is False  # a probe is waiting, and not counted
+        assert probe.liveness()[0] > answered
     finally:
         for end in ends:
             end.put(None)
         for stream in streams:
-            assert list(stream) == []
+            if not stream.done() or stream.code() == grpc.StatusCode.OK:
+                assert list(stream) == []
         channel.close()
-    assert _until(tick, lambda s: not s) == {}
-    answered = probe.liveness()[0]
-    _until(tick, lambda s: probe.liveness()[0] > answered)
-    assert probe.liveness()[0] > answered  # the waiting probe was answered once a worker freed
-    assert not frontend.saturated()  # type: ignore[attr-defined]
 
 
 def test_the_daemon_pings_with_http_and_grpc_probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

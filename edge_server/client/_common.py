@@ -333,7 +333,7 @@ class ClientBase:
     def _status(self) -> Steps[dict[str, Any]]:
         return dict((yield self._control("status", "status", self.timeout)))
 
-    def _ipc_status(self) -> Steps[dict[str, int]]:
+    def _ipc_status(self) -> Steps[dict[str, Any]]:
         return dict((yield self._control("ipc_status", "ipc", self.timeout)))
 
     def _create_shm_region(self, byte_size: int, name: str | None) -> Steps[SharedMemoryRegion]:

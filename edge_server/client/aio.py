@@ -380,7 +380,7 @@ class AsyncClient(ClientBase):
     async def status(self) -> dict[str, Any]:
         return await self._run(self._status())
 
-    async def ipc_status(self) -> dict[str, int]:
+    async def ipc_status(self) -> dict[str, Any]:
         return await self._run(self._ipc_status())
 
     async def create_shm_region(self, byte_size: int, *, name: str | None = None) -> SharedMemoryRegion:

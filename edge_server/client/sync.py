@@ -200,7 +200,7 @@ class Client(ClientBase):
         """The daemon's state, uptime, repository and per-model figures (``edge-server status``)."""
         return self._run(self._status())
 
-    def ipc_status(self) -> dict[str, int]:
+    def ipc_status(self) -> dict[str, Any]:
         """clients, regions, released_clients, dropped_replies, and the daemon's max_message_bytes."""
         return self._run(self._ipc_status())
 

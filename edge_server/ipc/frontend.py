@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import resource
 import socket
 import struct
 import threading
@@ -41,7 +40,8 @@ from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
 from edge_server.ipc.peers import Peer, PeerTable, same_connection
 from edge_server.ipc.wakeup import signal_eventfd
-from edge_server.memory import trim_heap
+from edge_server.limits import Connection, LimitOptions, Limits
+from edge_server.memory import DeferredTrim
 from edge_server.request import ResponseSink
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ class IpcFrontend:
         max_requests: int = protocol.DEFAULT_MAX_REQUESTS,
         max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS,
         max_frames: int = protocol.MAX_FRAMES,
+        limits: Limits | None = None,
     ) -> None:
         self.server = server
         self._dataplane = server.dataplane
@@ -119,8 +120,11 @@ class IpcFrontend:
         )
         self._stopping = False
         self._refusing = False  # stopping: new requests are answered UNAVAILABLE, the rest go on
-        self.max_connections = max_connections or 0  # 0: from the descriptor budget, at start()
-        self.max_regions = 0
+        # The daemon's one descriptor budget, shared with its other listeners; alone: one of its own.
+        self._limits = limits or Limits(LimitOptions(max_connections=max_connections or 0))
+        self.max_connections = self._limits.max_connections
+        self.max_regions = self._limits.regions
+        self._counted: dict[int, Connection] = {}  # each connection in the budget, by its descriptor
         self.control_policy = control_policy or ControlPolicy()
         self._connections = 0
         self._listening = True
@@ -129,6 +133,7 @@ class IpcFrontend:
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
+        self._trimmer = DeferredTrim()  # after a client is dropped
         self.turns = 0  # loop turns of the frontend thread: its progress counter for the watchdog
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -162,12 +167,13 @@ class IpcFrontend:
             raise
         self._ctx, self._sock = ctx, sock
         self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self.max_connections, self.max_regions = fd_budget(self.max_connections)
         self._peers.shm.max_descriptors = self.max_regions  # a mapped region holds two
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         # The thread takes the socket over; Thread.start() is the memory barrier ZeroMQ asks for.
         self._thread = threading.Thread(target=self._run, name="edge-ipc-frontend", daemon=True)
         self._thread.start()
+        # Another listener filling the budget must close this door too (libzmq aborts at EMFILE).
+        self._limits.watch(self._wake)
         log.info("IPC frontend listening on %s", self.address)
 
     def refuse_new(self) -> None:
@@ -197,9 +203,13 @@ class IpcFrontend:
 
     # -- introspection (tests, status lines) ----------------------------------------------------
 
-    def status(self) -> dict[str, int]:
-        """Counters for status lines and tests; exact when called on the frontend thread."""
+    def status(self) -> dict[str, Any]:
+        """Counters for status lines and tests; exact when called on the frontend thread.
+
+        ``limits``: the daemon's budget over every listener (:meth:`edge_server.limits.Limits.status`).
+        """
         return {
+            "limits": self._limits.status(),
             "connections": self._connections,
             "refused_connections": self.refused_connections,
             "paused_accepting": self.paused_accepting,
@@ -270,24 +280,18 @@ class IpcFrontend:
                 self._handle(frames, dropped)
             elif item is monitor:
                 while cast(int, monitor.get(_EVENTS)) & _POLLIN:
-                    event = recv_monitor_message(monitor)
-                    if event["event"] == zmq.EVENT_ACCEPTED:
-                        self._connections += 1
-                        if self._connections > self.max_connections:
-                            refuse_connection(event["value"])
-                            self.refused_connections += 1
-                        if self._connections >= self.max_connections and self._listening:
-                            self._pause_accepting()
-                    elif event["event"] == zmq.EVENT_DISCONNECTED:
-                        self._connections = max(0, self._connections - 1)
-                        peers.disconnect_seen()
-                        if self._connections < self.max_connections and not self._listening:
-                            self._resume_accepting()
+                    self._connection_event(recv_monitor_message(monitor))
             else:
                 try:
                     os.eventfd_read(self._wake_fd)
                 except BlockingIOError:
                     pass
+        full = self._limits.full()
+        if full == self._listening:  # another listener may have filled or freed the budget
+            if full:
+                self._pause_accepting()
+            else:
+                self._resume_accepting()
         if self._replies:
             self._send_replies(sock)
         if time.monotonic() >= peers.next_deadline():  # handling may have brought probes forward
@@ -296,6 +300,32 @@ class IpcFrontend:
         if self._stopping:
             return not peers.busy() or time.monotonic() >= self._stop_deadline
         return False
+
+    def _connection_event(self, event: dict[str, Any]) -> None:
+        """Count an accepted connection in the daemon's budget (refused over a cap), or uncount one."""
+        fd = event["value"]
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            connection = self._limits.connect(socket_uid(fd))
+            self._counted[fd] = connection
+            if connection.refusal is not None:
+                refuse_connection(fd)
+                self.refused_connections += 1
+                if self.refused_connections & (self.refused_connections - 1) == 0:  # 1, 2, 4, 8...
+                    log.warning(
+                        "IPC frontend: connection refused (%d so far): %s",
+                        self.refused_connections,
+                        connection.refusal,
+                    )
+                return
+            self._connections += 1
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self._peers.disconnect_seen()
+            self._trim_later()  # ZeroMQ frees what was queued for or from that connection
+            counted = self._counted.pop(fd, None)
+            if counted is not None:
+                self._limits.disconnect(counted)
+                if counted.refusal is None:
+                    self._connections = max(0, self._connections - 1)
 
     def _pause_accepting(self) -> None:
         """Hide the socket file while the connection cap is reached.
@@ -343,6 +373,9 @@ class IpcFrontend:
         self._monitor.close(0)
         self._sock.close(linger=500)  # lets the last replies leave
         self._ctx.term()
+        for connection in self._counted.values():  # closed with the socket: the budget is the daemon's
+            self._limits.disconnect(connection)
+        self._counted.clear()
         with self._wake_lock:
             os.close(self._wake_fd)
             self._wake_fd = -1
@@ -522,6 +555,8 @@ class IpcFrontend:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
+            if self._peers.find(identity) is not None:
+                self._trim_later()  # it went away, maybe with replies queued or requests running
             self._peers.drop(identity, "disconnected")
 
     def _send_counted(self, sock: zmq.Socket, peer: Peer, frames: list[Any]) -> None:
@@ -576,15 +611,16 @@ class IpcFrontend:
         if peer.connection is not None and same_connection(peer.connection):
             refuse_connection(peer.connection[0])
         self._peers.drop(peer.identity, "disconnected for not reading its replies")
-        # The replies are freed by ZeroMQ's I/O thread and pyzmq's collector a moment later; the pages
-        # of the outputs go back to the system once they are.
-        timer = threading.Timer(_TRIM_DELAY_S, trim_heap)
-        timer.daemon = True
-        timer.start()
+        self._trim_later()
 
+    def _trim_later(self) -> None:
+        """Hand the memory of a dropped client's replies and requests back to the system once freed.
 
-#: After a slow client is disconnected, when to hand the memory of its replies back to the system.
-_TRIM_DELAY_S = 1.0
+        ZeroMQ's I/O thread, pyzmq's collector and the schedulers free them over the next seconds, and
+        glibc keeps freed pages in its arenas (measured: 300 x 1-8 MiB requests of a client that went
+        away left +70 to +370 MiB resident until a trim): trim 1 s and 5 s after the last drop.
+        """
+        self._trimmer.request()
 
 
 class _IpcStream(ResponseSink):
@@ -611,43 +647,25 @@ class _IpcStream(ResponseSink):
         self.frontend._wake()
 
 
-#: Descriptors kept free for everything but connections and regions: models, files, hand-offs.
-FD_RESERVE = 320
-
-
-def fd_budget(max_connections: int) -> tuple[int, int]:
-    """(connections, shared-memory regions) the daemon may hold without running out of descriptors.
-
-    libzmq aborts the whole process when ``accept`` fails with EMFILE, so the daemon raises its soft
-    descriptor limit to the hard one and keeps connections (one descriptor each) and the descriptors
-    shared-memory regions hold (two for a mapped region, one for a copied one) within what is left
-    after a reserve.  ``max_connections`` (0: as many as fit) is capped by that too.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    room = max(16, (min(soft, 1 << 20) - FD_RESERVE) // 2)
-    connections = min(room, max_connections) if max_connections > 0 else min(room, 4096)
-    return connections, room
-
-
 _CREDS = struct.Struct("3i")
+
+
+def socket_uid(fd: int) -> int | None:
+    """The uid of the process at the other end of Unix socket ``fd`` (SO_PEERCRED); None on TCP."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            return int(_CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))[1])
+    except OSError:
+        return None
 
 
 def peer_uid(frame: zmq.Frame) -> int | None:
     """The uid of the process that sent ``frame`` (SO_PEERCRED of its connection); None on tcp://."""
     try:
-        with socket.socket(fileno=os.dup(frame.get(zmq.SRCFD))) as conn:
-            _pid, uid, _gid = _CREDS.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-            )
-    except (OSError, zmq.ZMQError):
-        return None  # not a Unix socket (tcp://): no credentials, no control
-    return int(uid)
+        fd = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
+    return socket_uid(fd)
 
 
 def refuse_connection(fd: int) -> None:

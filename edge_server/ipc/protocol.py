@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from edge_server import dtypes
+from edge_server import dtypes, limits
 from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
@@ -66,8 +66,8 @@ MAX_FRAMES = 1024
 #: Defaults of the per-client and total limits (``--max-client-reply-bytes``, ``--max-client-requests``,
 #: ``--max-requests``, ``--max-client-regions``): replies queued for a client that does not read them,
 #: requests in flight (queued, running, open streams) for one client and for all, regions per client.
-DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
-DEFAULT_MAX_CLIENT_REQUESTS = 1024
+DEFAULT_MAX_CLIENT_REPLY_BYTES = limits.DEFAULT_MAX_CLIENT_REPLY_BYTES
+DEFAULT_MAX_CLIENT_REQUESTS = limits.DEFAULT_MAX_CLIENT_REQUESTS
 DEFAULT_MAX_REQUESTS = 8192
 DEFAULT_MAX_CLIENT_REGIONS = 256
 #: Longest array or map msgpack may build in a header, and most dims of a tensor.

@@ -22,6 +22,7 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.errors import InvalidArgument, MalformedMessage, TensorSizeMismatch, shorten
+from edge_server.kserve.json_bounds import check_json_objects
 
 #: KServe v2 datatype -> numpy dtype of the decoded array.
 NUMPY: dict[str, np.dtype] = {
@@ -249,7 +250,8 @@ def to_json(array: np.ndarray, datatype: str) -> list[Any]:
     return out
 
 
-def _flatten(data: list[Any], name: str) -> list[Any]:
+def _flatten(data: list[Any], name: str, limit: int = -1) -> list[Any]:
+    """The leaves of ``data`` in row-major order (the first ``limit`` of them when ``limit`` >= 0)."""
     flat: list[Any] = []
     stack = [iter(data)]
     while stack:
@@ -260,14 +262,21 @@ def _flatten(data: list[Any], name: str) -> list[Any]:
                 stack.append(iter(value))
                 break
             flat.append(value)
+            if len(flat) == limit:
+                return flat
         else:
             stack.pop()
     return flat
 
 
 def _sample(data: list[Any]) -> str:
-    text = json.dumps(data)[:60]
-    return text + ("..." if len(text) == 60 else "")
+    """The first values of ``data`` for an error message (never the whole input: it may be huge)."""
+    try:
+        head = _flatten(data, "", 8)
+    except InvalidArgument:  # nested too deep: say nothing of the values
+        return "..."
+    text = json.dumps(head, default=repr)[:60]
+    return text + ("..." if len(head) == 8 or len(text) == 60 else "")
 
 
 # -- HTTP bodies with the binary tensor data extension --------------------------------------------------
@@ -285,8 +294,10 @@ def split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], 
         raise InvalidArgument(
             f"Inference-Header-Content-Length is {header_length}, but the body has {len(body)} bytes"
         )
+    text = view[:header_length].tobytes() if header_length != len(body) else body
+    check_json_objects(text, shapes=True)
     try:
-        header = json.loads(view[:header_length].tobytes() if header_length != len(body) else body)
+        header = json.loads(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
         raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(header, dict):

@@ -16,6 +16,7 @@ from edge_server.kserve.probes import GrpcProbe, LoopProbe, loopback
 from edge_server.kserve.service import KServeService
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import SystemSharedMemory
+from edge_server.limits import Limits
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -94,8 +95,10 @@ class KServeFrontends:
         *,
         max_message_bytes: int,
         control_policy: ControlPolicy | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.options = options
+        self.limits = limits or Limits()
         self.max_message_bytes = max_message_bytes
         shm = SystemSharedMemory(max_input_bytes=max_message_bytes) if options.allow_client_shm else None
         self.service = KServeService(
@@ -122,6 +125,7 @@ class KServeFrontends:
                 host=options.http_address,
                 port=options.http_port,
                 max_body_bytes=self.max_message_bytes,
+                limits=self.limits,
             )
             self.http.start()
             self._probes.append(("HTTP frontend", LoopProbe(self.http.call_soon)))
@@ -139,6 +143,7 @@ class KServeFrontends:
                 host=options.grpc_address,
                 port=options.grpc_port,
                 max_message_bytes=self.max_message_bytes,
+                limits=self.limits,
             )
             self.grpc.start()
             host = loopback(self.grpc.host)

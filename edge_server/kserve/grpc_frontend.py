@@ -18,7 +18,6 @@ A unary call holds a worker thread until its answer; a stream holds one worker a
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,18 +27,24 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from edge_server.errors import AddressInUse, EdgeServerError, Unsupported
+from edge_server.errors import AddressInUse, EdgeServerError, TooManyRequests, Unsupported
 from edge_server.kserve import grpc_codec
+from edge_server.kserve.grpc_stream import StreamCall
 from edge_server.kserve.grpc_wire import WireRequest, parse_infer_request
 from edge_server.kserve.service import KServeService, OutputWant, error_status
-from edge_server.kserve.shm import Peer
+from edge_server.kserve.shm import Peer, peer_uid
+from edge_server.limits import Limits
 from edge_server.request import InferRequest, ResponseSink
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MAX_STREAM_IN_FLIGHT = 1024
 MAX_WORKERS = 128  # calls served at once (an open stream counts as one); more wait in grpc's queue
+#: Workers inference (ModelInfer, open streams) may never take: health, metadata and control calls
+#: always find one, so that they never queue behind inference.
+RESERVED_WORKERS = 8
+#: Connections the gRPC server may hold, set aside from the daemon's budget (grpcio accepts by itself).
+GRPC_CONNECTIONS = 512
 EMPTY_FINAL = "triton_enable_empty_final_response"  # Triton's request parameter
 FINAL_FLAG = "triton_final_response"  # and the response parameter it enables
 
@@ -76,7 +81,7 @@ class _StreamSink(ResponseSink):
     def __init__(
         self,
         service: KServeService,
-        responses: queue.SimpleQueue[Any],
+        call: StreamCall,
         request: InferRequest,
         wants: list[OutputWant] | None,
         peer: Peer,
@@ -85,7 +90,7 @@ class _StreamSink(ResponseSink):
     ) -> None:
         super().__init__()
         self._service = service
-        self._responses = responses
+        self._call = call
         self._request = request
         self._wants = wants
         self._peer = peer
@@ -96,6 +101,7 @@ class _StreamSink(ResponseSink):
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
     ) -> None:
         request = self._request
+        response: Any = None
         try:
             if error is not None:
                 raise error
@@ -103,20 +109,19 @@ class _StreamSink(ResponseSink):
                 response = grpc_codec.encode(self._service, request, self._wants, outputs, self._peer)
             elif self._empty_final and final:
                 response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
-            else:
-                response = None
             if response is not None:
                 if self._empty_final:
                     response.parameters[FINAL_FLAG].bool_param = final
-                self._responses.put(service_pb2.ModelStreamInferResponse(infer_response=response))
+                response = service_pb2.ModelStreamInferResponse(infer_response=response)
         except Exception as exc:  # noqa: BLE001 - one response's error is sent; the stream goes on
             _http, _code, message = error_status(exc)
             response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
             if self._empty_final:
                 response.parameters[FINAL_FLAG].bool_param = final
-            self._responses.put(
-                service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
-            )
+            response = service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
+        # A final without a response still ends the request: its slot is freed when that is taken.
+        if response is not None or final:
+            self._call.put(response, ends_request=final)
         if final:
             self._finished(self)
 
@@ -203,7 +208,14 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return self._call(context, work)
 
     def ModelInfer(self, request: WireRequest, context: Any) -> Any:
-        return self._call(context, lambda: self._infer(request, context))
+        return self._call(context, lambda: self._infer_counted(request, context))
+
+    def _infer_counted(self, request: WireRequest, context: Any) -> Any:
+        self.frontend.take_worker()
+        try:
+            return self._infer(request, context)
+        finally:
+            self.frontend.give_worker()
 
     def _infer(self, request: WireRequest, context: Any) -> Any:
         peer = _peer(context, self.frontend.port)
@@ -212,27 +224,46 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return grpc_codec.encode(self.service, infer, wants, outputs, peer)
 
     def ModelStreamInfer(self, request_iterator: Iterator[WireRequest], context: Any) -> Iterator[Any]:
-        responses: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        slots = threading.BoundedSemaphore(MAX_STREAM_IN_FLIGHT)
+        peer = _peer(context, self.frontend.port)
+        peer.uid = peer_uid(peer)
+        limits = self.frontend.limits
+        try:
+            refusal = limits.open_stream(peer.uid)
+            if refusal is not None:
+                raise TooManyRequests(refusal)
+            try:
+                self.frontend.take_worker()
+            except BaseException:
+                limits.close_stream(peer.uid)
+                raise
+        except EdgeServerError as exc:
+            _http, code, message = error_status(exc)
+            context.abort(grpc.StatusCode[code], message)
+        try:
+            yield from self._stream(request_iterator, context, peer)
+        finally:
+            self.frontend.give_worker()
+            limits.close_stream(peer.uid)
+
+    def _stream(self, request_iterator: Iterator[WireRequest], context: Any, peer: Peer) -> Iterator[Any]:
+        call = StreamCall(context, self.frontend.limits)
         lock = threading.Lock()
         open_sinks: set[_StreamSink] = set()
         reading = [True]
-        peer = _peer(context, self.frontend.port)
 
         def finished(sink: _StreamSink) -> None:
             with lock:
                 open_sinks.discard(sink)
                 done = not reading[0] and not open_sinks
-            slots.release()
             if done:
-                responses.put(None)
+                call.end()
 
         def start(wire: WireRequest) -> None:
             request = wire.message
             try:
                 infer, wants = grpc_codec.decode(self.service, request, peer, wire.raw)
                 empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
-                sink = _StreamSink(self.service, responses, infer, wants, peer, empty_final, finished)
+                sink = _StreamSink(self.service, call, infer, wants, peer, empty_final, finished)
                 with lock:
                     open_sinks.add(sink)
                 try:
@@ -242,13 +273,14 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         open_sinks.discard(sink)
                     raise
             except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
-                responses.put(_stream_error(request, exc))
-                slots.release()
+                call.put(_stream_error(request, exc), ends_request=True)
 
         def read() -> None:
             try:
                 for request in request_iterator:
-                    slots.acquire()
+                    call.acquire()
+                    if call.cut_off:
+                        break
                     start(request)
             except Exception as exc:  # noqa: BLE001 - the client went away or broke the stream
                 log.debug("stream reader stopped: %s", exc)
@@ -257,15 +289,14 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     reading[0] = False
                     done = not open_sinks
                 if done:
-                    responses.put(None)
+                    call.end()
 
-        context.add_callback(lambda: responses.put(None))  # the call ended (cancelled, deadline)
+        context.add_callback(call.end)  # the call ended (cancelled, deadline)
         reader = threading.Thread(target=read, name="edge-grpc-stream", daemon=True)
         reader.start()
         self.frontend.stream_opened(+1)
         try:
-            while (response := responses.get()) is not None:
-                yield response
+            yield from call.responses()
         finally:
             self.frontend.stream_opened(-1)
             with lock:
@@ -357,18 +388,32 @@ def _setting_value(value: Any) -> Any:
     return None if which is None else getattr(value, which)
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """The server's options: message bounds, no port sharing.
+def server_options(
+    max_message_bytes: int, limits: Limits | None = None, connections: int = 0
+) -> list[tuple[str, Any]]:
+    """The server's options: message bounds, no port sharing; with ``limits``, its connections bounded.
+
+    grpcio accepts on its own threads, so the daemon's budget cannot refuse there: the server gets a
+    fixed share of it (``connections``, refused by grpc core at accept), a connection that has not sent
+    HTTP/2's preface and settings within the header timeout is closed, and so is one without a call for
+    the idle timeout.
 
     Flow-control and latency options (``grpc.http2.lookahead_bytes`` 16 MiB, ``grpc.http2.bdp_probe``
     off, ``grpc.optimization_target`` latency) changed nothing measurable on a bare grpcio server
     (bench/bench_kserve_floor.py), tiny or 1080p, so grpc's defaults stay.
     """
-    return [
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+    if limits is not None:
+        options += [
+            ("grpc.max_allowed_incoming_connections", connections),
+            ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),
+            ("grpc.max_connection_idle_ms", int(limits.idle_timeout_s * 1000)),
+        ]
+    return options
 
 
 class _Handlers:
@@ -416,8 +461,12 @@ class GrpcFrontend:
         max_message_bytes: int = 64 << 20,
         drain_timeout: float = 5.0,
         max_workers: int = MAX_WORKERS,
+        limits: Limits | None = None,
     ) -> None:
         self.service = service
+        self.limits = limits or Limits()  # the daemon's; alone, one of the frontend's own
+        self._inference = 0  # workers held by ModelInfer calls and open streams
+        self._inference_lock = threading.Lock()
         self.host = host
         self.port = port
         self.max_workers = max_workers
@@ -432,7 +481,9 @@ class GrpcFrontend:
         """Bind (a failure raises here) and serve."""
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="edge-grpc"),
-            options=server_options(self.max_message_bytes),
+            options=server_options(
+                self.max_message_bytes, self.limits, self.limits.set_aside(GRPC_CONNECTIONS)
+            ),
         )
         _add_servicer(_Servicer(self.service, self), server)
         address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
@@ -446,6 +497,20 @@ class GrpcFrontend:
         server.start()
         self._server = server
         log.info("gRPC frontend (KServe v2) listening on %s:%d", self.host, self.port)
+
+    def take_worker(self) -> None:
+        """Count a worker for inference, or refuse: :data:`RESERVED_WORKERS` stay for everything else."""
+        with self._inference_lock:
+            if self._inference >= self.max_workers - min(RESERVED_WORKERS, self.max_workers // 2):
+                raise TooManyRequests(
+                    f"the gRPC frontend runs {self._inference} inference calls and streams, its limit; "
+                    "retry when one ends"
+                )
+            self._inference += 1
+
+    def give_worker(self) -> None:
+        with self._inference_lock:
+            self._inference -= 1
 
     def stream_opened(self, delta: int) -> None:
         with self._streams_lock:

@@ -33,11 +33,15 @@ from edge_server.errors import (
     MalformedMessage,
     MessageTooLarge,
     ProtocolError,
+    Unavailable,
     Unsupported,
 )
 from edge_server.kserve import rest
+from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget, http_protocol
+from edge_server.kserve.json_bounds import check_json_objects
 from edge_server.kserve.service import KServeService, error_status
 from edge_server.kserve.shm import Peer
+from edge_server.limits import Limits
 
 if TYPE_CHECKING:
     import uvicorn
@@ -45,9 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20
-MAX_HEADER_BYTES = 64 << 10  # request line and headers together
+#: Bodies at least this large are decoded (inflated, parsed) on a worker thread, not on the event loop.
+OFF_LOOP_BYTES = 1 << 20
 _JSON = [(b"content-type", b"application/json")]
-_PEER_KEY = "edge_server.peer"  # scope key: the connection's Peer (a list of none or one)
 _MODEL_PATH = re.compile(
     r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/stats|/infer|/trace/setting)?"
 )
@@ -112,7 +116,7 @@ class KServeHttpApp:
             name, version, action = match.group(1), match.group(2) or "", match.group(3) or ""
             if action == "/infer":
                 _expect(method, "POST", path)
-                body = await self._body(receive, headers)
+                body = await self._body(receive, headers, scope)
                 return await self._infer(scope, headers, name, version, body)
             if action == "/trace/setting":
                 return await self._settings(scope, method, receive, headers, path)
@@ -140,12 +144,12 @@ class KServeHttpApp:
             return _json(service.statistics())
         if path == "/v2/repository/index":
             _expect(method, "POST", path)
-            request = await self._json_body(receive, headers)
+            request = await self._json_body(receive, headers, scope)
             ready = request.get("ready", False)
             return _json(service.repository_index(ready is True))
         if match := _REPO_PATH.fullmatch(path):
             _expect(method, "POST", path)
-            request = await self._json_body(receive, headers)
+            request = await self._json_body(receive, headers, scope)
             params = request.get("parameters", {})
             if not isinstance(params, dict):
                 raise InvalidArgument("'parameters' must be a JSON object")
@@ -189,7 +193,10 @@ class KServeHttpApp:
             except ValueError:
                 raise InvalidArgument("Inference-Header-Content-Length must be an integer") from None
         peer = _peer(scope)
-        decoded = rest.decode(self.service, model, version, body, length, peer)
+        if len(body) < OFF_LOOP_BYTES:
+            decoded = rest.decode(self.service, model, version, body, length, peer)
+        else:  # parsing megabytes of JSON would stall every other client of this loop
+            decoded = await asyncio.to_thread(rest.decode, self.service, model, version, body, length, peer)
         outputs = await self.service.infer(decoded.request)
         response, json_length = rest.encode(self.service, decoded, outputs, peer)
         if json_length is None:
@@ -213,7 +220,7 @@ class KServeHttpApp:
             return _json(self.service.shm_status(region, _peer(scope)))
         registry = self.service.registry()
         _expect(scope["method"], "POST", scope["path"])
-        request = await self._json_body(receive, headers)
+        request = await self._json_body(receive, headers, scope)
         if action == "unregister":
             registry.unregister(region, _peer(scope))
             return 200, b"", []
@@ -224,10 +231,13 @@ class KServeHttpApp:
         )
         return 200, b"", []
 
-    async def _json_body(self, receive: Receive, headers: dict[bytes, bytes]) -> dict[str, Any]:
-        body = await self._body(receive, headers)
+    async def _json_body(
+        self, receive: Receive, headers: dict[bytes, bytes], scope: Scope | None = None
+    ) -> dict[str, Any]:
+        body = await self._body(receive, headers, scope)
         if not body.strip():
             return {}
+        check_json_objects(body, shapes=False)
         try:
             value = json.loads(body)
         except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
@@ -236,8 +246,12 @@ class KServeHttpApp:
             raise MalformedMessage("the request body must be a JSON object")
         return value
 
-    async def _body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes:
-        """The whole body, refused before it is read when its declared length is over the limit."""
+    async def _body(self, receive: Receive, headers: dict[bytes, bytes], scope: Scope | None = None) -> bytes:
+        """The whole body, refused before it is read when its declared length is over the limit.
+
+        A compressed body is inflated no further than the room its user has left in the body budget
+        (when ``scope`` carries it), and the inflated bytes are counted there until the response is sent.
+        """
         limit = self.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -266,15 +280,36 @@ class KServeHttpApp:
             return body
         if encoding not in (b"gzip", b"deflate"):
             raise Unsupported(f"Content-Encoding {encoding.decode(errors='replace')!r}; use gzip or deflate")
-        # gzip and zlib streams alike (wbits 47: detect), inflated no further than the limit.
-        inflater = zlib.decompressobj(47 if encoding == b"gzip" else 15)
-        try:
-            plain = inflater.decompress(body, limit + 1)
-        except zlib.error as exc:
-            raise MalformedMessage(f"the {encoding.decode()} body cannot be inflated: {exc}") from None
-        if len(plain) > limit or inflater.unconsumed_tail:
+        budget: BodyBudget | None = scope.get(BUDGET_KEY) if scope is not None else None
+        room = limit if budget is None else min(limit, budget.room())
+        if len(body) < OFF_LOOP_BYTES // 64:  # inflates to at most ~1 MiB (zlib's ratio is at most 1032)
+            plain = _inflate(body, encoding, room)
+        else:
+            plain = await asyncio.to_thread(_inflate, body, encoding, room)
+        if plain is None:
+            if room < limit:
+                raise Unavailable(
+                    f"the inflated request body is over the {room} bytes left in this user's body budget "
+                    "(--max-client-body-bytes, --max-body-bytes-in-flight)"
+                )
             raise MessageTooLarge(f"the inflated request body is over this server's limit of {limit} bytes")
+        if budget is not None:
+            refusal = budget.reserve(len(plain))
+            if refusal is not None:
+                raise Unavailable(refusal)
         return plain
+
+
+def _inflate(body: bytes, encoding: bytes, limit: int) -> bytes | None:
+    """Gzip and zlib streams alike (wbits 47: detect), inflated no further than ``limit`` (None: past it)."""
+    inflater = zlib.decompressobj(47 if encoding == b"gzip" else 15)
+    try:
+        plain = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise MalformedMessage(f"the {encoding.decode()} body cannot be inflated: {exc}") from None
+    if len(plain) > limit or inflater.unconsumed_tail:
+        return None
+    return plain
 
 
 def _json(value: Any) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
@@ -306,7 +341,7 @@ def _peer(scope: Scope) -> Peer:
     The kernel's answer for a socket holds for the connection's life (sock_diag costs 30-40 us a
     request on the 2-core VM); ``client`` is the socket's own address (uvicorn's proxy headers are off).
     """
-    cached: list[Peer] | None = scope.get(_PEER_KEY)
+    cached: list[Peer] | None = scope.get(PEER_KEY)
     if cached:
         return cached[0]
     client = scope.get("client") or ("", 0)
@@ -347,8 +382,10 @@ class HttpFrontend:
         port: int = 8000,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         drain_timeout: float = 5.0,
+        limits: Limits | None = None,
     ) -> None:
         self.app = KServeHttpApp(service, max_body_bytes=max_body_bytes)
+        self.limits = limits or Limits()  # the daemon's; alone, one of the frontend's own
         self.host = host
         self.port = port
         self.drain_timeout = drain_timeout
@@ -375,7 +412,7 @@ class HttpFrontend:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
-            http=_http_impl(),
+            http=http_protocol(self.limits, self.app.max_body_bytes),
             loop=_loop_impl(),
             lifespan="off",
             log_config=None,
@@ -385,6 +422,7 @@ class HttpFrontend:
             date_header=False,
             # The client is the socket's peer, never what a header says (and the middleware costs time).
             proxy_headers=False,
+            timeout_keep_alive=self.limits.idle_timeout_s,  # type: ignore[arg-type]
         )
         server = uvicorn.Server(config)
         self._server = server
@@ -433,84 +471,6 @@ class HttpFrontend:
         self.refuse_new()
         self._thread.join(self.drain_timeout + 5)
         self._server = None
-
-
-class _OneWriteTransport:
-    """A connection's transport that sends a response's head together with its body.
-
-    uvicorn writes the status line and headers, then the body, as two writes: two ``send`` calls, two
-    TCP segments, and on loopback the client woken twice; that cost about a third of a tiny model's
-    round trip.  A response head is held here until the next write (the body, or an empty one) and both
-    leave in one ``writelines``.  ``100 Continue`` is not held; a held head is sent before a close.
-    """
-
-    __slots__ = ("_transport", "_head")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._head: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        head = self._head
-        if head is not None:
-            self._head = None
-            self._transport.writelines((head, data))
-        elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 100 "):
-            self._head = data
-        else:
-            self._transport.write(data)
-
-    def close(self) -> None:
-        if self._head is not None:
-            head, self._head = self._head, None
-            self._transport.write(head)
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-def _http_impl() -> Any:
-    """The HTTP protocol: uvicorn's httptools one, bounding the request line and headers; or h11."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        return "h11"
-
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        """httptools keeps every header line it is sent; past MAX_HEADER_BYTES the request is a 400.
-
-        Its responses leave in one write (see :class:`_OneWriteTransport`).
-        """
-
-        _header_bytes = 0
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self.transport = _OneWriteTransport(transport)  # type: ignore[assignment]
-            self._peer: list[Peer] = []  # the connection's Peer, built by its first request
-
-        def on_message_begin(self) -> None:
-            self._header_bytes = 0
-            super().on_message_begin()
-            self.scope[_PEER_KEY] = self._peer  # type: ignore[literal-required]
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value))
-            super().on_header(name, value)
-
-        def _count(self, size: int) -> None:
-            self._header_bytes += size
-            if self._header_bytes > MAX_HEADER_BYTES:
-                # raised inside a parser callback: httptools reports it as a parser error, and uvicorn
-                # answers 400 and closes the connection
-                raise ValueError(f"request line and headers over {MAX_HEADER_BYTES} bytes")
-
-    return BoundedHttpToolsProtocol
 
 
 def _loop_impl() -> str:

@@ -1,5 +1,10 @@
 """``GET /metrics``: the Prometheus text format on its own port (Triton's 8002), loopback by default.
 
+Each connection is counted in the daemon's budget (:class:`~edge_server.limits.Limits`) and served by a
+thread of its own, at most :data:`~edge_server.limits.METRICS_CONNECTIONS` at once (more are closed at
+accept), and one that has not sent its request within the header timeout is closed: idle connections
+cannot pile up threads or descriptors.
+
 prometheus-client writes the text; this module only serves it.  Its writer names a counter's HELP and
 TYPE lines ``<name>_total``; Triton's counters have no ``_total`` in their samples, so those two lines
 are renamed to the sample name and the output reads exactly like Triton's.
@@ -8,6 +13,7 @@ are renamed to the sample name and the output reads exactly like Triton's.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -17,6 +23,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from edge_server.backends.python_metrics import REGISTRY as MODEL_METRICS
 from edge_server.errors import AddressInUse
+from edge_server.kserve.shm import Peer, peer_uid
+from edge_server.limits import METRICS_CONNECTIONS, Connection, Limits
 from edge_server.metrics.collector import REQUEST_DURATION, TRITON_COUNTERS
 from edge_server.metrics.device import DeviceCollector
 
@@ -47,13 +55,62 @@ def exposition(registry: CollectorRegistry) -> bytes:
     return text
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """One thread per connection, as many as the budget and :data:`METRICS_CONNECTIONS` allow."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, limits: Limits) -> None:
+        super().__init__(address, handler)
+        self.limits = limits
+        self._busy = 0
+        self._busy_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        host, port = client_address[0], int(client_address[1])
+        peer = Peer(host, port, int(self.server_address[1]), str(self.server_address[0]))
+        connection = self.limits.connect(peer_uid(peer))
+        with self._busy_lock:
+            refusal = connection.refusal
+            if refusal is None and self._busy >= METRICS_CONNECTIONS:
+                refusal = f"{self._busy} connections are being served, the endpoint's limit"
+            if refusal is None:
+                self._busy += 1
+        if refusal is not None:
+            self.limits.disconnect(connection)
+            log.info("metrics: connection refused: %s", refusal)
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(
+            target=self._serve_counted, args=(request, client_address, connection), daemon=True
+        )
+        thread.start()
+
+    def _serve_counted(self, request: socket.socket, client_address: Any, connection: Connection) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
+            self.limits.disconnect(connection)
+
+
 class MetricsEndpoint:
     """An HTTP server thread answering ``/metrics``; ``port`` 0 picks a free one (see :attr:`port`)."""
 
-    def __init__(self, registry: CollectorRegistry, address: str = "127.0.0.1", port: int = 8002) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        address: str = "127.0.0.1",
+        port: int = 8002,
+        limits: Limits | None = None,
+    ) -> None:
         self.registry = registry
+        budget = limits or Limits()
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = budget.header_timeout_s  # the socket's: a connection that sends nothing is closed
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
@@ -73,8 +130,7 @@ class MetricsEndpoint:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 log.debug("metrics: " + format, *args)
 
-        self._httpd = ThreadingHTTPServer((address, port), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedServer((address, port), Handler, budget)
         self.address = address
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="edge-metrics", daemon=True)
@@ -90,10 +146,12 @@ class MetricsEndpoint:
         self._httpd.server_close()
 
 
-def serve_metrics(collector: Any, *, address: str, port: int) -> MetricsEndpoint:
+def serve_metrics(
+    collector: Any, *, address: str, port: int, limits: Limits | None = None
+) -> MetricsEndpoint:
     """The daemon's endpoint over ``collector``; a port that cannot be bound is a start-up error."""
     try:
-        endpoint = MetricsEndpoint(registry_with(collector), address, port)
+        endpoint = MetricsEndpoint(registry_with(collector), address, port, limits)
     except OSError as exc:
         raise AddressInUse(
             f"cannot serve metrics on {address}:{port}: {exc.strerror}; pass --metrics-port PORT or "

@@ -1,0 +1,65 @@
+"""How many Python objects a JSON body may become, checked on its bytes before ``json.loads``.
+
+``json.loads`` turns three bytes of ``[],`` into a 64-byte list: an 8 MiB body of them cost 257 MiB and
+seconds of parsing, whatever the tensor's declared shape.  So before parsing, the body's containers
+(``[``, ``{``) and values (``,``) are counted on its bytes, outside string values, and refused when
+they pass what the declared shapes (``"shape": [...]``) can need: a tensor of shape ``[a, b, c]``
+needs ``a*b*c`` values and ``a*b + a + 1`` lists at most, and every tensor a few more objects for its
+fields.  Since a client declares whatever shape it likes, lists are also bounded by the body's size
+(one per :data:`BYTES_PER_CONTAINER` bytes), so that no body becomes more than a few times its size.
+Counting is a few C-speed passes (a regular expression and ``bytes.count``); bodies under
+:data:`SMALL_BODY` are not checked (they cannot cost much).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from edge_server.errors import MalformedMessage
+
+#: Bodies below this many bytes are parsed unchecked: at most ~2 MiB of Python objects.
+SMALL_BODY = 64 << 10
+#: Containers and values any body may hold besides what its shapes need (fields, parameters, config).
+SLACK = 4096
+#: Per tensor: its object, shape, parameters and their fields.
+PER_TENSOR = 64
+#: Bytes of body per list or object at least, past :data:`SLACK` (a list costs 56-64 bytes of memory).
+BYTES_PER_CONTAINER = 16
+
+# Every JSON string, left to right (atomic and possessive: no backtracking state per character).
+_STRING = re.compile(rb'"(?>[^"\\]++|\\.)*+"')
+# Found in the raw text: a string cannot hold a bare quote, and a client may declare any shape anyway.
+_SHAPE = re.compile(rb'"shape"\s*:\s*\[([\d\s,+-]*)\]')
+_INT = re.compile(rb"-?\d+")
+_CAP = 1 << 40  # a declared product larger than this is no reason to allow more
+
+
+def check_json_objects(text: bytes | memoryview, *, shapes: bool) -> None:
+    """Raise MalformedMessage when ``text`` would build more objects than its shapes need.
+
+    ``shapes``: the body is an inference request, whose ``shape`` fields allow its ``data``; other
+    bodies (repository, settings, shared memory) get :data:`SLACK` only.
+    """
+    if len(text) < SMALL_BODY:
+        return
+    raw = bytes(text)
+    bare = _STRING.sub(b'""', raw)
+    containers = bare.count(b"[") + bare.count(b"{")
+    values = bare.count(b",")
+    allow_containers = allow_values = SLACK
+    if shapes:
+        for match in _SHAPE.finditer(raw):
+            dims = [min(abs(int(d)), _CAP) for d in _INT.findall(match.group(1))]
+            elements = min(math.prod(dims), _CAP)
+            rows = min(math.prod(dims[:-1]), elements) if dims else 0
+            allow_values += elements + PER_TENSOR
+            allow_containers += 2 * rows + PER_TENSOR
+    # Whatever the shapes say, lists stay few beside the bytes: a 64-byte list from 3 bytes of "[]," is
+    # the worst ratio JSON has (flat data, as tritonclient sends, needs one list per tensor).
+    allow_containers = min(allow_containers, SLACK + len(raw) // BYTES_PER_CONTAINER)
+    if containers > allow_containers or values > allow_values:
+        raise MalformedMessage(
+            f"the JSON body holds {containers} lists and objects and {values + 1} values, more than its "
+            f"declared shapes need ({allow_containers} and {allow_values}); it is refused unparsed"
+        )

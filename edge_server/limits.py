@@ -1,0 +1,373 @@
+"""One budget of descriptors and request memory that every way in asks before it spends them.
+
+Every listener (IPC, KServe HTTP, gRPC, the metrics endpoint) turns a client's connection into a
+descriptor and a client's body into memory.  When each counted only its own, a local user could fill
+the daemon's descriptors through HTTP and the next IPC ``accept`` made libzmq abort the process
+(EMFILE), or pin hundreds of MiB with bodies that never finish.  So one :class:`Limits` object, built
+once at start-up and handed to every frontend, holds:
+
+* the descriptor budget: connections of every listener together, at most
+  :attr:`Limits.max_connections` (``--max-connections``, and never more than the descriptors left after
+  a reserve), and at most :attr:`Limits.max_client_connections` for one uid
+  (``--max-client-connections``), so that one local user cannot lock everyone else out.  A listener asks
+  :meth:`Limits.connect` when it accepts and refuses (closes) the connection there when told no;
+  gRPC's share is set aside whole (:meth:`Limits.set_aside`), since grpcio accepts by itself and only
+  takes a cap on its connections;
+* the memory budget of request bodies while they arrive (:meth:`Limits.reserve`): all clients
+  together at most ``--max-body-bytes-in-flight``, one uid at most ``--max-client-body-bytes``;
+* the timeouts every listener applies: a connection must send its request headers within
+  ``--header-timeout-secs`` and its body within ``--body-timeout-secs``, and one idle that long
+  between requests (``--idle-timeout-secs``) is closed;
+* gRPC streams one uid may hold open (``--max-client-streams``).
+
+A peer whose uid is unknown (a TCP client on another host) counts under ``None``: such peers share one
+client's caps.  Everything here is thread-safe: listeners run on threads and event loops of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: Descriptors kept free for everything but connections and regions: models, files, hand-offs, and
+#: the connections the kernel queued before a listener could refuse them.
+FD_RESERVE = 320
+#: Connections at most, whatever the descriptor limit (libzmq and the event loops stay quick below it).
+MAX_CONNECTIONS = 4096
+
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 256 << 20
+DEFAULT_MAX_CLIENT_BODY_BYTES = 128 << 20
+DEFAULT_MAX_CLIENT_STREAMS = 32
+DEFAULT_MAX_CLIENT_REQUESTS = 1024
+DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
+#: Connections the metrics endpoint serves at once (one thread each); Prometheus needs one.
+METRICS_CONNECTIONS = 8
+
+
+@dataclass(frozen=True)
+class LimitOptions:
+    """The flags, as given (0: derived from the descriptor budget at start-up)."""
+
+    max_connections: int = 0
+    max_client_connections: int = 0
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
+    max_client_body_bytes: int = DEFAULT_MAX_CLIENT_BODY_BYTES
+    max_client_streams: int = DEFAULT_MAX_CLIENT_STREAMS
+    # --max-client-requests and --max-client-reply-bytes: IPC's, and each gRPC stream's
+    max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
+    max_client_reply_bytes: int = DEFAULT_MAX_CLIENT_REPLY_BYTES
+
+
+def descriptor_room() -> int:
+    """Descriptors for connections and for shared-memory regions, each (after raising the soft limit).
+
+    libzmq aborts the whole process when ``accept`` fails with EMFILE, so the daemon raises its soft
+    descriptor limit to the hard one and keeps connections and regions within what is left after
+    :data:`FD_RESERVE`, half for each.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return max(16, (min(soft, 1 << 20) - FD_RESERVE) // 2)
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One connection counted by :meth:`Limits.connect`: whose, and why it is refused (None: admitted)."""
+
+    uid: int | None
+    refusal: str | None
+
+
+class Limits:
+    """The daemon's one descriptor and memory budget (see the module's docstring)."""
+
+    def __init__(self, options: LimitOptions | None = None) -> None:
+        options = options or LimitOptions()
+        self.options = options
+        self.regions = descriptor_room()
+        room = min(self.regions, MAX_CONNECTIONS)
+        self.max_connections = min(room, options.max_connections) if options.max_connections > 0 else room
+        self.max_client_connections = (
+            min(options.max_client_connections, self.max_connections)
+            if options.max_client_connections > 0
+            else min(self.max_connections, max(64, self.max_connections // 4))
+        )
+        self.header_timeout_s = options.header_timeout_s
+        self.idle_timeout_s = options.idle_timeout_s
+        self.body_timeout_s = options.body_timeout_s
+        self.max_body_bytes = options.max_body_bytes_in_flight
+        self.max_client_body_bytes = options.max_client_body_bytes
+        self.max_client_streams = options.max_client_streams
+        self.max_client_requests = options.max_client_requests
+        self.max_client_reply_bytes = options.max_client_reply_bytes
+        self._lock = threading.Lock()
+        self._aside = 0  # connections set aside for listeners that accept by themselves (gRPC)
+        self._connections = 0
+        self._by_uid: dict[int | None, int] = {}
+        self._bodies = 0
+        self._body_by_uid: dict[int | None, int] = {}
+        self._streams: dict[int | None, int] = {}
+        self._watchers: list[Callable[[], None]] = []
+        self.refused_connections = 0
+        self.refused_bodies = 0
+        self.refused_streams = 0
+        self.cut_off_streams = 0  # gRPC streams cancelled for not reading their responses
+
+    # -- descriptors --------------------------------------------------------------------------------
+
+    def set_aside(self, wanted: int) -> int:
+        """Take up to ``wanted`` connections out of the shared pool for one listener; returns how many.
+
+        For gRPC, whose server accepts on its own threads and takes only a total cap
+        (``grpc.max_allowed_incoming_connections``).  At least half the pool stays shared.
+        """
+        with self._lock:
+            given = max(1, min(wanted, (self.max_connections - self._aside) // 2))
+            self._aside += given
+            return given
+
+    def connect(self, uid: int | None) -> Connection:
+        """Count one accepted connection of ``uid``; its ``refusal`` says why it must be closed, if so.
+
+        A refused connection holds its descriptor until it is closed, so it counts in :meth:`full` until
+        the listener calls :meth:`disconnect` for it too: a burst of refusals cannot exhaust the
+        descriptors while the listener is still closing them.
+        """
+        with self._lock:
+            held = self._by_uid.get(uid, 0)
+            refusal = None
+            if self._connections + self._aside >= self.max_connections:
+                refusal = (
+                    f"the daemon holds {self._connections + self._aside} connections, its limit "
+                    "(--max-connections or the descriptor budget)"
+                )
+            elif held >= self.max_client_connections:
+                refusal = (
+                    f"uid {uid} holds {held} connections, the limit for one user (--max-client-connections)"
+                )
+            else:
+                self._by_uid[uid] = held + 1
+            if refusal is not None:
+                self.refused_connections += 1
+            self._connections += 1
+            full = self._connections + self._aside >= self.max_connections
+        if full:
+            self._notify()
+        return Connection(uid, refusal)
+
+    def disconnect(self, connection: Connection) -> None:
+        """A connection counted by :meth:`connect` closed (call it once, refused or not)."""
+        with self._lock:
+            was_full = self._connections + self._aside >= self.max_connections
+            self._connections -= 1
+            if connection.refusal is None:
+                held = self._by_uid.get(connection.uid, 0) - 1
+                if held > 0:
+                    self._by_uid[connection.uid] = held
+                else:
+                    self._by_uid.pop(connection.uid, None)
+        if was_full:
+            self._notify()
+
+    def full(self) -> bool:
+        """Whether every connection of the budget is taken (IPC stops listening while it is)."""
+        return self._connections + self._aside >= self.max_connections
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on any thread, no lock held) when :meth:`full` may have changed."""
+        with self._lock:
+            self._watchers.append(callback)
+
+    def _notify(self) -> None:
+        for callback in list(self._watchers):
+            callback()
+
+    # -- memory -------------------------------------------------------------------------------------
+
+    def reserve(self, uid: int | None, nbytes: int) -> str | None:
+        """Count ``nbytes`` more of ``uid``'s bodies in flight; or, over a cap, why not (not counted)."""
+        with self._lock:
+            held = self._body_by_uid.get(uid, 0)
+            if held + nbytes > self.max_client_body_bytes:
+                self.refused_bodies += 1
+                return (
+                    f"uid {uid} has {held} bytes of request bodies arriving; {nbytes} more would pass the "
+                    f"limit for one user of {self.max_client_body_bytes} (--max-client-body-bytes)"
+                )
+            if self._bodies + nbytes > self.max_body_bytes:
+                self.refused_bodies += 1
+                return (
+                    f"the daemon has {self._bodies} bytes of request bodies arriving; {nbytes} more would "
+                    f"pass its limit of {self.max_body_bytes} (--max-body-bytes-in-flight)"
+                )
+            self._body_by_uid[uid] = held + nbytes
+            self._bodies += nbytes
+        return None
+
+    def room(self, uid: int | None) -> int:
+        """Bytes :meth:`reserve` would grant ``uid`` now (for inflating a compressed body no further)."""
+        with self._lock:
+            return max(
+                0,
+                min(
+                    self.max_client_body_bytes - self._body_by_uid.get(uid, 0),
+                    self.max_body_bytes - self._bodies,
+                ),
+            )
+
+    def release(self, uid: int | None, nbytes: int) -> None:
+        """Bytes counted by :meth:`reserve` are spent (the request was answered, or its connection closed)."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            held = self._body_by_uid.get(uid, 0) - nbytes
+            if held > 0:
+                self._body_by_uid[uid] = held
+            else:
+                self._body_by_uid.pop(uid, None)
+            self._bodies -= nbytes
+
+    # -- streams ------------------------------------------------------------------------------------
+
+    def open_stream(self, uid: int | None) -> str | None:
+        """Count one open gRPC stream of ``uid``; or, over its cap, why not."""
+        with self._lock:
+            held = self._streams.get(uid, 0)
+            if held >= self.max_client_streams:
+                self.refused_streams += 1
+                return f"uid {uid} holds {held} open streams, the limit for one user (--max-client-streams)"
+            self._streams[uid] = held + 1
+        return None
+
+    def stream_cut_off(self) -> None:
+        with self._lock:
+            self.cut_off_streams += 1
+
+    def close_stream(self, uid: int | None) -> None:
+        with self._lock:
+            held = self._streams.get(uid, 0) - 1
+            if held > 0:
+                self._streams[uid] = held
+            else:
+                self._streams.pop(uid, None)
+
+    def status(self) -> dict[str, Any]:
+        """Counters for status lines and tests."""
+        with self._lock:
+            return {
+                "connections": self._connections,
+                "connections_set_aside": self._aside,
+                "max_connections": self.max_connections,
+                "max_client_connections": self.max_client_connections,
+                "refused_connections": self.refused_connections,
+                "body_bytes_in_flight": self._bodies,
+                "refused_bodies": self.refused_bodies,
+                "streams": sum(self._streams.values()),
+                "refused_streams": self.refused_streams,
+                "cut_off_streams": self.cut_off_streams,
+            }
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of :class:`LimitOptions`: every listener's budget, in one place."""
+    group = parser.add_argument_group("limits of every listener (IPC, HTTP, gRPC, metrics)")
+    group.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=None,
+        help="connections of every listener together (default: as many as the descriptor budget allows, "
+        f"at most {MAX_CONNECTIONS})",
+    )
+    group.add_argument(
+        "--max-client-connections",
+        type=_positive,
+        default=None,
+        help="connections one user (uid) may hold over every listener (default: a quarter of the total, "
+        "at least 64)",
+    )
+    group.add_argument(
+        "--header-timeout-secs",
+        type=_seconds,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="HTTP and metrics: a connection that has not sent its request headers by then is closed",
+    )
+    group.add_argument(
+        "--body-timeout-secs",
+        type=_seconds,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="HTTP: a request whose body has not arrived whole by then is closed",
+    )
+    group.add_argument(
+        "--idle-timeout-secs",
+        type=_seconds,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="HTTP, gRPC and metrics: a connection idle that long between requests is closed",
+    )
+    group.add_argument(
+        "--max-body-bytes-in-flight",
+        type=_positive,
+        default=DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+        help="HTTP: bytes of request bodies arriving from all clients together; more are refused (503)",
+    )
+    group.add_argument(
+        "--max-client-body-bytes",
+        type=_positive,
+        default=DEFAULT_MAX_CLIENT_BODY_BYTES,
+        help="HTTP: bytes of request bodies arriving from one user (uid); more are refused (503)",
+    )
+    group.add_argument(
+        "--max-client-streams",
+        type=_positive,
+        default=DEFAULT_MAX_CLIENT_STREAMS,
+        help="gRPC: ModelStreamInfer streams one user (uid) may hold open; more are refused",
+    )
+
+
+def limit_options(args: Any) -> LimitOptions:
+    return LimitOptions(
+        max_connections=args.max_connections or 0,
+        max_client_connections=args.max_client_connections or 0,
+        header_timeout_s=args.header_timeout_secs,
+        idle_timeout_s=args.idle_timeout_secs,
+        body_timeout_s=args.body_timeout_secs,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+        max_client_body_bytes=args.max_client_body_bytes,
+        max_client_streams=args.max_client_streams,
+        max_client_requests=args.max_client_requests,
+        max_client_reply_bytes=args.max_client_reply_bytes,
+    )
