@@ -29,8 +29,9 @@ it queues, and batches with what else is queued.
 
 An instance whose backend raises :class:`InstanceFailed` (its process died, its device context is
 lost) is taken out of service: its worker closes it and asks the ``restart`` callback for a new one
-in its place, after a back-off (1 s, 2 s, 4 s ... ``RESTART_BACKOFF_MAX_S``), while the other instances
-keep serving.  See :meth:`ModelScheduler._replace`.
+in its place, after a back-off (1 s, 2 s, 4 s ... ``RESTART_BACKOFF_MAX_S``; the first wait is the model's
+``instance_restart_backoff_s`` parameter where set), while the other instances keep serving.
+See :meth:`ModelScheduler._replace`.
 
 Lock order: the scheduler's lock is never held while a backend runs or a future is completed.  A
 future's done-callbacks run in the thread that completes it, and a pipeline's callback submits the next
@@ -56,6 +57,7 @@ import numpy as np
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig, QueuePolicy
 from edge_server.errors import (
+    ConfigError,
     EdgeServerError,
     InstanceFailed,
     InvalidArgument,
@@ -88,9 +90,29 @@ _EMA_WEIGHT = 0.2
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_RESET_S = 60.0
+# The config parameter that sets the first wait (seconds): a model that must come back sooner, or a
+# test that crashes instances on purpose and should not wait the real back-off out.
+RESTART_BACKOFF_KEY = "instance_restart_backoff_s"
 
 #: Builds a new, warmed-up backend for the instance at this index (the loader's); raises if it cannot.
 Restart = Callable[[int], Backend]
+
+
+def restart_backoff(config: ModelConfig) -> float:
+    """The first restart's wait for this model: ``instance_restart_backoff_s``, or RESTART_BACKOFF_S."""
+    raw = config.parameters.get(RESTART_BACKOFF_KEY)
+    if raw is None:
+        return RESTART_BACKOFF_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= RESTART_BACKOFF_MAX_S:
+        raise ConfigError(
+            f"{config.source or config.name}: parameters {{ key: {RESTART_BACKOFF_KEY!r} }} must be a number "
+            f"of seconds from 0 to {RESTART_BACKOFF_MAX_S:g}, got {raw!r}"
+        )
+    return value
 
 
 def _input_bytes(item: BatchItem) -> int:
@@ -197,6 +219,7 @@ class ModelScheduler:
         ``restart(index)`` loads (and warms up) a fresh instance in place of instance ``index`` after
         it failed unrecoverably (:class:`InstanceFailed`); without it such an instance leaves service.
         """
+        self._backoff_s = restart_backoff(config)  # first: a bad value fails the load, nothing started
         self._config = config
         self._stats = stats
         self._settings = batch_settings(config)
@@ -625,7 +648,7 @@ class ModelScheduler:
         if time.monotonic() - self._since[index] >= RESTART_RESET_S:
             self._restarts[index] = 0
         while True:
-            delay = min(RESTART_BACKOFF_S * 2 ** self._restarts[index], RESTART_BACKOFF_MAX_S)
+            delay = min(self._backoff_s * 2 ** self._restarts[index], RESTART_BACKOFF_MAX_S)
             self._restarts[index] += 1
             if self._restart is None:
                 log.error("instance %s failed and cannot be restarted; it stays out of service", name)
