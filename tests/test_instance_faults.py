@@ -20,7 +20,6 @@ from edge_server import Server
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import ModelConfig
 from edge_server.errors import InstanceFailed, ModelExecutionError, Unavailable
-from edge_server.scheduler import scheduler as scheduler_module
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
 
@@ -114,6 +113,15 @@ def test_stop_does_not_wait_for_a_pending_restart(fragile: Path) -> None:
     assert (fragile.parent / "initialized").read_text() == "i"
 
 
+@pytest.mark.parametrize("value", ["-1", "31", "soon", "nan"])
+def test_a_bad_restart_backoff_fails_the_load_by_name(fragile: Path, value: str) -> None:
+    _backoff(fragile, value)
+    with Server(fragile) as server:
+        (status,) = server.models()
+        assert status.state.value != "READY"
+        assert "'instance_restart_backoff_s'" in status.reason and repr(value) in status.reason
+
+
 def assert_closed(backend: LostContextStandIn) -> None:
     assert backend.closed
 
@@ -144,8 +152,7 @@ class LostContextStandIn(Backend):
         self.closed = True
 
 
-def test_scheduler_replaces_only_the_failed_instance(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler_module, "RESTART_BACKOFF_S", 0.05)
+def test_scheduler_replaces_only_the_failed_instance() -> None:
     first, second = LostContextStandIn(tag="a"), LostContextStandIn(tag="b")
     restarted: list[int] = []
     allow_restart = threading.Event()
@@ -156,7 +163,7 @@ def test_scheduler_replaces_only_the_failed_instance(monkeypatch: pytest.MonkeyP
         return LostContextStandIn(tag="r")
 
     scheduler = ModelScheduler(
-        ModelConfig(name="trt", backend="tensorrt"),
+        ModelConfig(name="trt", backend="tensorrt", parameters={"instance_restart_backoff_s": "0.05"}),
         [("trt_0", first), ("trt_1", second)],
         ModelStats("trt", 1),
         restart=restart,
