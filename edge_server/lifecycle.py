@@ -714,11 +714,18 @@ class ModelManager:
             except BaseException as exc:
                 future.set_exception(exc)
 
+        # Woken by the load's end (not a poll: every load would last a whole poll period), and at
+        # least every 0.25 s to look at close() and the deadline.
+        finished = threading.Event()
+        future.add_done_callback(lambda _: finished.set())
         thread = threading.Thread(target=run, name=f"edge-load-{source.name}-{version}", daemon=True)
         thread.start()
         deadline = time.monotonic() + self.load_timeout
         while not future.done():
-            if self._closing.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+            finished.wait(min(0.25, max(0.0, deadline - time.monotonic())))
+            if future.done():
+                break
+            if self._closing.is_set():
                 future.add_done_callback(_close_abandoned)
                 raise ServerShuttingDown("the server is shutting down")
             if time.monotonic() >= deadline and not future.done():
