@@ -42,11 +42,18 @@ def load_abandonable(
         except BaseException as exc:
             future.set_exception(exc)
 
+    # Woken by the load's end (not a poll: every load would last a whole poll period), and at least
+    # every 0.25 s to look at ``closing`` and the deadline.
+    finished = threading.Event()
+    future.add_done_callback(lambda _: finished.set())
     thread = threading.Thread(target=run, name=f"edge-load-{source.name}-{version}", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
     while not future.done():
-        if closing.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+        finished.wait(min(0.25, max(0.0, deadline - time.monotonic())))
+        if future.done():
+            break
+        if closing.is_set():
             future.add_done_callback(_close_abandoned)
             raise ServerShuttingDown("the server is shutting down")
         if time.monotonic() >= deadline and not future.done():

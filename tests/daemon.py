@@ -17,6 +17,7 @@ The repository holds copies of the example ONNX models plus three test models:
 
 from __future__ import annotations
 
+import fcntl
 import os
 import resource
 import select
@@ -171,10 +172,21 @@ def python_stubs(pid: int) -> dict[str, int]:
     return found
 
 
+def ensure_examples() -> Path:
+    """The bundled example repository, made by its script where a file is missing.  xdist workers
+    call this at once: an exclusive lock on the script itself lets one build and the others find it
+    made (the script builds nothing when the repository is up to date)."""
+    script = EXAMPLES / "make_models.py"
+    with open(script, "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, str(script)], check=True, capture_output=True)
+    return EXAMPLES
+
+
 def build_repository(root: Path) -> Path:
     """The IPC test repository under ``root`` (FIFOs for the gate model beside it)."""
     if not (EXAMPLES / "identity" / "1" / "model.onnx").exists():
-        subprocess.run([sys.executable, str(EXAMPLES / "make_models.py")], check=True, capture_output=True)
+        ensure_examples()
     repo = root / "repo"
     for name in ("identity", "digits", "cnn"):
         shutil.copytree(EXAMPLES / name, repo / name, ignore=shutil.ignore_patterns("samples"))

@@ -20,7 +20,6 @@ from edge_server import Server
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import ModelConfig
 from edge_server.errors import InstanceFailed, ModelExecutionError, Unavailable
-from edge_server.scheduler import pool as pool_module
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
 
@@ -42,6 +41,9 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
+        # One mark per (re)start, outside the repository (a change inside would be a reload).
+        with open(Path(pb_utils.get_model_dir()).parents[2] / "initialized", "a") as marks:
+            marks.write("i")
         if (Path(pb_utils.get_model_dir()) / "broken").exists():
             raise RuntimeError("broken on purpose")
 
@@ -73,10 +75,8 @@ def _eventually(check: object, timeout: float = 10.0) -> None:
             time.sleep(0.05)
 
 
-def test_every_instance_down_and_restart_failing_answers_unavailable(
-    fragile: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(pool_module, "RESTART_BACKOFF_S", 0.2)
+def test_every_instance_down_and_restart_failing_answers_unavailable(fragile: Path) -> None:
+    _backoff(fragile, "0.2")
     one = {"IN": np.array([1.0], np.float32)}
     with Server(fragile) as server:
         (fragile / "fragile" / "1" / "broken").touch()  # the next initialize() fails
@@ -92,15 +92,34 @@ def test_every_instance_down_and_restart_failing_answers_unavailable(
         _eventually(lambda: np.testing.assert_array_equal(server.infer("fragile", one)["OUT"], [2.0]))
 
 
+def _backoff(repo: Path, seconds: str) -> None:
+    """Set fragile's first restart back-off (``instance_restart_backoff_s``)."""
+    config = repo / "fragile" / "config.pbtxt"
+    config.write_text(
+        config.read_text()
+        + f'parameters [ {{ key: "instance_restart_backoff_s", value: {{ string_value: "{seconds}" }} }} ]\n'
+    )
+
+
 def test_stop_does_not_wait_for_a_pending_restart(fragile: Path) -> None:
+    _backoff(fragile, "30")
     server = Server(fragile)
     try:
         with pytest.raises(InstanceFailed):
             server.infer("fragile", {"IN": np.array([13.0], np.float32)})
     finally:
-        started = time.monotonic()
-        server.close()  # the instance waits 1 s for its restart; stopping cuts that short
-    assert time.monotonic() - started < 0.9
+        server.close()  # the instance waits 30 s for its restart; stopping cuts that short
+    # Cut short, not waited out: the restart never ran (a late one would have initialized again).
+    assert (fragile.parent / "initialized").read_text() == "i"
+
+
+@pytest.mark.parametrize("value", ["-1", "31", "soon", "nan"])
+def test_a_bad_restart_backoff_fails_the_load_by_name(fragile: Path, value: str) -> None:
+    _backoff(fragile, value)
+    with Server(fragile) as server:
+        (status,) = server.models()
+        assert status.state.value != "READY"
+        assert "'instance_restart_backoff_s'" in status.reason and repr(value) in status.reason
 
 
 def assert_closed(backend: LostContextStandIn) -> None:
@@ -133,8 +152,7 @@ class LostContextStandIn(Backend):
         self.closed = True
 
 
-def test_scheduler_replaces_only_the_failed_instance(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool_module, "RESTART_BACKOFF_S", 0.05)
+def test_scheduler_replaces_only_the_failed_instance() -> None:
     first, second = LostContextStandIn(tag="a"), LostContextStandIn(tag="b")
     restarted: list[int] = []
     allow_restart = threading.Event()
@@ -145,7 +163,7 @@ def test_scheduler_replaces_only_the_failed_instance(monkeypatch: pytest.MonkeyP
         return LostContextStandIn(tag="r")
 
     scheduler = ModelScheduler(
-        ModelConfig(name="trt", backend="tensorrt"),
+        ModelConfig(name="trt", backend="tensorrt", parameters={"instance_restart_backoff_s": "0.05"}),
         [("trt_0", first), ("trt_1", second)],
         ModelStats("trt", 1),
         restart=restart,

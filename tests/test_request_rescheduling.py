@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import textwrap
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,8 @@ _ITERATIVE = "sequence_batching { iterative_sequence: true oldest { max_candidat
 _DECOUPLED = "model_transaction_policy { decoupled: true }"
 
 # Counts up to N, one step per execution, rescheduling until done; answers the number of steps.
-# State is keyed by request id, as Triton's iterative examples do; each run is logged with its id.
+# State is keyed by request id, as Triton's iterative examples do, and by sequence: over IPC the request
+# id is the client's message id, which another client reuses.
 _COUNTER = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -48,7 +48,7 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy().reshape(-1)[0])
-            key = request.request_id()
+            key = (request.request_id(), request.correlation_id())
             self.steps[key] = self.steps.get(key, 0) + 1
             if self.steps[key] < n:
                 request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
@@ -59,7 +59,8 @@ class TritonPythonModel:
         return responses
 """
 
-# Streams N responses (N-1, ..., 0), one per execution; the last one carries the final flag.
+# Streams N responses (N-1, ..., 0), one per execution; the last one carries the final flag.  Each
+# execution is logged as "<request id> seq<correlation id>".
 _STREAMER = """
 import time
 import numpy as np
@@ -72,13 +73,13 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            key = request.request_id()
+            key = (request.request_id(), request.correlation_id())
             if key not in self.remaining:
                 self.remaining[key] = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0, 0])
             self.remaining[key] -= 1
             left = self.remaining[key]
             with open(self.log, "a") as f:
-                f.write(key + "\\n")
+                f.write(f"{key[0]} seq{key[1]}\\n")
             out = pb_utils.Tensor("OUT", np.array([[left]], np.int32))
             sender = request.get_response_sender()
             if left <= 0:
@@ -180,24 +181,32 @@ def _executions(log: Path, request_id: str) -> int:
     return log.read_text().split().count(request_id) if log.exists() else 0
 
 
-def _settled(log: Path, request_id: str) -> int:
-    """The number of executions of ``request_id`` once it stops growing (10 s at most)."""
-    last, deadline = -1, time.monotonic() + 10
-    while time.monotonic() < deadline:
+def _settled(log: Path, request_id: str, sync: Callable[[str], object]) -> int:
+    """The number of executions of ``request_id`` once it stops growing: counted before and after
+    ``sync`` streams a short sequence through the same model (a live iterative request would run in
+    its batches), until two counts agree; fails if they never do (20 rounds)."""
+    last = -1
+    for i in range(20):
         now = _executions(log, request_id)
         if now == last:
             return now
         last = now
-        time.sleep(0.3)
-    return last
+        sync(f"{request_id}-sync{i}")
+    raise AssertionError(f"{request_id} still runs: {last} executions and counting")
 
 
 # -- in-process ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    with Server(build(tmp_path / "repo", tmp_path / "runs.log")) as server:
+@pytest.fixture(scope="module")
+def inproc_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("inproc")
+
+
+@pytest.fixture(scope="module")
+def server(inproc_root: Path) -> Iterator[Server]:
+    """One server for the module: every test uses request and sequence ids of its own."""
+    with Server(build(inproc_root / "repo", inproc_root / "runs.log")) as server:
         yield server
 
 
@@ -224,11 +233,11 @@ def test_concurrent_iterative_sequences_batch_together_and_keep_their_state(serv
 
 @pytest.mark.parametrize("model", ["streamer", "streamer_isolated"])
 def test_decoupled_model_streams_one_response_per_execution(
-    server: Server, tmp_path: Path, model: str
+    server: Server, inproc_root: Path, model: str
 ) -> None:
     responses = list(server.stream(model, _n(4), timeout=10, request_id=f"{model}4", **_seq()))
     assert [int(r["OUT"][0, 0]) for r in responses] == [3, 2, 1, 0]
-    assert _executions(tmp_path / "runs.log", f"{model}4") == 4
+    assert _executions(inproc_root / "runs.log", f"{model}4") == 4
 
 
 def test_reschedule_without_iterative_sequence_fails_precisely(server: Server) -> None:
@@ -260,12 +269,16 @@ def test_endless_rescheduling_is_bounded_by_the_request_timeout(server: Server) 
     assert server.infer("counter", _n(2), request_id="after", **_seq())["OUT"].tolist() == [[2]]
 
 
-def test_closing_the_stream_stops_the_iterations(server: Server, tmp_path: Path) -> None:
-    log = tmp_path / "runs.log"
+def test_closing_the_stream_stops_the_iterations(server: Server, inproc_root: Path) -> None:
+    log = inproc_root / "runs.log"
     stream = server.stream("streamer", _n(100_000), timeout=10, request_id="cancel-me", **_seq())
     assert int(next(stream)["OUT"][0, 0]) == 99_999
     stream.close()
-    assert _settled(log, "cancel-me") < 100_000
+
+    def sync(request_id: str) -> object:
+        return list(server.stream("streamer", _n(2), timeout=10, request_id=request_id, **_seq()))
+
+    assert _settled(log, "cancel-me", sync) < 100_000
     assert server.infer("counter", _n(2), request_id="next", **_seq())["OUT"].tolist() == [[2]]
 
 
@@ -309,10 +322,15 @@ def test_ipc_errors(client: Client) -> None:
 
 
 def test_ipc_cancel_mid_iteration(client: Client, root: Path) -> None:
-    with client.stream("streamer", _n(100_000), request_id="ipc-cancel", **_ipc_seq()) as stream:
+    seq = _ipc_seq()
+    with client.stream("streamer", _n(100_000), **seq) as stream:
         assert int(next(stream)["OUT"][0, 0]) == 99_999
         assert int(next(stream)["OUT"][0, 0]) == 99_998
-    assert _settled(root / "runs.log", "ipc-cancel") < 100_000
+
+    def sync(request_id: str) -> object:
+        return list(client.stream("streamer", _n(2), request_id=request_id, **_ipc_seq()))
+
+    assert 2 <= _settled(root / "runs.log", f"seq{seq['sequence_id']}", sync) < 100_000
     assert client.infer("counter", _n(2), request_id="i2", **_ipc_seq())["OUT"].tolist() == [[2]]
 
 

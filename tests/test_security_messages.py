@@ -119,11 +119,10 @@ def test_descriptor_exhaustion_is_refused_cleanly_never_an_abort(
     """libzmq aborts the process when accept() fails with EMFILE: with a low RLIMIT_NOFILE and more
     connections than descriptors, the daemon must stop accepting at its cap, stay up, and accept again
     once connections close."""
-    import time
-
     import zmq
 
-    from tests.daemon import build_repository, start_daemon, stop_daemon
+    from edge_server.ipc import addresses
+    from tests.daemon import build_repository, start_daemon, stop_daemon, wait_for
 
     proc = start_daemon(tmp_path, build_repository(tmp_path), "fd.sock", nofile=256)
     ctx = zmq.Context()
@@ -134,13 +133,15 @@ def test_descriptor_exhaustion_is_refused_cleanly_never_an_abort(
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(proc.address)
             socks.append(sock)
-        time.sleep(2.0)
+        # At its cap the daemon moves its socket file out of connect's way (the OS shows it).
+        path = addresses.ipc_path(proc.address)
+        assert path is not None
+        wait_for(lambda: addresses.paused_path(path).exists(), timeout=30, what="the daemon's cap")
         assert proc.proc is not None and proc.proc.poll() is None, proc.log()
         for sock in socks:
             sock.close(0)
         socks.clear()
-        time.sleep(0.5)
-        still_serves(proc)
+        still_serves(proc)  # its client reconnects until the daemon accepts again
         with Client(proc.address, timeout=10) as client:
             status = client.ipc_status()
             assert status["paused_accepting"] > 0, status  # the listener closed at the cap, and came back

@@ -7,7 +7,6 @@ client once that many bytes of replies wait for it, releases them, and keeps ser
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -122,10 +121,12 @@ def test_a_client_that_never_reads_is_disconnected_and_its_replies_released(capp
 
 
 def test_a_client_that_reads_slowly_but_stays_under_the_cap_keeps_its_connection(capped: Daemon) -> None:
-    with Client(capped.address, timeout=30) as client:
+    with Client(capped.address, timeout=30) as client, Client(capped.address, timeout=30) as other:
         released_before = client.ipc_status()["released_clients"]
+        done_before = other.statistics("blob")[0]["inference_count"]
         futures = [client.submit("blob", {"SIZE": np.array([BLOB])}) for _ in range(16)]
-        time.sleep(0.5)  # 16 MiB wait in the daemon for a client that reads later
+        # 16 MiB wait in the daemon for a client that reads later
+        wait_for(lambda: other.statistics("blob")[0]["inference_count"] >= done_before + 16, what="replies")
         for future in futures:
             assert future.result(30)["BLOB"].nbytes == BLOB
         assert client.ipc_status()["released_clients"] == released_before

@@ -15,7 +15,8 @@ backend runs or a future is completed (a future's callbacks may submit to this v
 An instance whose backend raises :class:`InstanceFailed` (its process died, its device context is
 lost), or reports it while idle through :meth:`Backend.watch`, is taken out of service: its worker
 closes it and asks ``restart`` for a new one in its place, after a back-off (1 s, 2 s, 4 s ...
-``RESTART_BACKOFF_MAX_S``), while the other instances keep serving.  PyTriton's split, kept here: "this
+``RESTART_BACKOFF_MAX_S``; the first wait is the model's ``instance_restart_backoff_s`` parameter
+where set), while the other instances keep serving.  PyTriton's split, kept here: "this
 request failed" is the batcher's result; "this instance can never serve again" is the pool's.
 """
 
@@ -31,7 +32,8 @@ from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
-from edge_server.errors import EdgeServerError, InstanceFailed, ModelExecutionError
+from edge_server.config.model import ModelConfig
+from edge_server.errors import ConfigError, EdgeServerError, InstanceFailed, ModelExecutionError
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +42,31 @@ log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_RESET_S = 60.0
+# The config parameter that sets the first wait (seconds): a model that must come back sooner, or a
+# test that crashes instances on purpose and should not wait the real back-off out.
+RESTART_BACKOFF_KEY = "instance_restart_backoff_s"
 
 #: Builds a new, warmed-up backend for the instance at this index (the loader's); raises if it cannot.
 Restart = Callable[[int], Backend]
 
 W = TypeVar("W")
+
+
+def restart_backoff(config: ModelConfig) -> float:
+    """The first restart's wait for this model: ``instance_restart_backoff_s``, or RESTART_BACKOFF_S."""
+    raw = config.parameters.get(RESTART_BACKOFF_KEY)
+    if raw is None:
+        return RESTART_BACKOFF_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= RESTART_BACKOFF_MAX_S:
+        raise ConfigError(
+            f"{config.source or config.name}: parameters {{ key: {RESTART_BACKOFF_KEY!r} }} must be a number "
+            f"of seconds from 0 to {RESTART_BACKOFF_MAX_S:g}, got {raw!r}"
+        )
+    return value
 
 
 class Batcher(Protocol[W]):
@@ -113,6 +135,7 @@ class InstancePool(Generic[W]):
         batcher: Batcher[W],
         *,
         restart: Restart | None = None,
+        backoff_s: float = RESTART_BACKOFF_S,
     ) -> None:
         """Prepare one worker per instance; :meth:`start` starts them.
 
@@ -120,6 +143,7 @@ class InstancePool(Generic[W]):
         it failed unrecoverably; without it such an instance leaves service.
         """
         self.model = model
+        self._backoff_s = backoff_s
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.stopping = False
@@ -282,7 +306,7 @@ class InstancePool(Generic[W]):
         if time.monotonic() - self._since[index] >= RESTART_RESET_S:
             self._restarts[index] = 0
         while True:
-            delay = min(RESTART_BACKOFF_S * 2 ** self._restarts[index], RESTART_BACKOFF_MAX_S)
+            delay = min(self._backoff_s * 2 ** self._restarts[index], RESTART_BACKOFF_MAX_S)
             self._restarts[index] += 1
             if self._restart is None:
                 log.error("instance %s failed and cannot be restarted; it stays out of service", name)

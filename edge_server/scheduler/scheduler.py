@@ -45,7 +45,7 @@ from edge_server.scheduler.inline import (  # noqa: F401  (re-exported: tests an
     InlinePolicy,
 )
 from edge_server.scheduler.policy import BatchSettings, next_batch
-from edge_server.scheduler.pool import InstancePool, Restart
+from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue, timed_out
 from edge_server.scheduler.stats import ModelStats
 
@@ -100,6 +100,7 @@ class ModelScheduler:
         ``restart(index)`` loads (and warms up) a fresh instance in place of instance ``index`` after
         it failed unrecoverably (:class:`InstanceFailed`); without it such an instance leaves service.
         """
+        self._backoff_s = restart_backoff(config)  # first: a bad value fails the load, nothing started
         self._config = config
         self._stats = stats
         self._settings = batch_settings(config)
@@ -119,7 +120,9 @@ class ModelScheduler:
         self._output_dims = {t.name: t.dims for t in config.outputs if t.reshape is not None}
         # The pool's lock is this scheduler's: a plain lock (entered directly on the request path) and
         # a condition over it for the workers.
-        self._pool: InstancePool[_Work] = InstancePool(config.name, instances, self, restart=restart)
+        self._pool: InstancePool[_Work] = InstancePool(
+            config.name, instances, self, restart=restart, backoff_s=restart_backoff(config)
+        )
         self._lock = self._pool.lock
         self._cond = self._pool.cond
         self._queue = RequestQueue(self._levels, self._policies)

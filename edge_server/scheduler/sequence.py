@@ -63,7 +63,7 @@ from edge_server.errors import (
 )
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, Rescheduled
 from edge_server.scheduler.policy import BatchSettings, next_batch
-from edge_server.scheduler.pool import InstancePool, Restart
+from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
 from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.sequence_tensors import SequenceTensors, State
 from edge_server.scheduler.stats import ModelStats
@@ -149,7 +149,9 @@ class SequenceScheduler:
         )
         self._max_candidates = seq.max_candidate_sequences
         self._max_sequences = MAX_SEQUENCES
-        self._pool: InstancePool[list[_Row]] = InstancePool(config.name, instances, self, restart=restart)
+        self._pool: InstancePool[list[_Row]] = InstancePool(
+            config.name, instances, self, restart=restart, backoff_s=restart_backoff(config)
+        )
         self._lock = self._pool.lock
         self._cond = self._pool.cond
         # sequences that take requests (END not yet sent), by (owner, correlation id)
