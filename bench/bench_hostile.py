@@ -2,15 +2,15 @@
 
     .venv/bin/python bench/bench_hostile.py [--quick] [--seconds 10] [--only idle-tcp gzip-bomb] [--json F]
 
-One daemon serves ``identity`` over IPC, KServe HTTP and KServe gRPC (client shared memory on, metrics
-on).  Eight well-behaved clients keep sending small requests (FP32 [16]), each one at a time with a
-short pause: 3 over IPC (our ``Client``; one of them moves its input through a shared-memory region it
-re-registers every 25 requests, so descriptor hand-offs happen throughout), 3 over HTTP and 2 over gRPC
-(the real ``tritonclient``).  Their latencies are measured first against the idle daemon, then while ONE
-hostile client (``bench/hostile_attacks.py``, another process, run as another uid when the benchmark
-runs as root: 60000 + the attack's index) makes, in turn, each attack of issue 23's items 1-7 and 17-21,
-for ``--seconds`` each.  The daemon runs under RLIMIT_NOFILE 1024 (``--nofile``), where the issue
-reproduced the descriptor cases.
+One daemon serves ``identity`` (and ``frame``, for a large input from shared memory) over IPC, KServe
+HTTP and KServe gRPC (client shared memory on, metrics on). Eight well-behaved clients keep sending small
+requests (FP32 [16]), each one at a time with a short pause: 3 over IPC (our ``Client``; one of them
+moves its input through a shared-memory region it re-registers every 25 requests, so descriptor hand-offs
+happen throughout), 3 over HTTP and 2 over gRPC (the real ``tritonclient``). Their latencies are measured
+first against the idle daemon, then while ONE hostile client (``bench/hostile_attacks.py``, another
+process, run as another uid when the benchmark runs as root: 60000 + the attack's index) makes, in turn,
+each attack of issue 23's items 1-7 and 17-21, for ``--seconds`` each. The daemon runs under
+RLIMIT_NOFILE 1024 (``--nofile``), where the issue reproduced the descriptor cases.
 
 Reported per attack: the good clients' p50/p99 and the p99's ratio to idle (target: within 2x), whether
 every good request succeeded, whether the daemon stayed up (it is restarted for the next attack if not),
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.hostile_attacks import ATTACKS  # noqa: E402
-from tests.daemon import EXAMPLES, Daemon, free_port, kserve_flags  # noqa: E402
+from tests.daemon import EXAMPLES, FRAME_CONFIG, Daemon, frame_model, free_port, kserve_flags  # noqa: E402
 
 REQUEST_TIMEOUT_S = 10.0
 SPLIT = (("ipc", 2), ("ipc-shm", 1), ("http", 3), ("grpc", 2))  # 8 good clients
@@ -102,6 +102,8 @@ class Server:
         shutil.copytree(
             EXAMPLES / "identity", self.repo / "identity", ignore=shutil.ignore_patterns("samples")
         )
+        frame_model(self.repo / "frame" / "1" / "model.onnx")  # reads a frame's first and last bytes only
+        (self.repo / "frame" / "config.pbtxt").write_text(FRAME_CONFIG)
         self.daemon: Daemon | None = None
         self.starts = 0
 
