@@ -205,27 +205,44 @@ def _connect(kind: str, address: str, server: Server, x: np.ndarray) -> tuple[An
     return (lambda: call().as_numpy("OUTPUT0")), client.close
 
 
+class PeakRss:
+    """Samples the daemon's VmRSS every 50 ms into ``phase.rss_peak``, from the attack's launch to its end."""
+
+    def __init__(self, pid: int, phase: Phase) -> None:
+        self.pid, self.phase = pid, phase
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            rss = rss_kib(self.pid)
+            if rss is not None:
+                self.phase.rss_peak = max(self.phase.rss_peak, rss)
+            if self._stop.wait(0.05):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def measure(server: Server, phase: Phase, seconds: float, pause: float) -> None:
-    """Run the 8 good clients for ``seconds`` while sampling the daemon's RSS into ``phase``."""
-    assert server.daemon is not None
-    pid = server.daemon.pid
+    """Run the 8 good clients for ``seconds``; their outcomes go into ``phase``."""
     stop = threading.Event()
     threads = [
         threading.Thread(target=good_client, args=(kind, server, phase, stop, pause), daemon=True)
         for kind, n in SPLIT
         for _ in range(n)
     ]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        rss = rss_kib(pid)
-        if rss is not None:
-            phase.rss_peak = max(phase.rss_peak, rss)
-        time.sleep(0.05)
-    stop.set()
-    for thread in threads:
-        thread.join(REQUEST_TIMEOUT_S + 15)
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(seconds)
+    finally:  # also when the run is interrupted: no client is left talking to a daemon being stopped
+        stop.set()
+        for thread in threads:
+            thread.join(REQUEST_TIMEOUT_S + 15)
     if any(thread.is_alive() for thread in threads):
         phase.record(None, "a good client did not return within its request timeout")
 
@@ -306,6 +323,7 @@ def run_attack(name: str, server: Server, args: argparse.Namespace, settle: floa
         server.start()
     assert server.daemon is not None
     phase.rss_start = phase.rss_peak = rss_kib(server.daemon.pid) or 0
+    peak = PeakRss(server.daemon.pid, phase)
     attacker = Attacker(name, server, args.seconds)
     try:
         state, what = attacker.wait_armed(timeout=60)
@@ -318,9 +336,10 @@ def run_attack(name: str, server: Server, args: argparse.Namespace, settle: floa
             phase.skipped = f"attack failed: {what}"
     finally:
         done = attacker.stop()
+        time.sleep(settle)  # what the attacker held is released (closes, disconnects, expiries)
+        peak.stop()
     if phase.attacker:
         phase.attacker += f"; {done}"
-    time.sleep(settle)  # what the attacker held is released (closes, disconnects, expiries)
     if server.up:
         phase.rss_end = rss_kib(server.daemon.pid) or 0
     else:
@@ -413,7 +432,11 @@ def main() -> int:
     def expired(*_: Any) -> None:
         raise TimeoutError(f"bench_hostile: the whole run took over {budget:.0f} s")
 
+    def terminated(*_: Any) -> None:
+        raise SystemExit("bench_hostile: terminated; stopping the daemon and the attacker")
+
     signal.signal(signal.SIGALRM, expired)
+    signal.signal(signal.SIGTERM, terminated)
     signal.alarm(int(budget))
     work = Path(tempfile.mkdtemp(prefix="bench-hostile-"))
     os.chmod(work, 0o755)  # the attacker (uid 65534) reaches the sockets inside
@@ -424,7 +447,9 @@ def main() -> int:
         measure(server, Phase("warm-up"), min(args.seconds, 2.0), args.pause)  # connections, first runs
         start_rss = rss_kib(server.daemon.pid) or 0
         idle = Phase("idle (no attacker)", rss_start=start_rss, rss_peak=start_rss)
+        peak = PeakRss(server.daemon.pid, idle)
         measure(server, idle, args.seconds, args.pause)
+        peak.stop()
         idle.rss_end = rss_kib(server.daemon.pid) or 0
         phases = [idle]
         for name in names:
