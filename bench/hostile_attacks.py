@@ -9,12 +9,10 @@ importing their helpers where they exist), is bounded in count and time, and run
 benchmark then measures its good clients), ``SKIP <reason>`` and exits 3 where the attack cannot be made
 here, and ``DONE <what happened>`` after cleaning up.
 
-Started as root, it imports everything it needs and then drops to ``--uid`` (default 65534) before it
-connects: a hostile *local user* is another uid, and the daemon's per-peer budgets are per uid (the
-benchmark gives each attack a uid of its own, so that what one attack left pending, such as hand-off
-tokens waiting for their 30 s expiry, is not charged to the next).  Not root: it stays this uid and says
-so (per-uid limits then count the good clients and the attacker together).
-All traffic goes to 127.0.0.1 and local Unix sockets.
+Started as root, it imports everything it needs, then drops to ``--uid`` before it connects: a hostile
+local user is another uid, and the daemon's budgets are per uid (each attack gets a uid of its own, so
+that what one left pending, such as hand-off tokens before their 30 s expiry, is not charged to the
+next).  Not root: it stays this uid and says so.  All traffic stays on 127.0.0.1 and local sockets.
 """
 
 from __future__ import annotations
@@ -67,7 +65,6 @@ class Target:
     http_port: int
     grpc_port: int
     metrics_port: int
-    seconds: float
 
     @property
     def handoff(self) -> Path:
@@ -494,7 +491,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--uid", type=int, default=NOBODY, help="the user to attack as, when started as root")
     args = parser.parse_args()
-    target = Target(args.ipc, args.http_port, args.grpc_port, args.metrics_port, args.seconds)
+    target = Target(args.ipc, args.http_port, args.grpc_port, args.metrics_port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # Never outlive the benchmark by much, whatever happens to it.
