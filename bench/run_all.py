@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bench_http_stacks": (["--short"], []),
     "bench_shm_outputs": (["--short"], []),
     "bench_soak": (["--quick"], []),
+    "bench_hostile": (["--quick"], []),
 }
 
 
