@@ -28,6 +28,7 @@ from edge_server.platform.gpus import gpu_ids
 from edge_server.repository import ModelSource
 from edge_server.request import ModelAccess
 from edge_server.scheduler.interface import RequestScheduler
+from edge_server.scheduler.pool import restart_backoff
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.sequence import SequenceScheduler
 from edge_server.scheduler.stats import ModelStats
@@ -157,6 +158,7 @@ def load_version(
     config = backend_cls.complete_config(config, model_path)
     validate_config(config)  # what the backend filled in obeys the same rules as what was written
     _check_io(config)
+    restart_backoff(config)  # a bad value fails the load by name before any instance is started
     config = config.replace(instance_groups=named_instance_groups(config))
     warn_missing_gpus(config, gpu_ids())
     specs = instance_specs(
@@ -206,10 +208,15 @@ def load_version(
         return build(specs[index])
 
     scheduler: ModelScheduler | SequenceScheduler
-    if config.sequence_batching is not None:
-        scheduler = SequenceScheduler(config, instances, stats, source.path, restart=restart)
-    else:
-        scheduler = ModelScheduler(config, instances, stats, restart=restart)
+    try:
+        if config.sequence_batching is not None:
+            scheduler = SequenceScheduler(config, instances, stats, source.path, restart=restart)
+        else:
+            scheduler = ModelScheduler(config, instances, stats, restart=restart)
+    except BaseException:  # nothing serves them: close what was started (an isolated model's process)
+        for _, backend in instances:
+            backend.close()
+        raise
     return LoadedVersion(
         name=source.name,
         version=version,

@@ -14,6 +14,7 @@ import pytest
 from edge_server.client import Client, SharedMemoryRegion
 from edge_server.errors import ShmOutOfBounds, ShmUnavailable
 from tests.daemon import Daemon, build_repository, start_daemon, stop_daemon
+from tests.users import open_socket, public_directory
 
 NOBODY = 65534
 
@@ -72,21 +73,16 @@ def as_other_user(function: Any, *args: Any) -> Any:
 @pytest.fixture(scope="module")
 def open_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon whose socket everyone may reach, as a group-shared socket would be in the field."""
-    root = tmp_path_factory.mktemp("deputy")
-    public = root / "public"
-    public.mkdir()
-    os.chmod(public, 0o777)
-    for parent in [root, *root.parents]:  # so that the second user can reach the socket
-        if str(parent).startswith("/tmp/"):
-            os.chmod(parent, os.stat(parent).st_mode | 0o005)
-    repo = build_repository(public)
-    proc = start_daemon(public, repo, "d.sock")
-    for name in ("d.sock", "d.sock.shm"):
-        os.chmod(public / name, 0o666)
-    try:
-        yield proc
-    finally:
-        assert stop_daemon(proc) == 0, proc.log()
+    # Not under pytest's base directory: every pytest run (each xdist worker too) sets it back to 0700,
+    # which would cut the second user off midway.
+    with public_directory() as public:
+        repo = build_repository(public)
+        proc = start_daemon(public, repo, "d.sock")
+        open_socket(proc.address)
+        try:
+            yield proc
+        finally:
+            assert stop_daemon(proc) == 0, proc.log()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a second local user (uid 65534) in the test")
