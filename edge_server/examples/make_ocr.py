@@ -68,7 +68,8 @@ def package_models() -> Path:
     if spec is None or spec.origin is None:
         raise InvalidArgument(
             f"the OCR example copies its models from the {PACKAGE} package: "
-            "pip install 'edge-server[models]' (into the same environment; Python < 3.13)"
+            "pip install 'edge-server[ocr]' and then pip install --no-deps 'rapidocr_onnxruntime>=1.4,<1.5' "
+            "(into the same environment; Python < 3.13; --no-deps keeps its GUI OpenCV out)"
         )
     return Path(spec.origin).parent / "models"
 

@@ -1,7 +1,8 @@
 """``edge-server make-examples [--ocr] DIR``: an example model repository from an installed edge-server.
 
 ``--ocr`` makes the second one, real pretrained text reading (:mod:`edge_server.examples.make_ocr`:
-the PP-OCR models copied from the ``rapidocr_onnxruntime`` wheel, which the ``models`` extra installs).
+the PP-OCR models copied from the ``rapidocr_onnxruntime`` wheel, installed with ``--no-deps`` beside the
+``ocr`` extra: see pyproject.toml).
 
 The same repository as a checkout's ``python models/make_models.py``: the generator and its hand-written
 files ship in the package (:mod:`edge_server.examples`); the ONNX models are built here and need the
