@@ -324,8 +324,10 @@ fi
 
 # -- reload ---------------------------------------------------------------------------------------------
 
-check "systemctl reload: STATUS= notes the reload" bash -c \
-    "x systemctl reload edge-server && show StatusText | grep -q 'last reload .* ok'"
+x systemctl reload edge-server
+# The STATUS= line is rewritten on the daemon's next status tick after READY=1, not with it.
+check "systemctl reload: STATUS= notes the reload" wait_until 30 bash -c \
+    "show StatusText | grep -q 'last reload .* ok'"
 
 # -- drain on stop -----------------------------------------------------------------------------------
 
