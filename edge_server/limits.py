@@ -33,9 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from edge_server.memory import DeferredTrim
+
 #: Descriptors kept free for everything but connections and regions: models, files, hand-offs, and
 #: the connections the kernel queued before a listener could refuse them.
 FD_RESERVE = 320
+#: Releasing a body at least this large asks for a heap trim (see :class:`~edge_server.memory.DeferredTrim`).
+TRIM_AFTER_BYTES = 1 << 20
 #: Connections at most, whatever the descriptor limit (libzmq and the event loops stay quick below it).
 MAX_CONNECTIONS = 4096
 
@@ -127,6 +131,8 @@ class Limits:
         self.refused_bodies = 0
         self.refused_streams = 0
         self.cut_off_streams = 0  # gRPC streams cancelled for not reading their responses
+        #: gives freed memory back to the system a while after a client's large buffers go (every listener)
+        self.trimmer = DeferredTrim()
 
     # -- descriptors --------------------------------------------------------------------------------
 
@@ -241,6 +247,8 @@ class Limits:
             else:
                 self._body_by_uid.pop(uid, None)
             self._bodies -= nbytes
+        if nbytes >= TRIM_AFTER_BYTES:  # a large body's pages go back once its request is done
+            self.trimmer.request()
 
     # -- streams ------------------------------------------------------------------------------------
 
@@ -257,6 +265,7 @@ class Limits:
     def stream_cut_off(self) -> None:
         with self._lock:
             self.cut_off_streams += 1
+        self.trimmer.request()  # its replies are freed as grpc drops them
 
     def close_stream(self, uid: int | None) -> None:
         with self._lock:

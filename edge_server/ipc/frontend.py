@@ -41,7 +41,6 @@ from edge_server.ipc.handoff import FdHandoff, handoff_path
 from edge_server.ipc.peers import Peer, PeerTable, same_connection
 from edge_server.ipc.wakeup import signal_eventfd
 from edge_server.limits import Connection, LimitOptions, Limits
-from edge_server.memory import DeferredTrim
 from edge_server.request import ResponseSink
 
 if TYPE_CHECKING:
@@ -133,7 +132,7 @@ class IpcFrontend:
         self._socket_file: tuple[int, int] | None = None
         self._stop_deadline = 0.0
         self.dropped_replies = 0
-        self._trimmer = DeferredTrim()  # after a client is dropped
+        self._trimmer = self._limits.trimmer  # after a client is dropped: the daemon's one trimmer
         self.turns = 0  # loop turns of the frontend thread: its progress counter for the watchdog
 
     # -- lifecycle ------------------------------------------------------------------------------

@@ -282,7 +282,7 @@ class KServeHttpApp:
             raise Unsupported(f"Content-Encoding {encoding.decode(errors='replace')!r}; use gzip or deflate")
         budget: BodyBudget | None = scope.get(BUDGET_KEY) if scope is not None else None
         room = limit if budget is None else min(limit, budget.room())
-        if len(body) < OFF_LOOP_BYTES // 64:  # inflates to at most ~1 MiB (zlib's ratio is at most 1032)
+        if len(body) < OFF_LOOP_BYTES // 1032:  # inflates to at most ~1 MiB (zlib's ratio is at most 1032)
             plain = _inflate(body, encoding, room)
         else:
             plain = await asyncio.to_thread(_inflate, body, encoding, room)
