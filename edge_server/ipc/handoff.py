@@ -340,10 +340,15 @@ def hand_over(path: Path, fd: int, timeout: float = 5.0) -> str:
         sock.settimeout(timeout)
         try:
             sock.connect(str(path))
-            socket.send_fds(sock, [HELLO], [fd])
+            try:
+                socket.send_fds(sock, [HELLO], [fd])
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a refused connection: the daemon wrote why before it closed; read it below
             reply = sock.recv(1024)
         except OSError as exc:
             raise ShmUnavailable(f"cannot hand the segment to the daemon at {path}: {exc}") from None
+        if not reply:
+            raise ShmUnavailable(f"cannot hand the segment to the daemon at {path}: it closed the connection")
     if reply.startswith(b"OK "):
         return reply[3:].decode()
     raise ShmUnavailable(f"the daemon refused the segment: {reply[4:].decode(errors='replace')}")
