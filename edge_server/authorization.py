@@ -17,18 +17,9 @@ from __future__ import annotations
 
 import grp
 import os
-import pwd
 
 from edge_server.errors import InvalidArgument, PermissionDenied
-
-
-def user_groups(uid: int) -> set[int]:
-    """The primary and supplementary groups of ``uid`` in the user database (empty if unknown)."""
-    try:
-        entry = pwd.getpwuid(uid)
-    except KeyError:
-        return set()
-    return set(os.getgrouplist(entry.pw_name, entry.pw_gid))
+from edge_server.platform.users import user_groups
 
 
 def group_id(group: str | None) -> int | None:

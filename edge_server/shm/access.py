@@ -9,8 +9,9 @@ passes.  Descriptors a client handed over need no such check: holding one is the
 from __future__ import annotations
 
 import os
-import pwd
 import stat
+
+from edge_server.platform.users import user_groups
 
 
 def may_access(uid: int, st: os.stat_result, *, write: bool) -> bool:
@@ -24,12 +25,3 @@ def may_access(uid: int, st: os.stat_result, *, write: bool) -> bool:
     else:
         bit = stat.S_IWOTH if write else stat.S_IROTH
     return bool(st.st_mode & bit)
-
-
-def user_groups(uid: int) -> set[int]:
-    """The primary and supplementary groups of ``uid`` in the user database (empty if unknown)."""
-    try:
-        entry = pwd.getpwuid(uid)
-    except KeyError:
-        return set()
-    return set(os.getgrouplist(entry.pw_name, entry.pw_gid))
