@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.machinery
-import importlib.util
 import inspect
-import itertools
 import json
 import logging
 import sys
@@ -25,13 +22,13 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from types import CodeType, ModuleType
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends import pb_context, pb_utils
+from edge_server.backends import pb_context, pb_imports, pb_utils
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import (
@@ -55,38 +52,20 @@ sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 _CLASS_NAME = "TritonPythonModel"
 # args["model_instance_kind"], as Triton writes it
 _INSTANCE_KINDS = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_DLA": "GPU"}
-# A fresh module name per instance and per reload, so no state leaks between them (next() is atomic).
-_module_numbers = itertools.count(1)
 
 
-class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):
-    """Compiles ``model.py`` from its source on every import: no bytecode is read or written.
-
-    The repository is the OTA agent's folder, may be read-only or another user's, and its content hash
-    decides whether a version changed; a ``__pycache__`` written beside ``model.py`` changed that hash
-    while the model loaded (issue #22).  Compiling a model file costs milliseconds, once per load.
-    """
-
-    def get_code(self, fullname: str) -> CodeType:
-        return compile(self.get_data(self.path), self.path, "exec", dont_inherit=True)
-
-
-def _import_model(path: Path) -> ModuleType:
-    number = next(_module_numbers)
-    module_name = f"_edge_server_model_{path.parent.parent.name}_{path.parent.name}_{number}"
-    spec = importlib.util.spec_from_file_location(
-        module_name, path, loader=_SourceOnlyLoader(module_name, str(path))
-    )
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{path}: cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
+def _import_model(path: Path, model_name: str) -> tuple[ModuleType, pb_imports.ImportScope]:
+    """``model.py`` in an import scope of its own (its sibling ``.py`` files importable, see pb_imports)."""
+    scope = pb_imports.ImportScope(path, model_name)
     try:
-        spec.loader.exec_module(module)
+        module = scope.load_model(path)
     except Exception as exc:
+        scope.close()
         raise ConfigError(f"{path}: importing the model failed: {exc!r}") from exc
     if not hasattr(module, _CLASS_NAME):
+        scope.close()
         raise ConfigError(f"{path}: defines no class {_CLASS_NAME}")
-    return module
+    return module, scope
 
 
 class _Discard(ResponseSink):
@@ -196,11 +175,14 @@ def isolation_mode(config: ModelConfig) -> str:
 
 def complete_in_thread(config: ModelConfig, model_path: Path) -> dict[str, Any] | None:
     """Import ``model.py`` here and run its ``auto_complete_config`` (None when it has none)."""
-    module = _import_model(model_path)
-    model_cls = getattr(module, _CLASS_NAME)
-    if not hasattr(model_cls, "auto_complete_config"):
-        return None
-    return run_auto_complete(config, model_cls, model_path)
+    module, scope = _import_model(model_path, config.name)
+    try:
+        model_cls = getattr(module, _CLASS_NAME)
+        if not hasattr(model_cls, "auto_complete_config"):
+            return None
+        return run_auto_complete(config, model_cls, model_path)
+    finally:
+        scope.close()
 
 
 def _instance_count(config: ModelConfig) -> int:
@@ -249,12 +231,16 @@ class PythonBackend(Backend):
             instances=_instance_count(ctx.config),
         )
         self._executing = dataclasses.replace(self._context, executing=True)
-        module = _import_model(ctx.model_path)
-        self._module_name = module.__name__
+        module, self._scope = _import_model(ctx.model_path, ctx.config.name)
         self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``, made on first use
-        with pb_context.running(self._context):
-            self._model = getattr(module, _CLASS_NAME)()
-        pb_context.register_module(self._module_name, self._context)  # BLS from the model's threads
+        try:
+            with pb_context.running(self._context):
+                self._model = getattr(module, _CLASS_NAME)()
+        except BaseException:
+            self._scope.close()
+            raise
+        # BLS from the model's own threads: found by the scope's package, model.py's and its helpers'
+        pb_context.register_module(self._scope.package, self._context)
         self._out_dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in ctx.config.outputs}
         if ctx.config.sequence_batching is not None:  # implicit state outputs come back like outputs
             for state in ctx.config.sequence_batching.states:
@@ -275,7 +261,8 @@ class PythonBackend(Backend):
                 with pb_context.running(self._context):
                     initialize(args)
             except Exception as exc:
-                pb_context.unregister_module(self._module_name)
+                pb_context.unregister_module(self._scope.package)
+                self._scope.close()
                 raise ConfigError(f"{ctx.model_path}: initialize() failed: {exc!r}") from exc
         # A cheap model may run on the caller's thread (the scheduler measures it first): a thread
         # hand-off costs more than a small model.py.  Not a decoupled model (its responses may outlive
@@ -439,7 +426,8 @@ class PythonBackend(Backend):
             except Exception:
                 log.exception("%s: finalize() raised", self._name)
         self._model = None
-        pb_context.unregister_module(self._module_name)
+        pb_context.unregister_module(self._scope.package)
+        self._scope.close()
         if self._loop is not None:
             self._loop.close()
             self._loop = None
