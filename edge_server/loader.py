@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
 from edge_server.backends.tensorrt.fallback import choose as choose_runtime
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
+from edge_server.classification import read_labels
 from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import BackendUnavailable, ConfigError
@@ -53,6 +55,8 @@ class LoadedVersion:
     note: str = ""  # shown in the model list while READY, e.g. "serving model.onnx through onnxruntime: ..."
     #: ONNX Runtime: the thread settings its first instance was built with (status shows them)
     thread_settings: dict[str, Any] | None = None
+    #: each output's class names from its label_filename (the classification extension)
+    labels: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def cpu_onnxruntime_instances(self) -> int:
@@ -136,6 +140,7 @@ def load_version(
     config = backend_cls.complete_config(config, model_path)
     validate_config(config)  # what the backend filled in obeys the same rules as what was written
     _check_io(config)
+    labels = read_labels(config, source.path)  # before any instance exists: a missing file fails the load
     config = config.replace(instance_groups=named_instance_groups(config))
     warn_missing_gpus(config, gpu_ids())
     specs = instance_specs(
@@ -199,6 +204,7 @@ def load_version(
         validator=RequestValidator(config),
         note=choice.note,
         thread_settings=next((b.thread_settings for _, b in instances if b.thread_settings), None),
+        labels=labels,
     )
 
 
@@ -219,6 +225,7 @@ def _load_ensemble(
     if graph.decoupled and not config.decoupled:  # its responses are its decoupled steps' responses
         config = dataclasses.replace(config, decoupled=True)
     stats = ModelStats(source.name, version)
+    labels = read_labels(config, source.path)
     return LoadedVersion(
         name=source.name,
         version=version,
@@ -229,6 +236,7 @@ def _load_ensemble(
         devices=(),
         validator=RequestValidator(config),
         members=graph.members,
+        labels=labels,
     )
 
 

@@ -79,6 +79,9 @@ class InferRequest:
     #: set by frontends, not by applications: where the client asked each named output to be written
     #: (a span of its own mapped shared memory, bounds already checked); see :class:`OutputBuffer`
     output_buffers: Mapping[str, OutputBuffer] | None = None
+    #: Triton's classification extension: output name -> how many top classes to return instead of
+    #: its values (see :mod:`edge_server.classification`); each must be among ``outputs``
+    classification: Mapping[str, int] | None = None
 
 
 class RequestOptions(TypedDict, total=False):
@@ -93,6 +96,7 @@ class RequestOptions(TypedDict, total=False):
     correlation_id: int | str
     sequence_start: bool
     sequence_end: bool
+    classification: Mapping[str, int] | None
 
 
 @dataclass(slots=True)

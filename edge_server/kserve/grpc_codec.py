@@ -16,7 +16,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from edge_server.errors import InvalidArgument, TensorSizeMismatch, Unsupported
+from edge_server.errors import InvalidArgument, TensorSizeMismatch
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import Peer
@@ -89,9 +89,16 @@ def decode(
         wants = []
         for out in request.outputs:
             params = parameters(out.parameters)
-            if "classification" in params:
-                raise Unsupported(f"output {out.name!r}: the classification extension is not supported")
-            wants.append(OutputWant(out.name, True, shm_reference(params)))
+            classes = 0
+            if "classification" in out.parameters:  # Triton's checks and texts
+                if out.parameters["classification"].WhichOneof("parameter_choice") != "int64_param":
+                    raise InvalidArgument(
+                        "invalid value type for 'classification' parameter, expected int64_param"
+                    )
+                classes = params["classification"]
+                if classes <= 0:
+                    raise InvalidArgument("invalid value for 'classification' parameter, expected >= 0")
+            wants.append(OutputWant(out.name, True, shm_reference(params), classes))
     infer = service.build_request(
         model=request.model_name,
         version=request.model_version,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_server.errors import InvalidArgument, Unsupported
+from edge_server.errors import InvalidArgument
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import Peer
@@ -101,12 +101,15 @@ def _outputs(entries: object, binary_default: bool) -> list[OutputWant] | None:
             raise InvalidArgument("each requested output must be a JSON object with a 'name' string")
         name = entry["name"]
         params = codec.parameters_of(entry, f"output {name!r}")
-        if "classification" in params:
-            raise Unsupported(f"output {name!r}: the classification extension is not supported")
+        classes = params.get("classification", 0)
+        if type(classes) is not int or classes < 0:  # Triton reads it as an unsigned integer; 0: off
+            raise InvalidArgument(
+                f"output {name!r}: Unable to set 'classification': expected an unsigned integer"
+            )
         binary = params.get("binary_data", binary_default)
         if not isinstance(binary, bool):
             raise InvalidArgument(f"output {name!r}: binary_data must be a boolean")
-        wants.append(OutputWant(name, binary, shm_reference(params)))
+        wants.append(OutputWant(name, binary, shm_reference(params), classes))
     return wants
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import edge_server
+from edge_server import classification
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, PermissionDenied, Unsupported
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXTENSIONS = [
+    "classification",
     "binary_tensor_data",
     "model_repository",
     "schedule_policy",
@@ -79,6 +81,17 @@ class OutputWant:
     name: str
     binary: bool = False
     shm: tuple[object, object, object] | None = None  # region, offset, byte_size (checked on use)
+    classes: int = 0  # the classification extension: the top N classes instead of the values (0: off)
+
+    def __post_init__(self) -> None:
+        if self.classes and self.shm is not None:
+            raise InvalidArgument(classification.SHM_CONFLICT)
+
+
+def classification_of(outputs: list[OutputWant] | None) -> dict[str, int] | None:
+    """The request's classification (output -> class count) from its requested outputs; None: none."""
+    counts = {want.name: want.classes for want in outputs or () if want.classes}
+    return counts or None
 
 
 def parse_version(version: str | int | None) -> int | None:
@@ -220,6 +233,7 @@ class KServeService:
                 inputs=inputs,
                 outputs=None if outputs is None else [o.name for o in outputs],
                 request_id=request_id,
+                classification=classification_of(outputs),
             )
         user = {k: v for k, v in parameters.items() if k not in _RESERVED}
         priority = _int_param(parameters, "priority", 0)
@@ -239,6 +253,7 @@ class KServeService:
             correlation_id=sequence_id,
             sequence_start=_bool_param(parameters, "sequence_start"),
             sequence_end=_bool_param(parameters, "sequence_end"),
+            classification=classification_of(outputs),
         )
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
