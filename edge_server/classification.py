@@ -99,6 +99,7 @@ class ClassifyingSink(ResponseSink):
     def __init__(self, inner: ResponseSink, convert: Convert) -> None:
         self._inner = inner
         self._convert = convert
+        self.keeps_reading = inner.keeps_reading
         super().__init__()
 
     @property  # type: ignore[override]

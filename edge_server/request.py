@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypedDict
@@ -212,8 +212,13 @@ class ResponseSink(abc.ABC):
     :meth:`put`; a response after the final one is refused with ``False``.  Consumers (the IPC
     frontend, the in-process iterators, the gRPC stream) implement :meth:`deliver`, which may run on
     any thread and must not block.  :meth:`cancel` is the consumer going away: later responses are
-    dropped and the model can see it (``request.is_cancelled()``).
+    dropped and the model can see it (``request.is_cancelled()``), unless the consumer
+    :attr:`keeps_reading` (a BLS response iterator's ``cancel()``: the model is told, and what it
+    still sends, its final response included, is delivered).
     """
+
+    keeps_reading = False
+    on_cancel: Callable[[], None] | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -231,7 +236,7 @@ class ResponseSink(abc.ABC):
                 return False
             if final:
                 self.finished = True
-            dropped = self.cancelled
+            dropped = self.cancelled and not self.keeps_reading
             if not dropped and (outputs is not None or error is not None):
                 self.responses += 1
         if not dropped:
@@ -242,6 +247,8 @@ class ResponseSink(abc.ABC):
 
     def cancel(self) -> None:
         self.cancelled = True
+        if self.on_cancel is not None:  # the producer is elsewhere (a model's own process): tell it
+            self.on_cancel()
 
     @abc.abstractmethod
     def deliver(

@@ -20,6 +20,7 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelExecutionError,
+    ModelUnknownError,
     NotFound,
     Unavailable,
     Unsupported,
@@ -38,7 +39,7 @@ CODES = [
     (pb_utils.TritonError.ALREADY_EXISTS, AlreadyExists, "ALREADY_EXISTS"),
     (pb_utils.TritonError.CANCELLED, Cancelled, "CANCELLED"),
     (pb_utils.TritonError.INTERNAL, ModelExecutionError, "EXECUTION_FAILED"),
-    (pb_utils.TritonError.UNKNOWN, ModelExecutionError, "EXECUTION_FAILED"),
+    (pb_utils.TritonError.UNKNOWN, ModelUnknownError, "UNKNOWN"),
 ]
 
 

@@ -133,6 +133,11 @@ class Logger:
     """
 
     LogLevel = LogLevel
+    # Triton exports the levels onto the class too: ``Logger.log(msg, pb_utils.Logger.INFO)``
+    INFO = LogLevel.INFO
+    WARNING = LogLevel.WARNING
+    ERROR = LogLevel.ERROR
+    VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
     def log(message: str, level: int = 0) -> None:  # 0: LogLevel.INFO

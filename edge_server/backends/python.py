@@ -38,6 +38,7 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelExecutionError,
+    ModelUnknownError,
     NotFound,
     Unavailable,
     Unsupported,
@@ -81,8 +82,9 @@ def _stream(item: BatchItem) -> ResponseSink:
     return item.stream
 
 
-# TritonError code -> the error the client gets.  INTERNAL and UNKNOWN (and any other) stay
-# EXECUTION_FAILED: the model failed, and the client cannot do better by changing the request.
+# TritonError code -> the error the client gets.  INTERNAL (and any other) stays EXECUTION_FAILED:
+# the model failed, and the client cannot do better by changing the request; UNKNOWN keeps its own
+# code (Triton's gRPC status UNKNOWN, HTTP 400).
 _ERRORS_BY_TRITON_CODE: dict[int, type[EdgeServerError]] = {
     pb_utils.TritonError.INVALID_ARG: InvalidArgument,
     pb_utils.TritonError.NOT_FOUND: NotFound,
@@ -90,6 +92,7 @@ _ERRORS_BY_TRITON_CODE: dict[int, type[EdgeServerError]] = {
     pb_utils.TritonError.UNSUPPORTED: Unsupported,
     pb_utils.TritonError.ALREADY_EXISTS: AlreadyExists,
     pb_utils.TritonError.CANCELLED: Cancelled,
+    pb_utils.TritonError.UNKNOWN: ModelUnknownError,
 }
 
 
@@ -242,6 +245,7 @@ class PythonBackend(Backend):
         # BLS from the model's own threads: found by the scope's package, model.py's and its helpers'
         pb_context.register_module(self._scope.package, self._context)
         self._out_dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in ctx.config.outputs}
+        self._dtype_warned: set[str] = set()
         if ctx.config.sequence_batching is not None:  # implicit state outputs come back like outputs
             for state in ctx.config.sequence_batching.states:
                 self._out_dtypes[state.output_name] = dtypes.to_numpy(state.data_type)
@@ -299,8 +303,14 @@ class PythonBackend(Backend):
             timing.compute_infer_ns += time.perf_counter_ns() - t0
         if self._config.decoupled:
             # Responses went through the senders (maybe still going, from the model's own threads).
-            if responses is not None:
-                log.warning("%s: a decoupled model's execute() should return None; ignoring", self._name)
+            if responses is not None:  # Triton's error, to every request whose stream is still open
+                refused = ModelExecutionError(
+                    f"Python model '{self._config.name}' is using the decoupled mode and the execute "
+                    "function must return None."
+                )
+                for item in batch:
+                    _stream(item).put(None, refused, final=True)  # refused where already finished
+                return [{} for _ in batch]
             return [self._decoupled_result(r, item) for r, item in zip(requests, batch, strict=True)]
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
@@ -394,22 +404,34 @@ class PythonBackend(Backend):
             if name not in outputs:
                 return ModelExecutionError(f"model {model!r} did not produce output {name!r}")
             array = np.asarray(outputs[name])
-            expected = self._out_dtypes[name]
-            if array.dtype != expected and not (expected.kind == "O" and array.dtype.kind in "OSU"):
-                return ModelExecutionError(
-                    f"model {model!r}: output {name!r} has dtype {array.dtype}, config says {expected}"
-                )
-            if expected.kind == "O":  # TYPE_STRING leaves as an object array of bytes, str encoded
+            if array.dtype.kind in "OSU":  # strings leave as an object array of bytes; others str()
                 try:
-                    array = dtypes.as_bytes_array(array, where=f"model {model!r} output {name!r}")
+                    where = f"model {model!r} output {name!r}"
+                    array = dtypes.as_bytes_array(array, where=where, stringify=True)
                 except InvalidArgument as exc:
                     return ModelExecutionError(exc.message)
+            elif array.dtype != self._out_dtypes[name]:
+                self._warn_dtype(name, array.dtype)
             result[name] = array
         if isinstance(response, pb_utils.InferenceResponse):
             parameters = response.parameters()
             if parameters != "{}":  # Triton's response parameters go back to the client
                 return Outputs(result, json.loads(parameters))
         return result
+
+    def _warn_dtype(self, name: str, dtype: np.dtype) -> None:
+        """Once per output: it leaves with the type the model gave it, as Triton sends it (no cast)."""
+        if name in self._dtype_warned:
+            return
+        self._dtype_warned.add(name)
+        log.warning(
+            "%s: output %r is %s but the config says %s; it is sent as %s, as Triton does",
+            self._name,
+            name,
+            dtype,
+            self._out_dtypes[name],
+            dtype,
+        )
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The event loop that runs a coroutine ``execute`` (one per instance, run by its worker)."""

@@ -57,6 +57,7 @@ _GRPC_CODES = {
     400: "INVALID_ARGUMENT",
     403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
+    409: "ALREADY_EXISTS",
     413: "RESOURCE_EXHAUSTED",
     429: "RESOURCE_EXHAUSTED",
     499: "CANCELLED",
@@ -69,7 +70,8 @@ _GRPC_CODES = {
 def error_status(exc: BaseException) -> tuple[int, str, str]:
     """(HTTP status, gRPC status code name, message) for any exception a handler let through."""
     if isinstance(exc, EdgeServerError):
-        return exc.http_status, _GRPC_CODES.get(exc.http_status, "INTERNAL"), f"{exc.code}: {exc.message}"
+        grpc_code = exc.grpc_status or _GRPC_CODES.get(exc.http_status, "INTERNAL")
+        return exc.http_status, grpc_code, f"{exc.code}: {exc.message}"
     log.exception("unexpected error in a KServe handler", exc_info=exc)
     return 500, "INTERNAL", f"INTERNAL: {type(exc).__name__}: {exc}"
 
