@@ -361,3 +361,40 @@ def test_the_decoupled_error_and_the_cancel_over_ipc(daemon: tuple[Daemon, int])
         }
         out = client.infer("bls_cancel_isolated", inputs)
         assert (out["SUM"].tolist(), out["IS_CANCELLED"].tolist()) == ([3], [True])
+
+
+def test_every_streamed_grpc_response_says_whether_it_is_the_final_one(daemon: tuple[Daemon, int]) -> None:
+    # Triton sets triton_final_response on each streamed response, asked for or not
+    results: list[object] = []
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{daemon[1]}")
+    client.start_stream(callback=lambda result, error: results.append(error or result))
+    inputs = []
+    for name, array in [
+        ("INPUT", np.array([7], np.int32)),
+        ("COUNT", np.array([3], np.int32)),
+        ("IGNORE_CANCEL", np.array([True])),
+    ]:
+        tensor = grpcclient.InferInput(name, [1], "BOOL" if array.dtype == bool else "INT32")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client.async_stream_infer("until_cancelled", inputs)
+    client.stop_stream()  # waits for the stream to end
+    client.close()
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]  # type: ignore[attr-defined]
+    assert finals == [False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "text"),
+    [
+        ({"f": 1.5}, "Expect parameters values to have type bool/int/str, found type <class 'float'>"),
+        ({1: "x"}, "Expect parameters keys to have type str, found type <class 'int'>"),
+        ([1], "Expect parameters to be a dict, got <class 'list'>"),
+    ],
+)
+def test_response_parameter_errors_have_tritons_texts(parameters: object, text: str) -> None:
+    from edge_server.backends import pb_utils
+
+    with pytest.raises(pb_utils.TritonModelException) as caught:
+        pb_utils.InferenceResponse(parameters=parameters)  # type: ignore[arg-type]
+    assert str(caught.value) == text

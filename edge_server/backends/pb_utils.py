@@ -447,19 +447,22 @@ def _calling_models() -> ModelAccess:
 
 
 def _parameters_json(parameters: Any) -> str:
-    """Triton's rule for response parameters: string keys, bool/int/str values, kept as JSON text."""
+    """Triton's rule for response parameters: string keys, bool/int/str values, kept as JSON text.
+
+    The error texts are Triton's (its QA matches them).
+    """
     if parameters is None:
         return "{}"
     if isinstance(parameters, str):
         parameters = json.loads(parameters)
     if not isinstance(parameters, dict):
-        raise TritonModelException(f"parameters must be a dict, got {type(parameters).__name__}")
+        raise TritonModelException(f"Expect parameters to be a dict, got {type(parameters)}")
     for key, value in parameters.items():
         if not isinstance(key, str):
-            raise TritonModelException(f"parameter keys must be strings, got {key!r}")
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
         if not isinstance(value, bool | int | str):
             raise TritonModelException(
-                f"parameter {key!r}: values must be bool, int or str, got {type(value).__name__}"
+                f"Expect parameters values to have type bool/int/str, found type {type(value)}"
             )
     return json.dumps(parameters)
 
