@@ -91,6 +91,11 @@ _WIRE_OF: dict[np.dtype, str] = {}
 # -- raw bytes --------------------------------------------------------------------------------------
 
 
+def wire_itemsize(datatype: str) -> int:
+    """Bytes per element of a fixed-size KServe datatype on the wire (BF16: 2)."""
+    return _WIRE_ITEMSIZE[datatype]
+
+
 def from_raw(
     buffer: bytes | bytearray | memoryview, datatype: str, shape: tuple[int, ...], name: str
 ) -> np.ndarray:

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from edge_server.errors import InvalidArgument
-from edge_server.kserve import codec
-from edge_server.kserve.service import KServeService, OutputWant, shm_reference
+from edge_server.kserve import codec, raw
+from edge_server.kserve.service import KServeService, OutputWant, parse_version, shm_reference
 from edge_server.kserve.shm import Peer
 from edge_server.request import InferRequest, response_parameters
 
@@ -40,6 +40,8 @@ class RestInfer:
 def decode(
     service: KServeService, model: str, version: str, body: bytes, header_length: int | None, peer: Peer
 ) -> RestInfer:
+    if header_length == 0:  # Triton's raw binary request: the body is the only input's data
+        return _decode_raw(service, model, version, body)
     header, binary = codec.split_body(body, header_length)
     reader = codec.BinaryReader(binary)
     entries = header.get("inputs")
@@ -88,6 +90,16 @@ def decode(
     for want in wants or ():
         service.check_output(want, peer)
     return RestInfer(request, wants, binary_default, version)
+
+
+def _decode_raw(service: KServeService, model: str, version: str, body: bytes) -> RestInfer:
+    """A raw binary request (see kserve/raw.py): every output comes back binary."""
+    config = service.server.model_config(model, parse_version(version))
+    name, array = raw.raw_input(config, body, model)
+    request = service.build_request(
+        model=model, version=version, request_id="", inputs={name: array}, outputs=None, parameters={}
+    )
+    return RestInfer(request, None, True, version)
 
 
 def _outputs(entries: object, binary_default: bool) -> list[OutputWant] | None:
