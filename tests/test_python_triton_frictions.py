@@ -241,6 +241,43 @@ class TritonPythonModel:
 """,
 )
 
+# async def execute that answers from a task it leaves running after execute returned (Triton's
+# loop keeps running between executions)
+ASYNC_LATER = (
+    """
+name: "async_later"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "Y", data_type: TYPE_INT32, dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+""",
+    """
+import asyncio
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.tasks = set()
+
+    async def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            task = asyncio.create_task(self.later(request.get_response_sender(), x))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return None
+
+    async def later(self, sender, x):
+        await asyncio.sleep(0.2)
+        pb_utils.Logger.log_info("answering after execute returned")
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x + 1)]),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+""",
+)
+
 ISOLATED = 'parameters [ { key: "isolation", value: { string_value: "process" } } ]'
 
 
@@ -260,6 +297,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "error_code": ERROR_CODE,
         "params_bls": PARAMS_BLS,
         "params": PARAMS,
+        "async_later": ASYNC_LATER,
     }.items():
         _write(root, name, config, model)
     plain = BLS_CANCEL_MODEL.replace("DEF ", "def ").replace("AWAIT ", "").replace("EXEC", "exec")
@@ -305,6 +343,11 @@ def test_a_decoupled_model_that_returns_responses_gets_an_error(server: Server) 
     ):
         next(iter(stream))
     stream.close()
+
+
+def test_an_async_model_answers_from_a_task_that_outlives_execute(server: Server) -> None:
+    responses = list(server.stream("async_later", {"X": np.array([41], np.int32)}, timeout=30))
+    assert [r["Y"].tolist() for r in responses] == [[42]]
 
 
 def test_bls_responses_carry_the_called_models_parameters(server: Server) -> None:

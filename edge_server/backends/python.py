@@ -12,7 +12,6 @@ A model may also return a plain ``{name: ndarray}`` dict per request instead of 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import json
@@ -21,6 +20,8 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends import pb_context, pb_imports, pb_utils
+from edge_server.backends import pb_asyncio, pb_context, pb_imports, pb_utils
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import (
@@ -235,7 +236,7 @@ class PythonBackend(Backend):
         )
         self._executing = dataclasses.replace(self._context, executing=True)
         module, self._scope = _import_model(ctx.model_path, ctx.config.name)
-        self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``, made on first use
+        self._loop = pb_asyncio.ModelLoop(ctx.instance.name, self._context)  # ``async def execute``
         try:
             with pb_context.running(self._context):
                 self._model = getattr(module, _CLASS_NAME)()
@@ -273,6 +274,8 @@ class PythonBackend(Backend):
         # execute()) nor an ``async def execute`` (its event loop cannot run on a frontend's loop).
         execute = getattr(self._model, "execute", None)
         self.allows_inline = not ctx.config.decoupled and not inspect.iscoroutinefunction(execute)
+        if inspect.iscoroutinefunction(execute):
+            self._loop.start()
         # A model.py may call models (BLS): never run it on a worker that holds an instance of its own
         # (a scheduler worker delivering a finished batch; see scheduler._pipeline_caller).
         self.calls_models = True
@@ -284,8 +287,12 @@ class PythonBackend(Backend):
             previous = pb_context.mark(self._executing)  # pb_context.running(), minus a generator
             try:
                 responses = self._model.execute(requests)
-                if inspect.iscoroutine(responses):  # ``async def execute``: run it, as Triton does
-                    responses = self._event_loop().run_until_complete(responses)
+                if inspect.iscoroutine(responses):  # ``async def execute``: on the model's loop, as Triton
+                    if self._config.decoupled:  # not waited for: its responses go through the senders
+                        self._loop.spawn_then(responses, self._executing, partial(self._async_done, batch))
+                        responses = None
+                    else:
+                        responses = self._loop.run(responses, self._executing)
             finally:
                 pb_context.mark(previous)
         except Exception as exc:
@@ -304,10 +311,7 @@ class PythonBackend(Backend):
         if self._config.decoupled:
             # Responses went through the senders (maybe still going, from the model's own threads).
             if responses is not None:  # Triton's error, to every request whose stream is still open
-                refused = ModelExecutionError(
-                    f"Python model '{self._config.name}' is using the decoupled mode and the execute "
-                    "function must return None."
-                )
+                refused = self._must_return_none()
                 for item in batch:
                     _stream(item).put(None, refused, final=True)  # refused where already finished
                 return [{} for _ in batch]
@@ -433,11 +437,26 @@ class PythonBackend(Backend):
             dtype,
         )
 
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop that runs a coroutine ``execute`` (one per instance, run by its worker)."""
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop
+    def _async_done(self, batch: Sequence[BatchItem], future: Future[Any]) -> None:
+        """A decoupled model's ``async def execute`` ended (in the background): report what went wrong."""
+        if future.cancelled():
+            error: EdgeServerError | None = Cancelled(f"model {self._config.name!r}: execute() was cancelled")
+        elif future.exception() is not None:
+            exc = future.exception()
+            log.warning("%s: execute() raised: %r", self._name, exc)
+            error = model_error(self._config.name, exc)
+        elif future.result() is not None:
+            error = self._must_return_none()
+        else:
+            return
+        for item in batch:  # ends every stream the model left open; finished ones refuse it
+            _stream(item).put(None, error, final=True)
+
+    def _must_return_none(self) -> EdgeServerError:
+        return ModelExecutionError(
+            f"Python model '{self._config.name}' is using the decoupled mode and the execute function "
+            "must return None."
+        )
 
     def close(self) -> None:
         finalize = getattr(self._model, "finalize", None)
@@ -450,6 +469,4 @@ class PythonBackend(Backend):
         self._model = None
         pb_context.unregister_module(self._scope.package)
         self._scope.close()
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        self._loop.close()
