@@ -278,6 +278,48 @@ class TritonPythonModel:
 """,
 )
 
+# A non-decoupled model that answers through its response sender (MODE picks how)
+SENDER = (
+    """
+name: "sender"
+backend: "python"
+max_batch_size: 0
+input [ { name: "MODE", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "Y", data_type: TYPE_INT32, dims: [ 1 ] } ]
+""",
+    """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def answer(value):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([value], np.int32))])
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        returned = []
+        for request in requests:
+            mode = int(pb_utils.get_input_tensor_by_name(request, "MODE").as_numpy()[0])
+            sender = request.get_response_sender()
+            if mode == 0:  # one response, then the final flag alone
+                sender.send(answer(10))
+                sender.send(flags=FINAL)
+                returned.append(None)
+            elif mode == 1:  # the final flag with no response before it: Triton's error
+                sender.send(flags=FINAL)
+            elif mode == 2:  # a second response raises; the first one stays the answer
+                sender.send(answer(20), flags=FINAL)
+                sender.send(answer(21))
+            else:  # sent and returned: the sent one answers
+                sender.send(answer(30), flags=FINAL)
+                returned.append(answer(31))
+        return returned
+""",
+)
+
 ISOLATED = 'parameters [ { key: "isolation", value: { string_value: "process" } } ]'
 
 
@@ -298,6 +340,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "params_bls": PARAMS_BLS,
         "params": PARAMS,
         "async_later": ASYNC_LATER,
+        "sender": SENDER,
     }.items():
         _write(root, name, config, model)
     plain = BLS_CANCEL_MODEL.replace("DEF ", "def ").replace("AWAIT ", "").replace("EXEC", "exec")
@@ -348,6 +391,19 @@ def test_a_decoupled_model_that_returns_responses_gets_an_error(server: Server) 
 def test_an_async_model_answers_from_a_task_that_outlives_execute(server: Server) -> None:
     responses = list(server.stream("async_later", {"X": np.array([41], np.int32)}, timeout=30))
     assert [r["Y"].tolist() for r in responses] == [[42]]
+
+
+def test_a_non_decoupled_model_may_answer_through_its_sender(server: Server) -> None:
+    def answer(mode: int) -> list[int]:
+        return server.infer("sender", {"MODE": np.array([mode], np.int32)})["Y"].tolist()
+
+    assert answer(0) == [10]
+    with pytest.raises(
+        EdgeServerError, match="Non-decoupled model cannot send complete final before sending a response"
+    ):
+        answer(1)
+    assert answer(2) == [20]
+    assert answer(3) == [30]
 
 
 def test_bls_responses_carry_the_called_models_parameters(server: Server) -> None:

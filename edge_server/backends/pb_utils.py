@@ -248,6 +248,7 @@ class InferenceRequest:
         self._flags = int(flags)
         self._timeout = timeout
         self._sender: InferenceResponseSender | None = None
+        self._sender_factory: Callable[[InferenceRequest], InferenceResponseSender] | None = None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
@@ -263,8 +264,13 @@ class InferenceRequest:
         flags: int = 0,
         timeout: int = 0,
         sender: InferenceResponseSender | None = None,
+        sender_factory: Callable[[InferenceRequest], InferenceResponseSender] | None = None,
     ) -> InferenceRequest:
-        """A request the backend hands to ``execute`` (no checks: the data plane validated it)."""
+        """A request the backend hands to ``execute`` (no checks: the data plane validated it).
+
+        ``sender_factory``: makes the response sender of a non-decoupled model's request, only when
+        the model asks for one (most never do).
+        """
         request = cls.__new__(cls)
         request._model_name = model_name
         request._model_version = -1
@@ -276,6 +282,7 @@ class InferenceRequest:
         request._flags = flags
         request._timeout = timeout
         request._sender = sender
+        request._sender_factory = sender_factory
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
 
@@ -309,6 +316,8 @@ class InferenceRequest:
         return self._timeout
 
     def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None and self._sender_factory is not None:
+            self._sender = self._sender_factory(self)
         if self._sender is None:
             raise TritonModelException(
                 "get_response_sender() is only available to decoupled models "

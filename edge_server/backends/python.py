@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends import pb_asyncio, pb_context, pb_imports, pb_utils
+from edge_server.backends import pb_asyncio, pb_context, pb_imports, pb_single, pb_utils
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import (
@@ -302,7 +302,13 @@ class PythonBackend(Backend):
                 log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
                 error = ModelExecutionError(f"model {self._config.name!r} raised {exc!r}")
             if not self._config.decoupled:
-                raise error from exc
+                answers = pb_single.sent(requests)
+                if not any(answers):
+                    raise error from exc
+                # requests the model answered through its sender before it failed keep that answer
+                return [
+                    error if a is None else self._convert(a, i) for a, i in zip(answers, batch, strict=True)
+                ]
             for item in batch:  # ends every stream the model left open; finished ones refuse it
                 _stream(item).put(None, error, final=True)
             return [{} for _ in batch]  # nothing is rescheduled after a failed execute()
@@ -316,6 +322,9 @@ class PythonBackend(Backend):
                     _stream(item).put(None, refused, final=True)  # refused where already finished
                 return [{} for _ in batch]
             return [self._decoupled_result(r, item) for r, item in zip(requests, batch, strict=True)]
+        answers = pb_single.sent(requests)  # sent through a sender: they answer (a returned one is dropped)
+        if any(answers) and isinstance(responses, list | tuple) and len(responses) == len(batch):
+            responses = [a if a is not None else r for a, r in zip(answers, responses, strict=True)]
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
             raise ModelExecutionError(
@@ -388,6 +397,7 @@ class PythonBackend(Backend):
             flags=item.flags,
             timeout=item.timeout_us,
             sender=sender,
+            sender_factory=None if sender is not None else pb_single.make_sender,
         )
 
     def _convert(self, response: Any, item: BatchItem) -> Result:
