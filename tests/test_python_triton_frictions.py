@@ -304,10 +304,10 @@ class TritonPythonModel:
         for request in requests:
             mode = int(pb_utils.get_input_tensor_by_name(request, "MODE").as_numpy()[0])
             sender = request.get_response_sender()
-            if mode == 0:  # one response, then the final flag alone
+            if mode == 0:  # one response, then the final flag alone; execute returns None
                 sender.send(answer(10))
                 sender.send(flags=FINAL)
-                returned.append(None)
+                return None
             elif mode == 1:  # the final flag with no response before it: Triton's error
                 sender.send(flags=FINAL)
             elif mode == 2:  # a second response raises; the first one stays the answer

@@ -323,6 +323,8 @@ class PythonBackend(Backend):
                 return [{} for _ in batch]
             return [self._decoupled_result(r, item) for r, item in zip(requests, batch, strict=True)]
         answers = pb_single.sent(requests)  # sent through a sender: they answer (a returned one is dropped)
+        if responses is None and any(answers):  # Triton takes None for "nothing returned"
+            responses = [None] * len(batch)
         if any(answers) and isinstance(responses, list | tuple) and len(responses) == len(batch):
             responses = [a if a is not None else r for a, r in zip(answers, responses, strict=True)]
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
