@@ -57,8 +57,12 @@ def check_datatype(datatype: object, name: str) -> str:
     return datatype
 
 
-def check_shape(shape: object, name: str) -> tuple[int, ...]:
-    """The shape as a tuple of non-negative ints (a request's shape is concrete: no -1)."""
+def check_shape(shape: object, name: str, datatype: str | None = None) -> tuple[int, ...]:
+    """The shape as a tuple of non-negative ints (a request's shape is concrete: no -1).
+
+    A shape whose element count, or byte size for ``datatype``, passes a signed 64-bit integer is
+    refused with Triton's texts.
+    """
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
         raise InvalidArgument(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} integers")
     for dim in shape:
@@ -66,6 +70,18 @@ def check_shape(shape: object, name: str) -> tuple[int, ...]:
             raise InvalidArgument(
                 f"tensor {name!r}: shape must hold non-negative integers, got {list(shape)}"
             )
+    count = math.prod(shape)
+    if count > _INT64_MAX:
+        raise InvalidArgument(
+            f"invalid shape for input '{name}': shape {list(shape)} causes total element count to exceed "
+            f"maximum size of {_INT64_MAX}"
+        )
+    itemsize = _WIRE_ITEMSIZE.get(datatype or "", 0)
+    if itemsize > 1 and count > _INT64_MAX // itemsize:
+        raise InvalidArgument(
+            f"byte size overflow for input '{name}': element count ({count}) * data type size "
+            f"({itemsize}) exceeds maximum allowed size ({_INT64_MAX})"
+        )
     return tuple(shape)
 
 
@@ -89,6 +105,9 @@ _WIRE_OF: dict[np.dtype, str] = {}
 
 
 # -- raw bytes --------------------------------------------------------------------------------------
+
+
+_INT64_MAX = 2**63 - 1
 
 
 def wire_itemsize(datatype: str) -> int:

@@ -69,7 +69,7 @@ def decode(
         if name in inputs:
             raise InvalidArgument(f"input {name!r} is given twice")
         datatype = codec.check_datatype(tensor.datatype, name)
-        shape = codec.check_shape(list(tensor.shape), name)
+        shape = codec.check_shape(list(tensor.shape), name, datatype)
         ref = shm_reference(parameters(tensor.parameters))
         if ref is not None:
             inputs[name] = service.read_input(ref, datatype, shape, name, peer)

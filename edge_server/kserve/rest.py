@@ -57,7 +57,7 @@ def decode(
         if name in inputs:
             raise InvalidArgument(f"input {name!r} is given twice")
         datatype = codec.check_datatype(entry.get("datatype"), name)
-        shape = codec.check_shape(entry.get("shape"), name)
+        shape = codec.check_shape(entry.get("shape"), name, datatype)
         params = codec.parameters_of(entry, f"input {name!r}")
         ref = shm_reference(params)
         if ref is not None:
