@@ -466,7 +466,7 @@ class PythonBackend(Backend):
 
     def _must_return_none(self) -> EdgeServerError:
         return ModelExecutionError(
-            f"Python model '{self._config.name}' is using the decoupled mode and the execute function "
+            f"Python model '{self._name}' is using the decoupled mode and the execute function "
             "must return None."
         )
 
