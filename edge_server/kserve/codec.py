@@ -213,6 +213,8 @@ def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) ->
         array = np.asarray(data)
     except ValueError:  # ragged nesting
         raise InvalidArgument(f"tensor {name!r}: data is a ragged nested list") from None
+    if array.size == 0 and count == 0:  # an empty list is an empty tensor of any type (numpy: float64)
+        return np.empty(shape, dtype=NUMPY[datatype])
     allowed = _JSON_KINDS.get(datatype, "iu")
     if allowed == "iu" and array.dtype.kind in "fO":
         # Integers beyond int64 (UINT64's upper half) make numpy fall back to float64 or objects.

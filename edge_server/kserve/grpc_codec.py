@@ -59,8 +59,8 @@ def decode(
     raw_contents: Sequence[bytes | memoryview] | None = None,
 ) -> tuple[InferRequest, list[OutputWant] | None]:
     """``raw_contents``: the request's ``raw_input_contents`` when they were kept out of it (grpc_wire)."""
-    if not 0 < len(request.inputs) <= MAX_TENSORS or len(request.outputs) > MAX_TENSORS:
-        raise InvalidArgument(f"a request needs 1-{MAX_TENSORS} inputs and at most {MAX_TENSORS} outputs")
+    if len(request.inputs) > MAX_TENSORS or len(request.outputs) > MAX_TENSORS:  # none: all optional
+        raise InvalidArgument(f"a request takes at most {MAX_TENSORS} inputs and {MAX_TENSORS} outputs")
     raw = request.raw_input_contents if raw_contents is None else raw_contents
     next_raw = 0
     inputs: dict[str, np.ndarray] = {}

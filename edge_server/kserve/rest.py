@@ -45,8 +45,9 @@ def decode(
     header, binary = codec.split_body(body, header_length)
     reader = codec.BinaryReader(binary)
     entries = header.get("inputs")
-    if not isinstance(entries, list) or not entries or len(entries) > MAX_TENSORS:
-        raise InvalidArgument(f"'inputs' must be a list of 1-{MAX_TENSORS} tensors")
+    # no inputs at all is a request too: a model's inputs may all be optional
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise InvalidArgument(f"'inputs' must be a list of at most {MAX_TENSORS} tensors")
     inputs: dict[str, np.ndarray] = {}
     for entry in entries:
         if not isinstance(entry, dict):
