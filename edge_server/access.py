@@ -14,7 +14,7 @@ import numpy as np
 
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
-from edge_server.errors import EdgeServerError, InvalidArgument
+from edge_server.errors import EdgeServerError, Unavailable
 from edge_server.request import InferRequest, ResponseSink
 from edge_server.routing import RoutingView
 
@@ -64,7 +64,17 @@ class LocalAccess:
 
     def _check_control(self, what: str) -> None:
         if self._control_mode == "none":
-            raise InvalidArgument(
-                f"cannot {what} models: model control is disabled (model_control_mode 'none'); start "
-                "the server with --model-control-mode explicit or poll"
-            )
+            raise control_refused(what)
+
+
+def control_refused(what: str) -> Unavailable:
+    """The one error for load/unload in control mode ``none``: Triton's code and text, then ours.
+
+    Triton answers UNAVAILABLE "explicit model load / unload is not allowed if polling is enabled"
+    whenever model control is not explicit; its clients match that text.
+    """
+    return Unavailable(
+        f"explicit model load / unload is not allowed if polling is enabled (cannot {what} models: "
+        "model control is disabled, model_control_mode 'none'; start the server with "
+        "--model-control-mode explicit or poll)"
+    )

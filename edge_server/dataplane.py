@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_server import dtypes
+from edge_server import classification, dtypes
 from edge_server.config.model import ModelConfig, TensorSpec
 from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument, shorten
 from edge_server.request import InferRequest, ResponseSink, Result
@@ -37,6 +37,35 @@ def _finish_stream(sink: ResponseSink, future: Future[dict[str, np.ndarray]]) ->
         sink.put(None, error, final=True)
     elif not sink.model_sends:
         sink.put(future.result(), None, final=True)
+
+
+def _converted(outcome: _Outcome, convert: classification.Convert) -> _Outcome:
+    """``outcome`` with ``convert`` applied to its outputs (a result at once, a future when it is done)."""
+    if isinstance(outcome, Exception):
+        return outcome
+    if not isinstance(outcome, Future):
+        try:
+            return convert(outcome)
+        except EdgeServerError as exc:
+            return exc
+    converted: Future[dict[str, np.ndarray]] = Future()
+
+    def done(future: Future[dict[str, np.ndarray]]) -> None:
+        if future.cancelled():
+            converted.cancel()
+            converted.set_running_or_notify_cancel()
+            return
+        error = future.exception()
+        if error is not None:
+            converted.set_exception(error)
+            return
+        try:
+            converted.set_result(convert(future.result()))
+        except EdgeServerError as exc:
+            converted.set_exception(exc)
+
+    outcome.add_done_callback(done)
+    return converted
 
 
 class DataPlane:
@@ -68,10 +97,7 @@ class DataPlane:
         response (validation, queue policy, a failed execution) end the stream as an error; a
         validation error raises here instead, before anything was queued.
         """
-        future: Future[dict[str, np.ndarray]] = self._route(  # type: ignore[assignment]
-            request, sink, here=False
-        )
-        future.add_done_callback(partial(_finish_stream, sink))
+        self._route(request, sink, here=False)
 
     def _route(self, request: InferRequest, sink: ResponseSink | None, *, here: bool) -> _Outcome:
         """Validate and hand ``request`` to its version; ``here``: it may run in this thread."""
@@ -86,30 +112,48 @@ class DataPlane:
             if loaded is None or (request.version is not None and loaded.version != request.version):
                 loaded = self._routing.resolve(request.model, request.version)
             item, shape_key = loaded.validator(request)
+            stream, convert = sink, None
+            if request.classification:  # checked here, applied to each result (every frontend alike)
+                classification.check(loaded.config, request.classification, request.outputs)
+                convert = partial(
+                    classification.apply,
+                    counts=request.classification,
+                    batched=loaded.config.max_batch_size > 0,
+                    labels=loaded.labels,
+                )
+                if sink is not None:
+                    stream = classification.ClassifyingSink(sink, convert)
             if request.output_buffers:  # the client's shared memory, for backends that write there
                 item.destinations = request.output_buffers
             if loaded.config.decoupled:
-                if sink is None:
+                if stream is None:
                     raise InvalidArgument(
                         f"model {shorten(request.model)} is decoupled (it may send many responses per "
                         "request): "
                         "call it with a streaming call (Client.stream, Server.stream, gRPC ModelStreamInfer)"
                     )
-                item.stream = sink
-                sink.model_sends = True
+                item.stream = stream
+                stream.model_sends = True
             request.routed_version = loaded.version
             scheduler = loaded.scheduler
             try:
                 if here:
-                    return scheduler.dispatch(
+                    outcome = scheduler.dispatch(
                         item, shape_key, priority=request.priority, timeout_us=request.timeout_us
                     )
-                return scheduler.submit(
-                    item, shape_key, priority=request.priority, timeout_us=request.timeout_us
-                )
+                else:
+                    outcome = scheduler.submit(
+                        item, shape_key, priority=request.priority, timeout_us=request.timeout_us
+                    )
             except SchedulerClosed:
                 if request.version is not None:
                     raise
+                continue
+            if stream is not None:
+                outcome.add_done_callback(partial(_finish_stream, stream))  # type: ignore[union-attr]
+            elif convert is not None:
+                return _converted(outcome, convert)
+            return outcome
         raise SchedulerClosed(f"model {shorten(request.model)} is being unloaded")
 
     def config(self, name: str, version: int | None = None) -> ModelConfig:

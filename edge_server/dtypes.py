@@ -99,12 +99,13 @@ def from_onnxruntime(ort_type: str) -> str:
         raise InvalidArgument(f"ONNX element type {ort_type!r} is not supported") from None
 
 
-def as_bytes_array(array: np.ndarray, *, where: str = "tensor") -> np.ndarray:
+def as_bytes_array(array: np.ndarray, *, where: str = "tensor", stringify: bool = False) -> np.ndarray:
     """``array`` as TYPE_STRING travels everywhere: a numpy object array of ``bytes`` (Triton's form).
 
     ``str`` elements and unicode arrays are UTF-8 encoded, fixed-width bytes arrays (``S``) become
     objects; an array that already holds only ``bytes`` is returned as is.  Anything else (numbers,
-    None inside an object array) is an InvalidArgument naming ``where``.
+    None inside an object array) is an InvalidArgument naming ``where``, unless ``stringify``: then
+    it becomes ``str(item)`` UTF-8 encoded, as Triton's Python backend serializes a model's output.
     """
     kind = array.dtype.kind
     if kind in "SU":
@@ -125,6 +126,8 @@ def as_bytes_array(array: np.ndarray, *, where: str = "tensor") -> np.ndarray:
             encoded[index] = bytes(item)
         elif isinstance(item, str):
             encoded[index] = item.encode("utf-8")
+        elif stringify:
+            encoded[index] = str(item).encode("utf-8")
         else:
             raise InvalidArgument(
                 f"{where}: TYPE_STRING element {index} is {type(item).__name__}, expected bytes or str"

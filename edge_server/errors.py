@@ -43,6 +43,8 @@ class EdgeServerError(Exception):
 
     code: str = "INTERNAL"
     http_status: int = 500
+    #: the gRPC status name where it is not the one the HTTP status maps to (kserve/service.py)
+    grpc_status: str | None = None
 
     def __init__(self, message: str) -> None:
         if len(message) > MAX_MESSAGE:
@@ -98,6 +100,17 @@ class ModelExecutionError(EdgeServerError):
 
     code = "EXECUTION_FAILED"
     http_status = 500
+
+
+class ModelUnknownError(ModelExecutionError):
+    """A model failed with Triton's UNKNOWN code (``pb_utils.TritonError.UNKNOWN``).
+
+    Triton's statuses for it: HTTP 400, gRPC UNKNOWN; its clients and tests tell it from INTERNAL.
+    """
+
+    code = "UNKNOWN"
+    http_status = 400
+    grpc_status = "UNKNOWN"
 
 
 class InstanceFailed(ModelExecutionError):

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from edge_server.backends import backend_class, guess_backend
 from edge_server.backends.base import Backend, InstanceSpec, LoadContext
 from edge_server.backends.tensorrt.fallback import choose as choose_runtime
 from edge_server.backends.tensorrt.rebuild import EngineRebuilder
+from edge_server.classification import read_labels
 from edge_server.config import ModelConfig, load_config_file, parse_config_json, validate_config
 from edge_server.config.model import InstanceGroup
 from edge_server.errors import BackendUnavailable, ConfigError, EdgeServerError
@@ -78,6 +80,8 @@ class LoadedVersion:
     thread_settings: dict[str, Any] | None = None
     #: CPU instances taking part in the box-wide thread rule (``Backend.shares_cores``)
     cpu_sessions: int = 0
+    #: each output's class names from its label_filename (the classification extension)
+    labels: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def retire(self, deadline: float, *, finish_sequences: bool = False) -> None:
         """Let queued and running requests finish (until ``deadline``, monotonic), then free everything.
@@ -159,6 +163,7 @@ def load_version(
     validate_config(config)  # what the backend filled in obeys the same rules as what was written
     _check_io(config)
     restart_backoff(config)  # a bad value fails the load by name before any instance is started
+    labels = read_labels(config, source.path)  # before any instance exists: a missing file fails the load
     config = config.replace(instance_groups=named_instance_groups(config))
     warn_missing_gpus(config, gpu_ids())
     specs = instance_specs(
@@ -229,6 +234,7 @@ def load_version(
         note=choice.note,
         thread_settings=next((b.thread_settings for _, b in instances if b.thread_settings), None),
         cpu_sessions=sum(1 for _, b in instances if b.shares_cores and b.device == "cpu"),
+        labels=labels,
     )
 
 
@@ -252,6 +258,7 @@ def _load_ensemble(
     stats = ModelStats(source.name, version)
     if env.summaries is not None:
         stats.enable_summaries(env.summaries)
+    labels = read_labels(config, source.path)
     return LoadedVersion(
         name=source.name,
         version=version,
@@ -262,6 +269,7 @@ def _load_ensemble(
         devices=(),
         validator=RequestValidator(config),
         members=graph.members,
+        labels=labels,
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypedDict
@@ -86,6 +86,9 @@ class InferRequest:
     #: set by the data plane: the version that took the request (a response names it, even when a
     #: reload swapped the serving version while it ran)
     routed_version: int | None = None
+    #: Triton's classification extension: output name -> how many top classes to return instead of
+    #: its values (see :mod:`edge_server.classification`); each must be among ``outputs``
+    classification: Mapping[str, int] | None = None
 
 
 class RequestOptions(TypedDict, total=False):
@@ -100,6 +103,7 @@ class RequestOptions(TypedDict, total=False):
     correlation_id: int | str
     sequence_start: bool
     sequence_end: bool
+    classification: Mapping[str, int] | None
 
 
 @dataclass(slots=True)
@@ -216,8 +220,13 @@ class ResponseSink(abc.ABC):
     :meth:`put`; a response after the final one is refused with ``False``.  Consumers (the IPC
     frontend, the in-process iterators, the gRPC stream) implement :meth:`deliver`, which may run on
     any thread and must not block.  :meth:`cancel` is the consumer going away: later responses are
-    dropped and the model can see it (``request.is_cancelled()``).
+    dropped and the model can see it (``request.is_cancelled()``), unless the consumer
+    :attr:`keeps_reading` (a BLS response iterator's ``cancel()``: the model is told, and what it
+    still sends, its final response included, is delivered).
     """
+
+    keeps_reading = False
+    on_cancel: Callable[[], None] | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -235,7 +244,7 @@ class ResponseSink(abc.ABC):
                 return False
             if final:
                 self.finished = True
-            dropped = self.cancelled
+            dropped = self.cancelled and not self.keeps_reading
             if not dropped and (outputs is not None or error is not None):
                 self.responses += 1
         if not dropped:
@@ -246,6 +255,8 @@ class ResponseSink(abc.ABC):
 
     def cancel(self) -> None:
         self.cancelled = True
+        if self.on_cancel is not None:  # the producer is elsewhere (a model's own process): tell it
+            self.on_cancel()
 
     @abc.abstractmethod
     def deliver(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from edge_server.access import LocalAccess
+from edge_server.access import LocalAccess, control_refused
 from edge_server.backends.base import ONNXRUNTIME_THREAD_POLICIES
 from edge_server.backends.tensorrt.rebuild import ENGINE_BUILD_MODES, EngineRebuilder
 from edge_server.config.model import ModelConfig
@@ -364,10 +364,7 @@ class Server:
     def _check_control(self) -> None:
         self._check_open()
         if self.control_mode == "none":
-            raise InvalidArgument(
-                "model control is disabled (model_control_mode 'none'); start with "
-                "--model-control-mode explicit or poll to load and unload models"
-            )
+            raise control_refused("load or unload")
 
 
 def _request(model: str, inputs: Mapping[str, np.ndarray], options: RequestOptions) -> InferRequest:

@@ -238,7 +238,10 @@ class RequestValidator:
         return True
 
     def _requested_outputs(self, requested: Sequence[str]) -> tuple[str, ...]:
-        """The outputs asked for, once each, in the order asked (none asked: every output, as KServe v2)."""
+        """The outputs asked for, in the order asked (none asked: every output, as KServe v2).
+
+        An output asked for twice is refused, with Triton's text.
+        """
         names = self._outputs
         for name in requested:
             if name in self._state_outputs:
@@ -250,4 +253,8 @@ class RequestValidator:
                 raise InvalidArgument(
                     f"model {self.model!r} has no output {shorten(name)}; its outputs are {list(names)}"
                 )
-        return tuple(dict.fromkeys(requested))
+        once = tuple(dict.fromkeys(requested))
+        if len(once) != len(requested):
+            twice = next(name for index, name in enumerate(requested) if name in requested[:index])
+            raise InvalidArgument(f"output '{twice}' already exists in request")
+        return once

@@ -20,6 +20,7 @@ from edge_server.errors import (
     ModelNotFound,
     ModelNotReady,
     ServerShuttingDown,
+    Unavailable,
 )
 from edge_server.request import InferRequest
 from tests.onnx_factory import affine_model
@@ -298,7 +299,9 @@ def test_statistics_count_requests(server: Server) -> None:
 
 
 def test_control_mode_none_refuses_load(server: Server) -> None:
-    with pytest.raises(InvalidArgument, match="model control is disabled"):
+    with pytest.raises(
+        Unavailable, match="explicit model load / unload is not allowed if polling is enabled"
+    ):
         server.load_model("adder")
 
 

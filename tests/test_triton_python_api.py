@@ -20,6 +20,7 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelExecutionError,
+    ModelUnknownError,
     NotFound,
     Unavailable,
     Unsupported,
@@ -38,7 +39,7 @@ CODES = [
     (pb_utils.TritonError.ALREADY_EXISTS, AlreadyExists, "ALREADY_EXISTS"),
     (pb_utils.TritonError.CANCELLED, Cancelled, "CANCELLED"),
     (pb_utils.TritonError.INTERNAL, ModelExecutionError, "EXECUTION_FAILED"),
-    (pb_utils.TritonError.UNKNOWN, ModelExecutionError, "EXECUTION_FAILED"),
+    (pb_utils.TritonError.UNKNOWN, ModelUnknownError, "UNKNOWN"),
 ]
 
 
@@ -164,7 +165,7 @@ def test_response_parameters_follow_tritons_rules() -> None:
     response = pb_utils.InferenceResponse([], parameters={"a": 1, "b": "x", "c": True})
     assert json.loads(response.parameters()) == {"a": 1, "b": "x", "c": True}
     assert pb_utils.InferenceResponse([]).parameters() == "{}"
-    with pytest.raises(pb_utils.TritonModelException, match="bool, int or str"):
+    with pytest.raises(pb_utils.TritonModelException, match="bool/int/str"):
         pb_utils.InferenceResponse([], parameters={"a": 1.5})
 
 

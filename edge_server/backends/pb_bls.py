@@ -113,7 +113,13 @@ _Item = tuple[dict[str, np.ndarray] | None, EdgeServerError | None, bool]
 
 
 class _Collect(ResponseSink):
-    """The responses of a streamed BLS call, as they come (on any thread)."""
+    """The responses of a streamed BLS call, as they come (on any thread).
+
+    It keeps reading after a cancellation: :meth:`Stream.cancel` tells the called model (which sees
+    ``request.is_cancelled()``), and the responses it still sends, its final one included, arrive.
+    """
+
+    keeps_reading = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -125,75 +131,53 @@ class _Collect(ResponseSink):
         self.items.put((outputs, error, final))
 
 
-def stream(
-    access: ModelAccess, request: InferRequest, wait_s: float | None
-) -> Iterator[tuple[dict[str, np.ndarray], EdgeServerError | None]]:
-    """Each response of a (decoupled) model as ``(outputs, error)``; a bare final yields ``({}, None)``.
+class Stream:
+    """The responses of a streamed call (a decoupled model's, zero or many) as ``(outputs, error)``.
 
-    ``wait_s`` bounds the wait for each response; leaving the loop early cancels the call.
+    What ``exec(decoupled=True)`` iterates: a bare final yields ``({}, None)``.  ``wait_s`` bounds the
+    wait for each response (past it the call is cancelled and a TIMEOUT error ends the iteration).
+    :meth:`cancel` asks the called model to stop, as Triton's ``ResponseIterator.cancel()`` does: the
+    iteration goes on with what the model still sends, up to its final response.  A stream dropped
+    before its final response cancels the call.
     """
-    refused = _never_runs(request)
-    if refused is not None:
-        yield {}, refused
-        return
-    sink = _Collect()
-    try:
-        access.stream(request, sink)
-    except EdgeServerError as exc:
-        yield {}, exc
-        return
-    try:
+
+    def __init__(self, access: ModelAccess, request: InferRequest, wait_s: float | None) -> None:
+        self._request = request
+        self._wait_s = wait_s
+        self._sink = _Collect()
+        self._done = False
+        self._error = _never_runs(request)
+        if self._error is None:
+            try:
+                access.stream(request, self._sink)
+            except EdgeServerError as exc:
+                self._error = exc
+
+    def __iter__(self) -> Iterator[tuple[dict[str, np.ndarray], EdgeServerError | None]]:
+        return self
+
+    def __next__(self) -> tuple[dict[str, np.ndarray], EdgeServerError | None]:
+        if self._done:
+            raise StopIteration
+        if self._error is not None:
+            self._done = True
+            return {}, self._error
         while True:
             try:
-                outputs, error, final = sink.items.get(timeout=wait_s)
+                outputs, error, final = self._sink.items.get(timeout=self._wait_s)
             except queue.Empty:
-                sink.cancel()
-                yield {}, _timed_out(request, wait_s or 0.0)
-                return
-            if outputs is not None or error is not None or final:
-                yield outputs or {}, error
+                self._sink.cancel()
+                self._done = True
+                return {}, _timed_out(self._request, self._wait_s or 0.0)
             if final:
-                return
-    finally:
-        if not sink.finished:
-            sink.cancel()
+                self._done = True
+            if outputs is not None or error is not None or final:
+                return outputs or {}, error
 
+    def cancel(self) -> None:
+        """Ask the called model to stop (it sees ``request.is_cancelled()``); keep iterating."""
+        self._sink.cancel()
 
-class _AsyncCollect(ResponseSink):
-    """:class:`_Collect` for a coroutine: responses cross to its event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
-        self._loop = loop
-        self.items: asyncio.Queue[_Item] = asyncio.Queue()
-
-    def deliver(
-        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
-    ) -> None:
-        self._loop.call_soon_threadsafe(self.items.put_nowait, (outputs, error, final))
-
-
-async def stream_async(
-    access: ModelAccess, request: InferRequest, wait_s: float | None
-) -> list[tuple[dict[str, np.ndarray], EdgeServerError | None]]:
-    """Every response of a streamed call, gathered without blocking the event loop (see :func:`stream`)."""
-    refused = _never_runs(request)
-    if refused is not None:
-        return [({}, refused)]
-    sink = _AsyncCollect(asyncio.get_running_loop())
-    try:
-        access.stream(request, sink)
-    except EdgeServerError as exc:
-        return [({}, exc)]
-    responses: list[tuple[dict[str, np.ndarray], EdgeServerError | None]] = []
-    while True:
-        try:
-            outputs, error, final = await asyncio.wait_for(sink.items.get(), wait_s)
-        except asyncio.TimeoutError:
-            sink.cancel()
-            responses.append(({}, _timed_out(request, wait_s or 0.0)))
-            return responses
-        if outputs is not None or error is not None or final:
-            responses.append((outputs or {}, error))
-        if final:
-            return responses
+    def __del__(self) -> None:
+        if not self._sink.finished:
+            self._sink.cancel()

@@ -7,7 +7,7 @@ model's ``auto_complete_config``/``initialize``/``execute``/``finalize`` with th
 helpers read the mark.  From a thread the model started itself, ``get_model_dir()`` falls back to
 the directory of the calling file, which is the version directory when the caller is ``model.py``,
 and BLS calls find their model by the module of the calling code (each instance imports ``model.py``
-as a module of its own, registered here while the instance is loaded).
+and its sibling modules into a package of its own, registered here while the instance is loaded).
 """
 
 from __future__ import annotations
@@ -41,19 +41,20 @@ class ModelContext:
 
 
 _current = threading.local()
-# module name of an instance's model.py -> its context, for code running on the model's own threads
+# package of an instance's modules (pb_imports) -> its context, for code on the model's own threads
 _by_module: dict[str, ModelContext] = {}
 _by_module_lock = threading.Lock()
 
 
-def register_module(module_name: str, context: ModelContext) -> None:
+def register_module(package: str, context: ModelContext) -> None:
+    """Code of any module inside ``package`` (``model.py`` and its siblings) is ``context``'s model."""
     with _by_module_lock:
-        _by_module[module_name] = context
+        _by_module[package] = context
 
 
-def unregister_module(module_name: str) -> None:
+def unregister_module(package: str) -> None:
     with _by_module_lock:
-        _by_module.pop(module_name, None)
+        _by_module.pop(package, None)
 
 
 def calling_model() -> ModelContext | None:
@@ -63,7 +64,7 @@ def calling_model() -> ModelContext | None:
         return context
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        found = _by_module.get(frame.f_globals.get("__name__", ""))
+        found = _by_module.get(str(frame.f_globals.get("__name__", "")).partition(".")[0])
         if found is not None:
             return found
         frame = frame.f_back
@@ -132,6 +133,11 @@ class Logger:
     """
 
     LogLevel = LogLevel
+    # Triton exports the levels onto the class too: ``Logger.log(msg, pb_utils.Logger.INFO)``
+    INFO = LogLevel.INFO
+    WARNING = LogLevel.WARNING
+    ERROR = LogLevel.ERROR
+    VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
     def log(message: str, level: int = 0) -> None:  # 0: LogLevel.INFO

@@ -23,7 +23,7 @@ from edge_server.backends.pb_context import LogLevel as LogLevel
 from edge_server.backends.pb_context import get_model_dir as get_model_dir
 from edge_server.config import schema
 from edge_server.errors import EdgeServerError
-from edge_server.request import InferRequest, ModelAccess
+from edge_server.request import InferRequest, ModelAccess, response_parameters
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -161,6 +161,39 @@ class InferenceResponseSender:
         return self._cancelled()
 
 
+def _text(value: Any) -> Any:
+    """``bytes`` as UTF-8 text (Triton's C++ binding accepts either for a string argument)."""
+    if isinstance(value, bytes | np.bytes_):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise TritonModelException(f"expected UTF-8 text, got {value!r}") from None
+    return value
+
+
+class ResponseIterator:
+    """What ``exec(decoupled=True)`` returns: the called model's responses as they come.
+
+    Ends after the final response (an empty one when the final flag came alone, as in Triton);
+    ``cancel()`` asks the called model to stop (it sees ``request.is_cancelled()``) and the iteration
+    goes on with what it still sends: typically a CANCELLED error, or, from a model that ignores
+    cancellation, its remaining responses.
+    """
+
+    def __init__(self, stream: pb_bls.Stream) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        outputs, error = next(self._stream)
+        return _response(outputs, error)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
 class InferenceRequest:
     """A request: handed to ``TritonPythonModel.execute``, or built by a model to call another (BLS).
 
@@ -190,6 +223,7 @@ class InferenceRequest:
         preferred_memory: Any = None,
         trace: Any = None,
     ) -> None:
+        model_name = _text(model_name)  # bytes too, as Triton's binding takes them (as_numpy()[0])
         if not isinstance(model_name, str) or not model_name:
             raise TritonModelException("InferenceRequest: model_name must be a non-empty string")
         tensors = list(inputs)
@@ -207,13 +241,14 @@ class InferenceRequest:
         self._model_name = model_name
         self._model_version = int(model_version)
         self._inputs = tensors
-        self._requested = [str(name) for name in requested_output_names]
+        self._requested = [str(_text(name)) for name in requested_output_names]
         self._request_id = str(request_id)
         self._parameters = json.loads(_parameters_json(parameters))
         self._correlation_id = correlation_id
         self._flags = int(flags)
         self._timeout = timeout
         self._sender: InferenceResponseSender | None = None
+        self._sender_factory: Callable[[InferenceRequest], InferenceResponseSender] | None = None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
@@ -229,8 +264,13 @@ class InferenceRequest:
         flags: int = 0,
         timeout: int = 0,
         sender: InferenceResponseSender | None = None,
+        sender_factory: Callable[[InferenceRequest], InferenceResponseSender] | None = None,
     ) -> InferenceRequest:
-        """A request the backend hands to ``execute`` (no checks: the data plane validated it)."""
+        """A request the backend hands to ``execute`` (no checks: the data plane validated it).
+
+        ``sender_factory``: makes the response sender of a non-decoupled model's request, only when
+        the model asks for one (most never do).
+        """
         request = cls.__new__(cls)
         request._model_name = model_name
         request._model_version = -1
@@ -242,6 +282,7 @@ class InferenceRequest:
         request._flags = flags
         request._timeout = timeout
         request._sender = sender
+        request._sender_factory = sender_factory
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
 
@@ -275,6 +316,8 @@ class InferenceRequest:
         return self._timeout
 
     def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None and self._sender_factory is not None:
+            self._sender = self._sender_factory(self)
         if self._sender is None:
             raise TritonModelException(
                 "get_response_sender() is only available to decoupled models "
@@ -314,16 +357,15 @@ class InferenceRequest:
         models = self._models()
         request, wait_s = self._outgoing()
         if decoupled:
-            return (_response(out, err) for out, err in pb_bls.stream(models, request, wait_s))
+            return ResponseIterator(pb_bls.Stream(models, request, wait_s))
         return _response_of(pb_bls.call(models, request, wait_s))
 
     async def async_exec(self, decoupled: bool = False) -> Any:
         """:meth:`exec` for ``async def execute``: ``await`` it; many may be in flight at once."""
         models = self._models()
         request, wait_s = self._outgoing()
-        if decoupled:
-            responses = await pb_bls.stream_async(models, request, wait_s)
-            return iter([_response(out, err) for out, err in responses])
+        if decoupled:  # as in Triton: the iterator at once, iterated (and cancelled) as exec's
+            return ResponseIterator(pb_bls.Stream(models, request, wait_s))
         return _response_of(await pb_bls.call_async(models, request, wait_s))
 
     def _models(self) -> ModelAccess:
@@ -359,6 +401,8 @@ _TRITON_CODES = {
     "TIMEOUT": TritonError.UNAVAILABLE,
     "UNSUPPORTED": TritonError.UNSUPPORTED,
     "CANCELLED": TritonError.CANCELLED,
+    "UNKNOWN": TritonError.UNKNOWN,
+    "ALREADY_EXISTS": TritonError.ALREADY_EXISTS,
 }
 
 
@@ -366,7 +410,9 @@ def _response(outputs: Mapping[str, np.ndarray], error: EdgeServerError | None) 
     if error is not None:
         code = _TRITON_CODES.get(error.code, TritonError.INTERNAL)
         return InferenceResponse(error=TritonError(f"[{error.code}] {error.message}", code))
-    return InferenceResponse(output_tensors=[Tensor(name, array) for name, array in outputs.items()])
+    tensors = [Tensor(name, array) for name, array in outputs.items()]
+    parameters = response_parameters(outputs)  # the called model's response parameters, as in Triton
+    return InferenceResponse(output_tensors=tensors, parameters=dict(parameters) if parameters else None)
 
 
 def _response_of(outcome: pb_bls.Outcome) -> InferenceResponse:
@@ -378,7 +424,8 @@ def _response_of(outcome: pb_bls.Outcome) -> InferenceResponse:
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
     """Whether ``model_name`` (and ``model_version``, "" for the latest) can take requests now."""
     models = _calling_models()
-    return models.is_ready(model_name, int(model_version) if model_version else None)
+    version = _text(model_version)
+    return models.is_ready(_text(model_name), int(version) if version else None)
 
 
 def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | None = None) -> None:
@@ -388,7 +435,7 @@ def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | N
             "load_model(): config and files overrides are not supported; write them to the repository"
         )
     try:
-        _calling_models().load(model_name)
+        _calling_models().load(_text(model_name))
     except EdgeServerError as exc:
         raise TritonModelException(exc.message) from None
 
@@ -396,7 +443,7 @@ def load_model(model_name: str, config: str = "", files: Mapping[str, bytes] | N
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     """Unload every version of ``model_name`` (explicit and poll control modes only)."""
     try:
-        _calling_models().unload(model_name)
+        _calling_models().unload(_text(model_name))
     except EdgeServerError as exc:
         raise TritonModelException(exc.message) from None
 
@@ -409,19 +456,22 @@ def _calling_models() -> ModelAccess:
 
 
 def _parameters_json(parameters: Any) -> str:
-    """Triton's rule for response parameters: string keys, bool/int/str values, kept as JSON text."""
+    """Triton's rule for response parameters: string keys, bool/int/str values, kept as JSON text.
+
+    The error texts are Triton's (its QA matches them).
+    """
     if parameters is None:
         return "{}"
     if isinstance(parameters, str):
         parameters = json.loads(parameters)
     if not isinstance(parameters, dict):
-        raise TritonModelException(f"parameters must be a dict, got {type(parameters).__name__}")
+        raise TritonModelException(f"Expect parameters to be a dict, got {type(parameters)}")
     for key, value in parameters.items():
         if not isinstance(key, str):
-            raise TritonModelException(f"parameter keys must be strings, got {key!r}")
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
         if not isinstance(value, bool | int | str):
             raise TritonModelException(
-                f"parameter {key!r}: values must be bool, int or str, got {type(value).__name__}"
+                f"Expect parameters values to have type bool/int/str, found type {type(value)}"
             )
     return json.dumps(parameters)
 

@@ -12,26 +12,24 @@ A model may also return a plain ``{name: ndarray}`` dict per request instead of 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import importlib.machinery
-import importlib.util
 import inspect
-import itertools
 import json
 import logging
 import sys
 import time
 import traceback
 from collections.abc import Sequence
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
-from types import CodeType, ModuleType
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends import pb_context, pb_utils
+from edge_server.backends import pb_asyncio, pb_context, pb_imports, pb_single, pb_utils
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import (
@@ -41,6 +39,7 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelExecutionError,
+    ModelUnknownError,
     NotFound,
     Unavailable,
     Unsupported,
@@ -55,38 +54,20 @@ sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 _CLASS_NAME = "TritonPythonModel"
 # args["model_instance_kind"], as Triton writes it
 _INSTANCE_KINDS = {"KIND_CPU": "CPU", "KIND_GPU": "GPU", "KIND_DLA": "GPU"}
-# A fresh module name per instance and per reload, so no state leaks between them (next() is atomic).
-_module_numbers = itertools.count(1)
 
 
-class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):
-    """Compiles ``model.py`` from its source on every import: no bytecode is read or written.
-
-    The repository is the OTA agent's folder, may be read-only or another user's, and its content hash
-    decides whether a version changed; a ``__pycache__`` written beside ``model.py`` changed that hash
-    while the model loaded (issue #22).  Compiling a model file costs milliseconds, once per load.
-    """
-
-    def get_code(self, fullname: str) -> CodeType:
-        return compile(self.get_data(self.path), self.path, "exec", dont_inherit=True)
-
-
-def _import_model(path: Path) -> ModuleType:
-    number = next(_module_numbers)
-    module_name = f"_edge_server_model_{path.parent.parent.name}_{path.parent.name}_{number}"
-    spec = importlib.util.spec_from_file_location(
-        module_name, path, loader=_SourceOnlyLoader(module_name, str(path))
-    )
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{path}: cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
+def _import_model(path: Path, model_name: str) -> tuple[ModuleType, pb_imports.ImportScope]:
+    """``model.py`` in an import scope of its own (its sibling ``.py`` files importable, see pb_imports)."""
+    scope = pb_imports.ImportScope(path, model_name)
     try:
-        spec.loader.exec_module(module)
+        module = scope.load_model(path)
     except Exception as exc:
+        scope.close()
         raise ConfigError(f"{path}: importing the model failed: {exc!r}") from exc
     if not hasattr(module, _CLASS_NAME):
+        scope.close()
         raise ConfigError(f"{path}: defines no class {_CLASS_NAME}")
-    return module
+    return module, scope
 
 
 class _Discard(ResponseSink):
@@ -102,8 +83,9 @@ def _stream(item: BatchItem) -> ResponseSink:
     return item.stream
 
 
-# TritonError code -> the error the client gets.  INTERNAL and UNKNOWN (and any other) stay
-# EXECUTION_FAILED: the model failed, and the client cannot do better by changing the request.
+# TritonError code -> the error the client gets.  INTERNAL (and any other) stays EXECUTION_FAILED:
+# the model failed, and the client cannot do better by changing the request; UNKNOWN keeps its own
+# code (Triton's gRPC status UNKNOWN, HTTP 400).
 _ERRORS_BY_TRITON_CODE: dict[int, type[EdgeServerError]] = {
     pb_utils.TritonError.INVALID_ARG: InvalidArgument,
     pb_utils.TritonError.NOT_FOUND: NotFound,
@@ -111,6 +93,7 @@ _ERRORS_BY_TRITON_CODE: dict[int, type[EdgeServerError]] = {
     pb_utils.TritonError.UNSUPPORTED: Unsupported,
     pb_utils.TritonError.ALREADY_EXISTS: AlreadyExists,
     pb_utils.TritonError.CANCELLED: Cancelled,
+    pb_utils.TritonError.UNKNOWN: ModelUnknownError,
 }
 
 
@@ -196,11 +179,14 @@ def isolation_mode(config: ModelConfig) -> str:
 
 def complete_in_thread(config: ModelConfig, model_path: Path) -> dict[str, Any] | None:
     """Import ``model.py`` here and run its ``auto_complete_config`` (None when it has none)."""
-    module = _import_model(model_path)
-    model_cls = getattr(module, _CLASS_NAME)
-    if not hasattr(model_cls, "auto_complete_config"):
-        return None
-    return run_auto_complete(config, model_cls, model_path)
+    module, scope = _import_model(model_path, config.name)
+    try:
+        model_cls = getattr(module, _CLASS_NAME)
+        if not hasattr(model_cls, "auto_complete_config"):
+            return None
+        return run_auto_complete(config, model_cls, model_path)
+    finally:
+        scope.close()
 
 
 def _instance_count(config: ModelConfig) -> int:
@@ -249,13 +235,18 @@ class PythonBackend(Backend):
             instances=_instance_count(ctx.config),
         )
         self._executing = dataclasses.replace(self._context, executing=True)
-        module = _import_model(ctx.model_path)
-        self._module_name = module.__name__
-        self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``, made on first use
-        with pb_context.running(self._context):
-            self._model = getattr(module, _CLASS_NAME)()
-        pb_context.register_module(self._module_name, self._context)  # BLS from the model's threads
+        module, self._scope = _import_model(ctx.model_path, ctx.config.name)
+        self._loop = pb_asyncio.ModelLoop(ctx.instance.name, self._context)  # ``async def execute``
+        try:
+            with pb_context.running(self._context):
+                self._model = getattr(module, _CLASS_NAME)()
+        except BaseException:
+            self._scope.close()
+            raise
+        # BLS from the model's own threads: found by the scope's package, model.py's and its helpers'
+        pb_context.register_module(self._scope.package, self._context)
         self._out_dtypes = {t.name: dtypes.to_numpy(t.data_type) for t in ctx.config.outputs}
+        self._dtype_warned: set[str] = set()
         if ctx.config.sequence_batching is not None:  # implicit state outputs come back like outputs
             for state in ctx.config.sequence_batching.states:
                 self._out_dtypes[state.output_name] = dtypes.to_numpy(state.data_type)
@@ -275,13 +266,16 @@ class PythonBackend(Backend):
                 with pb_context.running(self._context):
                     initialize(args)
             except Exception as exc:
-                pb_context.unregister_module(self._module_name)
+                pb_context.unregister_module(self._scope.package)
+                self._scope.close()
                 raise ConfigError(f"{ctx.model_path}: initialize() failed: {exc!r}") from exc
         # A cheap model may run on the caller's thread (the scheduler measures it first): a thread
         # hand-off costs more than a small model.py.  Not a decoupled model (its responses may outlive
         # execute()) nor an ``async def execute`` (its event loop cannot run on a frontend's loop).
         execute = getattr(self._model, "execute", None)
         self.allows_inline = not ctx.config.decoupled and not inspect.iscoroutinefunction(execute)
+        if inspect.iscoroutinefunction(execute):
+            self._loop.start()
         # A model.py may call models (BLS): never run it on a worker that holds an instance of its own
         # (a scheduler worker delivering a finished batch; see scheduler._pipeline_caller).
         self.calls_models = True
@@ -293,8 +287,12 @@ class PythonBackend(Backend):
             previous = pb_context.mark(self._executing)  # pb_context.running(), minus a generator
             try:
                 responses = self._model.execute(requests)
-                if inspect.iscoroutine(responses):  # ``async def execute``: run it, as Triton does
-                    responses = self._event_loop().run_until_complete(responses)
+                if inspect.iscoroutine(responses):  # ``async def execute``: on the model's loop, as Triton
+                    if self._config.decoupled:  # not waited for: its responses go through the senders
+                        self._loop.spawn_then(responses, self._executing, partial(self._async_done, batch))
+                        responses = None
+                    else:
+                        responses = self._loop.run(responses, self._executing)
             finally:
                 pb_context.mark(previous)
         except Exception as exc:
@@ -304,7 +302,13 @@ class PythonBackend(Backend):
                 log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
                 error = ModelExecutionError(f"model {self._config.name!r} raised {exc!r}")
             if not self._config.decoupled:
-                raise error from exc
+                answers = pb_single.sent(requests)
+                if not any(answers):
+                    raise error from exc
+                # requests the model answered through its sender before it failed keep that answer
+                return [
+                    error if a is None else self._convert(a, i) for a, i in zip(answers, batch, strict=True)
+                ]
             for item in batch:  # ends every stream the model left open; finished ones refuse it
                 _stream(item).put(None, error, final=True)
             return [{} for _ in batch]  # nothing is rescheduled after a failed execute()
@@ -312,9 +316,17 @@ class PythonBackend(Backend):
             timing.compute_infer_ns += time.perf_counter_ns() - t0
         if self._config.decoupled:
             # Responses went through the senders (maybe still going, from the model's own threads).
-            if responses is not None:
-                log.warning("%s: a decoupled model's execute() should return None; ignoring", self._name)
+            if responses is not None:  # Triton's error, to every request whose stream is still open
+                refused = self._must_return_none()
+                for item in batch:
+                    _stream(item).put(None, refused, final=True)  # refused where already finished
+                return [{} for _ in batch]
             return [self._decoupled_result(r, item) for r, item in zip(requests, batch, strict=True)]
+        answers = pb_single.sent(requests)  # sent through a sender: they answer (a returned one is dropped)
+        if responses is None and any(answers):  # Triton takes None for "nothing returned"
+            responses = [None] * len(batch)
+        if any(answers) and isinstance(responses, list | tuple) and len(responses) == len(batch):
+            responses = [a if a is not None else r for a, r in zip(answers, responses, strict=True)]
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
             raise ModelExecutionError(
@@ -387,6 +399,7 @@ class PythonBackend(Backend):
             flags=item.flags,
             timeout=item.timeout_us,
             sender=sender,
+            sender_factory=None if sender is not None else pb_single.make_sender,
         )
 
     def _convert(self, response: Any, item: BatchItem) -> Result:
@@ -407,16 +420,14 @@ class PythonBackend(Backend):
             if name not in outputs:
                 return ModelExecutionError(f"model {model!r} did not produce output {name!r}")
             array = np.asarray(outputs[name])
-            expected = self._out_dtypes[name]
-            if array.dtype != expected and not (expected.kind == "O" and array.dtype.kind in "OSU"):
-                return ModelExecutionError(
-                    f"model {model!r}: output {name!r} has dtype {array.dtype}, config says {expected}"
-                )
-            if expected.kind == "O":  # TYPE_STRING leaves as an object array of bytes, str encoded
+            if array.dtype.kind in "OSU":  # strings leave as an object array of bytes; others str()
                 try:
-                    array = dtypes.as_bytes_array(array, where=f"model {model!r} output {name!r}")
+                    where = f"model {model!r} output {name!r}"
+                    array = dtypes.as_bytes_array(array, where=where, stringify=True)
                 except InvalidArgument as exc:
                     return ModelExecutionError(exc.message)
+            elif array.dtype != self._out_dtypes[name]:
+                self._warn_dtype(name, array.dtype)
             result[name] = array
         if isinstance(response, pb_utils.InferenceResponse):
             parameters = response.parameters()
@@ -424,11 +435,40 @@ class PythonBackend(Backend):
                 return Outputs(result, json.loads(parameters))
         return result
 
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop that runs a coroutine ``execute`` (one per instance, run by its worker)."""
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop
+    def _warn_dtype(self, name: str, dtype: np.dtype) -> None:
+        """Once per output: it leaves with the type the model gave it, as Triton sends it (no cast)."""
+        if name in self._dtype_warned:
+            return
+        self._dtype_warned.add(name)
+        log.warning(
+            "%s: output %r is %s but the config says %s; it is sent as %s, as Triton does",
+            self._name,
+            name,
+            dtype,
+            self._out_dtypes[name],
+            dtype,
+        )
+
+    def _async_done(self, batch: Sequence[BatchItem], future: Future[Any]) -> None:
+        """A decoupled model's ``async def execute`` ended (in the background): report what went wrong."""
+        if future.cancelled():
+            error: EdgeServerError | None = Cancelled(f"model {self._config.name!r}: execute() was cancelled")
+        elif future.exception() is not None:
+            exc = future.exception()
+            log.warning("%s: execute() raised: %r", self._name, exc)
+            error = model_error(self._config.name, exc)
+        elif future.result() is not None:
+            error = self._must_return_none()
+        else:
+            return
+        for item in batch:  # ends every stream the model left open; finished ones refuse it
+            _stream(item).put(None, error, final=True)
+
+    def _must_return_none(self) -> EdgeServerError:
+        return ModelExecutionError(
+            f"Python model '{self._name}' is using the decoupled mode and the execute function "
+            "must return None."
+        )
 
     def close(self) -> None:
         finalize = getattr(self._model, "finalize", None)
@@ -439,7 +479,6 @@ class PythonBackend(Backend):
             except Exception:
                 log.exception("%s: finalize() raised", self._name)
         self._model = None
-        pb_context.unregister_module(self._module_name)
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        pb_context.unregister_module(self._scope.package)
+        self._scope.close()
+        self._loop.close()

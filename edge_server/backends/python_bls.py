@@ -23,6 +23,7 @@ import itertools
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -106,16 +107,27 @@ def decode_request(message: dict[str, Any]) -> InferRequest:
 
 
 class _ReplySink(ResponseSink):
-    """A streamed call's responses, sent back to the child as they come."""
+    """A streamed call's responses, sent back to the child as they come.
 
-    def __init__(self, channel: Channel, call: int) -> None:
+    Listed in ``streams`` (the instance's streamed calls by id) until its final response, so that a
+    ``blsc`` from the child (its ``ResponseIterator.cancel()``) reaches the called model; what that
+    model still sends goes on coming back, as in Triton.
+    """
+
+    keeps_reading = True
+
+    def __init__(self, channel: Channel, call: int, streams: dict[int, ResponseSink]) -> None:
         super().__init__()
         self._channel = channel
         self._call = call
+        self._streams = streams
+        streams[call] = self
 
     def deliver(
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
     ) -> None:
+        if final:
+            self._streams.pop(self._call, None)
         _reply(self._channel, self._call, outputs, error, final)
 
 
@@ -137,18 +149,33 @@ def _reply(
         pass  # the process is gone; its instance reports that
 
 
-def serve_call(message: dict[str, Any], access: ModelAccess | None, channel: Channel) -> None:
-    """Run one ``bls`` message through ``access``; the answer goes back over ``channel`` when it comes."""
+def serve_call(
+    message: dict[str, Any], access: ModelAccess | None, channel: Channel, streams: dict[int, ResponseSink]
+) -> None:
+    """Run one ``bls`` message through ``access``; the answer goes back over ``channel`` when it comes.
+
+    A ``blsc`` message cancels the streamed call it names (``streams``: the instance's open ones).
+    """
     call = message.get("q")
     if not isinstance(call, int):
         log.error("an isolated model sent a BLS call without an id; ignored")
+        return
+    if message.get("op") == "blsc":
+        sink = streams.get(call)
+        if sink is not None:
+            sink.cancel()
         return
     try:
         if access is None:
             raise Unsupported("this model has no way to other models here")
         request = decode_request(message)
         if message.get("s"):
-            access.stream(request, _ReplySink(channel, call))
+            sink = _ReplySink(channel, call, streams)
+            try:
+                access.stream(request, sink)
+            except BaseException:
+                streams.pop(call, None)
+                raise
             return
         future = access.submit(request)
     except EdgeServerError as exc:
@@ -188,17 +215,26 @@ class PipeModels:
         return future
 
     def stream(self, request: InferRequest, sink: ResponseSink) -> None:
-        self._send(request, sink, streamed=True)
+        call = self._send(request, sink, streamed=True)
+        sink.on_cancel = partial(self._cancel, call)
+
+    def _cancel(self, call: int) -> None:
+        """The model cancelled a streamed call (``ResponseIterator.cancel()``): tell the daemon."""
+        try:
+            self._channel.send({"op": "blsc", "q": call})
+        except (ConnectionError, OSError):
+            pass  # the daemon is gone; the stub exits
 
     def _send(
         self, request: InferRequest, target: Future[dict[str, np.ndarray]] | ResponseSink, *, streamed: bool
-    ) -> None:
+    ) -> int:
         message = encode_request(request)
         with self._lock:
             call = next(self._ids)
             self._calls[call] = target
         message.update(op="bls", q=call, s=streamed)
         self._channel.send(message)
+        return call
 
     def answer(self, message: dict[str, Any]) -> None:
         """A ``blsr`` message (the child's pipe reader): complete its call or feed its stream."""

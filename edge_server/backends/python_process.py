@@ -146,6 +146,7 @@ class IsolatedPythonBackend(Backend):
         self._busy = False  # in execute(), which reports a death itself (the watcher stays quiet)
         # decoupled: the open streams by token (requests whose final response has not come yet)
         self._streams: dict[int, ResponseSink] = {}
+        self._bls_streams: dict[int, ResponseSink] = {}  # the model's open streamed BLS calls, by id
         self._tokens = itertools.count(1)
         self._closing = False
         self._requests = Arena.create(f"edge-{self._name}-requests")
@@ -188,7 +189,7 @@ class IsolatedPythonBackend(Backend):
     def _on_bls(self, message: dict[str, Any]) -> None:
         """A BLS call from the model's process: through the data plane; the answer goes back later."""
         if self._child is not None:
-            serve_call(message, self._models, self._child.channel)
+            serve_call(message, self._models, self._child.channel, self._bls_streams)
 
     def _on_send(self, message: dict[str, Any]) -> None:
         """A streamed response from the model (reader thread): hand it to its request's stream."""

@@ -161,6 +161,8 @@ class InferOptions(TypedDict, total=False):
     only.  ``queue_timeout_us``: ask the daemon to give up on the request after that long in the
     model's queue (where its queue policy allows an override).  ``parameters``: str -> bool/int/str,
     handed to the model.  ``sequence_id``/``sequence_start``/``sequence_end``: Triton's sequence fields.
+    ``classification``: output name -> N, that output comes back as its top N classes (Triton's
+    classification extension: BYTES ``"score:index:label"``, see edge_server.classification).
     """
 
     version: int | None
@@ -172,6 +174,7 @@ class InferOptions(TypedDict, total=False):
     sequence_id: int | str | None
     sequence_start: bool
     sequence_end: bool
+    classification: Mapping[str, int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +265,9 @@ class ClientBase:
         for flag in ("sequence_start", "sequence_end"):
             if options.get(flag):
                 extra[flag] = True
+        counts = options.get("classification")
+        if counts:
+            extra["classification"] = dict(counts)
         frames, nbytes = _wire.infer_message(
             rid,
             model,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edge_server import classification
 from edge_server.errors import (
     InvalidArgument,
     MalformedMessage,
@@ -110,6 +111,8 @@ def decode_infer(
     )
     if not _RARE_FIELDS.isdisjoint(header):
         _optional_fields(header, request)
+        if request.classification and not shm_outputs.keys().isdisjoint(request.classification):
+            raise InvalidArgument(classification.SHM_CONFLICT)
     return request, InferContext(rid, order, shm_outputs, destinations, leases)
 
 
@@ -137,7 +140,7 @@ def _destinations(shm_outputs: Mapping[str, tuple[Region, int, int]]) -> dict[st
     return found or None
 
 
-_RARE_FIELDS = frozenset({"parameters", "sequence_id", "sequence_start", "sequence_end"})
+_RARE_FIELDS = frozenset({"parameters", "sequence_id", "sequence_start", "sequence_end", "classification"})
 
 
 def _optional_fields(header: Mapping[str, Any], request: InferRequest) -> None:
@@ -153,6 +156,11 @@ def _optional_fields(header: Mapping[str, Any], request: InferRequest) -> None:
         request.correlation_id = sequence_id
     request.sequence_start = bool(protocol.field(header, "sequence_start", bool, required=False))
     request.sequence_end = bool(protocol.field(header, "sequence_end", bool, required=False))
+    counts = protocol.field(header, "classification", dict, required=False)
+    if counts:  # output name -> top classes; the data plane checks names and counts for every frontend
+        if not all(type(k) is str and type(v) is int for k, v in counts.items()):
+            raise MalformedMessage("'classification' must map output names to integers")
+        request.classification = counts
 
 
 def _shm_input(desc: Mapping[str, Any], name: str, registry: ClientRegions | None) -> np.ndarray:

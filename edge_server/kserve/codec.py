@@ -60,8 +60,12 @@ def check_datatype(datatype: object, name: str) -> str:
     return datatype
 
 
-def check_shape(shape: object, name: str) -> tuple[int, ...]:
-    """The shape as a tuple of non-negative ints (a request's shape is concrete: no -1)."""
+def check_shape(shape: object, name: str, datatype: str | None = None) -> tuple[int, ...]:
+    """The shape as a tuple of non-negative ints (a request's shape is concrete: no -1).
+
+    A shape whose element count, or byte size for ``datatype``, passes a signed 64-bit integer is
+    refused with Triton's texts.
+    """
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
         raise InvalidArgument(f"tensor {shorten(name)}: shape must be a list of at most {MAX_DIMS} integers")
     for dim in shape:
@@ -70,6 +74,18 @@ def check_shape(shape: object, name: str) -> tuple[int, ...]:
                 f"tensor {shorten(name)}: shape must hold non-negative integers below 2^63, "
                 f"got {shorten(list(shape))}"
             )
+    count = math.prod(shape)
+    if count > _INT64_MAX:
+        raise InvalidArgument(
+            f"invalid shape for input {shorten(name)}: shape {list(shape)} causes total element count "
+            f"to exceed maximum size of {_INT64_MAX}"
+        )
+    itemsize = _WIRE_ITEMSIZE.get(datatype or "", 0)
+    if itemsize > 1 and count > _INT64_MAX // itemsize:
+        raise InvalidArgument(
+            f"byte size overflow for input {shorten(name)}: element count ({count}) * data type size "
+            f"({itemsize}) exceeds maximum allowed size ({_INT64_MAX})"
+        )
     if math.prod(d for d in shape if d) > MAX_ELEMENTS:  # numpy refuses it, even with a zero dim in it
         raise InvalidArgument(
             f"tensor {shorten(name)}: shape {list(shape)} has more than 2^59 elements (its dims other than "
@@ -100,11 +116,12 @@ _WIRE_OF: dict[np.dtype, str] = {}
 # -- raw bytes --------------------------------------------------------------------------------------
 
 
-def raw_size(datatype: str, shape: tuple[int, ...]) -> int | None:
-    """The bytes a tensor of ``datatype`` and ``shape`` takes raw; None for BYTES (not fixed)."""
-    if datatype == "BYTES":
-        return None
-    return math.prod(shape) * _WIRE_ITEMSIZE[datatype]
+_INT64_MAX = 2**63 - 1
+
+
+def wire_itemsize(datatype: str) -> int:
+    """Bytes per element of a fixed-size KServe datatype on the wire (BF16: 2)."""
+    return _WIRE_ITEMSIZE[datatype]
 
 
 def from_raw(
@@ -205,6 +222,8 @@ def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) ->
         array = np.asarray(data)
     except ValueError:  # ragged nesting
         raise InvalidArgument(f"tensor {shorten(name)}: data is a ragged nested list") from None
+    if array.size == 0 and count == 0:  # an empty list is an empty tensor of any type (numpy: float64)
+        return np.empty(shape, dtype=NUMPY[datatype])
     allowed = _JSON_KINDS.get(datatype, "iu")
     if allowed == "iu" and array.dtype.kind in "fO":
         # Integers beyond int64 (UINT64's upper half) make numpy fall back to float64 or objects.

@@ -16,7 +16,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from edge_server.errors import InvalidArgument, TensorSizeMismatch, Unsupported, shorten
+from edge_server.errors import InvalidArgument, TensorSizeMismatch, shorten
 from edge_server.kserve import codec
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import InputBudget, Peer
@@ -59,8 +59,8 @@ def decode(
     raw_contents: Sequence[bytes | memoryview] | None = None,
 ) -> tuple[InferRequest, list[OutputWant] | None]:
     """``raw_contents``: the request's ``raw_input_contents`` when they were kept out of it (grpc_wire)."""
-    if not 0 < len(request.inputs) <= MAX_TENSORS or len(request.outputs) > MAX_TENSORS:
-        raise InvalidArgument(f"a request needs 1-{MAX_TENSORS} inputs and at most {MAX_TENSORS} outputs")
+    if len(request.inputs) > MAX_TENSORS or len(request.outputs) > MAX_TENSORS:  # none: all optional
+        raise InvalidArgument(f"a request takes at most {MAX_TENSORS} inputs and {MAX_TENSORS} outputs")
     raw = request.raw_input_contents if raw_contents is None else raw_contents
     next_raw = 0
     inputs: dict[str, np.ndarray] = {}
@@ -70,7 +70,7 @@ def decode(
         if name in inputs:
             raise InvalidArgument(f"input {shorten(name)} is given twice")
         datatype = codec.check_datatype(tensor.datatype, name)
-        shape = codec.check_shape(list(tensor.shape), name)
+        shape = codec.check_shape(list(tensor.shape), name, datatype)
         ref = shm_reference(parameters(tensor.parameters))
         if ref is not None:
             if budget is None:
@@ -94,9 +94,16 @@ def decode(
         wants = []
         for out in request.outputs:
             params = parameters(out.parameters)
-            if "classification" in params:
-                raise Unsupported(f"output {out.name!r}: the classification extension is not supported")
-            wants.append(OutputWant(out.name, True, shm_reference(params)))
+            classes = 0
+            if "classification" in out.parameters:  # Triton's checks and texts
+                if out.parameters["classification"].WhichOneof("parameter_choice") != "int64_param":
+                    raise InvalidArgument(
+                        "invalid value type for 'classification' parameter, expected int64_param"
+                    )
+                classes = params["classification"]
+                if classes <= 0:
+                    raise InvalidArgument("invalid value for 'classification' parameter, expected >= 0")
+            wants.append(OutputWant(out.name, True, shm_reference(params), classes=classes))
     infer = service.build_request(
         model=request.model_name,
         version=request.model_version,

@@ -73,9 +73,9 @@ def _stream_error(request: Any, exc: BaseException) -> Any:
 class _StreamSink(ResponseSink):
     """One streamed request's responses, encoded on the model's thread and queued for the stream.
 
-    With Triton's ``triton_enable_empty_final_response`` request parameter every response carries
-    ``triton_final_response`` and a final without outputs is sent as an empty response, so that the
-    client knows when a decoupled request is complete.
+    Every response carries ``triton_final_response`` (as Triton's do); with Triton's
+    ``triton_enable_empty_final_response`` request parameter a final without outputs is sent as an
+    empty response too, so that the client knows when a decoupled request is complete.
     """
 
     def __init__(
@@ -110,14 +110,12 @@ class _StreamSink(ResponseSink):
             elif self._empty_final and final:
                 response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
             if response is not None:
-                if self._empty_final:
-                    response.parameters[FINAL_FLAG].bool_param = final
+                response.parameters[FINAL_FLAG].bool_param = final  # on every streamed one, as Triton
                 response = service_pb2.ModelStreamInferResponse(infer_response=response)
         except Exception as exc:  # noqa: BLE001 - one response's error is sent; the stream goes on
             _http, _code, message = error_status(exc)
             response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
-            if self._empty_final:
-                response.parameters[FINAL_FLAG].bool_param = final
+            response.parameters[FINAL_FLAG].bool_param = final
             response = service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
         # A final without a response still ends the request: its slot is freed when that is taken.
         if response is not None or final:

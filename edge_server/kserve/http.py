@@ -9,7 +9,7 @@ add more.  Routing is a dict lookup on the path's fixed shape; every handler ret
 (:func:`~edge_server.kserve.service.error_status`).
 
 Bodies are bounded before they are read (``Content-Length`` against ``max_body_bytes``; a chunked body
-is counted as it arrives), compressed bodies are inflated with the same bound, and a response is
+is counted as it arrives), compressed bodies are inflated with the same bound, and an inference response is
 compressed when the client's ``Accept-Encoding`` asks for gzip or deflate (as tritonclient does).
 """
 
@@ -74,6 +74,15 @@ class _Reply(Exception):
         self.status = status
 
 
+def _is_infer(path: str) -> bool:
+    """Whether ``path`` is an inference route: only their responses are compressed, as by Triton.
+
+    ``tritonclient.http.aio`` cannot read a compressed metadata, config or statistics answer.
+    """
+    match = _MODEL_PATH.fullmatch(path)
+    return match is not None and match.group(3) == "/infer"
+
+
 class KServeHttpApp:
     """The ASGI application: routes, body bounds, compression, errors."""
 
@@ -98,7 +107,7 @@ class KServeHttpApp:
             await _send(send, status, json.dumps({"error": message}).encode(), _JSON + close)
             return
         encoding = _response_encoding(headers.get(b"accept-encoding", b""))
-        if encoding and len(body) > 0:
+        if encoding and len(body) > 0 and _is_infer(scope["path"]):  # Triton compresses only these
             body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
             extra = [*extra, (b"content-encoding", encoding)]
         await _send(send, status, body, extra)

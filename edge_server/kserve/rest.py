@@ -13,11 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from edge_server.errors import InvalidArgument, Unsupported, shorten
-from edge_server.kserve import codec
+from edge_server.errors import InvalidArgument, shorten
+from edge_server.kserve import codec, raw
 from edge_server.kserve.service import KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import InputBudget, Peer
 from edge_server.request import InferRequest, response_parameters
+from edge_server.versions import parse_version
 
 MAX_TENSORS = 1024
 
@@ -40,11 +41,14 @@ class RestInfer:
 def decode(
     service: KServeService, model: str, version: str, body: bytes, header_length: int | None, peer: Peer
 ) -> RestInfer:
+    if header_length == 0:  # Triton's raw binary request: the body is the only input's data
+        return _decode_raw(service, model, version, body)
     header, binary = codec.split_body(body, header_length)
     reader = codec.BinaryReader(binary)
     entries = header.get("inputs")
-    if not isinstance(entries, list) or not entries or len(entries) > MAX_TENSORS:
-        raise InvalidArgument(f"'inputs' must be a list of 1-{MAX_TENSORS} tensors")
+    # no inputs at all is a request too: a model's inputs may all be optional
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise InvalidArgument(f"'inputs' must be a list of at most {MAX_TENSORS} tensors")
     inputs: dict[str, np.ndarray] = {}
     budget: InputBudget | None = None  # inputs read from shared memory, all together
     for entry in entries:
@@ -56,7 +60,7 @@ def decode(
         if name in inputs:
             raise InvalidArgument(f"input {shorten(name)} is given twice")
         datatype = codec.check_datatype(entry.get("datatype"), name)
-        shape = codec.check_shape(entry.get("shape"), name)
+        shape = codec.check_shape(entry.get("shape"), name, datatype)
         params = codec.parameters_of(entry, f"input {shorten(name)}")
         ref = shm_reference(params)
         if ref is not None:
@@ -96,6 +100,16 @@ def decode(
     return RestInfer(request, wants, binary_default, version)
 
 
+def _decode_raw(service: KServeService, model: str, version: str, body: bytes) -> RestInfer:
+    """A raw binary request (see kserve/raw.py): every output comes back binary."""
+    config = service.server.model_config(model, parse_version(version))
+    name, array = raw.raw_input(config, body, model)
+    request = service.build_request(
+        model=model, version=version, request_id="", inputs={name: array}, outputs=None, parameters={}
+    )
+    return RestInfer(request, None, True, version)
+
+
 def _outputs(entries: object, binary_default: bool) -> list[OutputWant] | None:
     if entries is None:
         return None
@@ -107,12 +121,15 @@ def _outputs(entries: object, binary_default: bool) -> list[OutputWant] | None:
             raise InvalidArgument("each requested output must be a JSON object with a 'name' string")
         name = entry["name"]
         params = codec.parameters_of(entry, f"output {shorten(name)}")
-        if "classification" in params:
-            raise Unsupported(f"output {shorten(name)}: the classification extension is not supported")
+        classes = params.get("classification", 0)
+        if type(classes) is not int or classes < 0:  # Triton reads it as an unsigned integer; 0: off
+            raise InvalidArgument(
+                f"output {shorten(name)}: Unable to set 'classification': expected an unsigned integer"
+            )
         binary = params.get("binary_data", binary_default)
         if not isinstance(binary, bool):
             raise InvalidArgument(f"output {shorten(name)}: binary_data must be a boolean")
-        wants.append(OutputWant(name, binary, shm_reference(params)))
+        wants.append(OutputWant(name, binary, shm_reference(params), classes=classes))
     return wants
 
 

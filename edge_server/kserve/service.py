@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import edge_server
+from edge_server import classification
 from edge_server.authorization import ControlPolicy
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported, shorten
 from edge_server.kserve import codec
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXTENSIONS = [
+    "classification",
     "binary_tensor_data",
     "model_repository",
     "schedule_policy",
@@ -57,6 +59,7 @@ _GRPC_CODES = {
     400: "INVALID_ARGUMENT",
     403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
+    409: "ALREADY_EXISTS",
     413: "RESOURCE_EXHAUSTED",
     429: "RESOURCE_EXHAUSTED",
     499: "CANCELLED",
@@ -69,7 +72,8 @@ _GRPC_CODES = {
 def error_status(exc: BaseException) -> tuple[int, str, str]:
     """(HTTP status, gRPC status code name, message) for any exception a handler let through."""
     if isinstance(exc, EdgeServerError):
-        return exc.http_status, _GRPC_CODES.get(exc.http_status, "INTERNAL"), f"{exc.code}: {exc.message}"
+        grpc_code = exc.grpc_status or _GRPC_CODES.get(exc.http_status, "INTERNAL")
+        return exc.http_status, grpc_code, f"{exc.code}: {exc.message}"
     log.exception("unexpected error in a KServe handler", exc_info=exc)
     return 500, "INTERNAL", f"INTERNAL: {type(exc).__name__}: {exc}"
 
@@ -82,6 +86,17 @@ class OutputWant:
     binary: bool = False
     shm: tuple[object, object, object] | None = None  # region, offset, byte_size (checked on use)
     lease: Lease | None = None  # the region it is written into, held until the request is done
+    classes: int = 0  # the classification extension: the top N classes instead of the values (0: off)
+
+    def __post_init__(self) -> None:
+        if self.classes and self.shm is not None:
+            raise InvalidArgument(classification.SHM_CONFLICT)
+
+
+def classification_of(outputs: list[OutputWant] | None) -> dict[str, int] | None:
+    """The request's classification (output -> class count) from its requested outputs; None: none."""
+    counts = {want.name: want.classes for want in outputs or () if want.classes}
+    return counts or None
 
 
 def shm_reference(params: Mapping[str, Any]) -> tuple[object, object, object] | None:
@@ -208,6 +223,7 @@ class KServeService:
                 inputs=inputs,
                 outputs=None if outputs is None else [o.name for o in outputs],
                 request_id=request_id,
+                classification=classification_of(outputs),
             )
         user = {k: v for k, v in parameters.items() if k not in _RESERVED}
         priority = _int_param(parameters, "priority", 0)
@@ -228,6 +244,7 @@ class KServeService:
             sequence_start=_bool_param(parameters, "sequence_start"),
             sequence_end=_bool_param(parameters, "sequence_end"),
             owner=self._owner(peer) if sequence_id else None,
+            classification=classification_of(outputs),
         )
 
     @staticmethod
@@ -271,7 +288,7 @@ class KServeService:
     ) -> np.ndarray:
         """An input from shared memory; ``budget``: what the request's inputs may still read."""
         region, offset, byte_size = ref
-        want = codec.raw_size(datatype, shape)  # compared before a byte is read; None: strings
+        want = codec.wire_size(datatype, shape)  # compared before a byte is read; None: strings
         data = self.registry().read(region, offset, byte_size, want, peer, f"input {shorten(name)}", budget)
         return codec.from_raw(data, datatype, shape, name)
 

@@ -1,0 +1,143 @@
+"""Requests Triton refuses are refused here too, with Triton's texts (its clients and QA match them);
+requests Triton takes are taken.
+
+From Triton's QA (L0_http ``http_test.py``, L0_input_validation, L0_infer_zero): an output asked for
+twice ("output 'OUTPUT0' already exists in request", 400), a shape whose element count or byte size
+passes a signed 64-bit integer ("causes total element count to exceed maximum size of", "byte size
+overflow for input"), on HTTP and gRPC alike and, for the duplicate, in-process too; a request with
+no inputs to a model whose inputs are all optional, and an empty BOOL tensor as a JSON ``[]``, run.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.error import HTTPError
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from edge_server import Server
+from edge_server.errors import InvalidArgument
+from tests.daemon import Daemon, free_port, kserve_flags
+from tests.onnx_factory import affine_model
+
+pytestmark = pytest.mark.usefixtures("no_leaked_processes")
+
+CONFIG = """
+name: "affine"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+
+OPTIONAL_CONFIG = """
+name: "optional"
+backend: "python"
+max_batch_size: 0
+input [ { name: "FLAGS", data_type: TYPE_BOOL, dims: [ -1 ], optional: true } ]
+output [ { name: "COUNT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+"""
+OPTIONAL_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            flags = pb_utils.get_input_tensor_by_name(request, "FLAGS")
+            count = -1 if flags is None else flags.as_numpy().size
+            out = pb_utils.Tensor("COUNT", np.array([count], np.int32))
+            responses.append(pb_utils.InferenceResponse([out]))
+        return responses
+"""
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("texts") / "repo"
+    (repo / "affine").mkdir(parents=True)
+    (repo / "affine" / "config.pbtxt").write_text(textwrap.dedent(CONFIG))
+    affine_model(repo / "affine" / "1" / "model.onnx")
+    (repo / "optional" / "1").mkdir(parents=True)
+    (repo / "optional" / "config.pbtxt").write_text(textwrap.dedent(OPTIONAL_CONFIG))
+    (repo / "optional" / "1" / "model.py").write_text(textwrap.dedent(OPTIONAL_MODEL))
+    return repo
+
+
+@pytest.fixture(scope="module")
+def ports(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]:
+    root = tmp_path_factory.mktemp("sock")
+    http_port, grpc_port = free_port(), free_port()
+    daemon = Daemon(repository, f"ipc://{root}/t.sock", root / "t.log", *kserve_flags(http_port, grpc_port))
+    daemon.start()
+    try:
+        yield http_port, grpc_port
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def _post(port: int, body: dict, model: str = "affine") -> tuple[int, str]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v2/models/{model}/infer", data=json.dumps(body).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_an_output_asked_for_twice_is_refused(ports: tuple[int, int], repository: Path) -> None:
+    text = "output 'OUTPUT0' already exists in request"
+    body = {
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],
+        "outputs": [{"name": "OUTPUT0"}, {"name": "OUTPUT0"}],
+    }
+    status, answer = _post(ports[0], body)
+    assert (status, text in answer) == (400, True), answer
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
+    tensor = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+    twice = [grpcclient.InferRequestedOutput("OUTPUT0"), grpcclient.InferRequestedOutput("OUTPUT0")]
+    with pytest.raises(InferenceServerException, match=text):
+        client.infer("affine", [tensor], outputs=twice)
+    client.close()
+    with Server(repository) as server, pytest.raises(InvalidArgument, match=text):
+        server.infer("affine", {"INPUT0": np.ones((1, 4), np.float32)}, outputs=["OUTPUT0", "OUTPUT0"])
+
+
+@pytest.mark.parametrize(
+    ("shape", "text"),
+    [
+        ([2**4, 2**60 + 2], "causes total element count to exceed maximum size of"),
+        ([2**2, 2**60 + 2], "byte size overflow for input 'INPUT0'"),
+    ],
+)
+def test_shapes_past_64_bits_are_refused(ports: tuple[int, int], shape: list[int], text: str) -> None:
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": shape, "data": [1.0]}]}
+    status, answer = _post(ports[0], body)
+    assert status == 400
+    assert text in answer
+
+
+def test_no_inputs_when_all_are_optional_and_an_empty_bool_list(ports: tuple[int, int]) -> None:
+    status, answer = _post(ports[0], {"inputs": []}, "optional")
+    assert status == 200, answer
+    assert json.loads(answer)["outputs"][0]["data"] == [-1]
+    empty = {"inputs": [{"name": "FLAGS", "datatype": "BOOL", "shape": [0], "data": []}]}
+    status, answer = _post(ports[0], empty, "optional")
+    assert status == 200, answer
+    assert json.loads(answer)["outputs"][0]["data"] == [0]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
+    assert client.infer("optional", []).as_numpy("COUNT").tolist() == [-1]
+    client.close()
