@@ -318,8 +318,14 @@ def test_typed_contents_and_raw_counts_with_the_bare_stub(kserve: KServeDaemon) 
             name="INPUT0", datatype="FP32", shape=[2**28, 2**28]
         )  # under 2^59 elements: refused by size
         huge.raw_input_contents.append(b"\0" * 16)
+        with pytest.raises(grpc.RpcError, match="TENSOR_SIZE_MISMATCH"):
+            stub.ModelInfer(huge)
+
+        past = service_pb2.ModelInferRequest(model_name="identity")
+        past.inputs.add(name="INPUT0", datatype="FP32", shape=[2**32, 2**32])
+        past.raw_input_contents.append(b"\0" * 16)
         with pytest.raises(grpc.RpcError, match="causes total element count to exceed maximum size"):
-            stub.ModelInfer(huge)  # Triton's text for a count past 64 bits
+            stub.ModelInfer(past)  # Triton's text for a count past 64 bits
 
 
 def test_closing_the_stream_cancels_in_the_model(kserve: KServeDaemon, ipc_root: Path) -> None:

@@ -136,7 +136,7 @@ class StubProcess:
                     op = message.get("op")
                     if op == "send":
                         on_send(message)
-                    elif op == "bls" and self.on_bls is not None:
+                    elif op in ("bls", "blsc") and self.on_bls is not None:  # calls, and cancels of streams
                         self.on_bls(message)
                     else:
                         replies.put(message)
@@ -161,7 +161,7 @@ class StubProcess:
                 if left is not None and left <= 0:
                     raise TimeoutError("no reply within the timeout")
                 message = self.channel.recv(left)  # TimeoutError once ``left`` has passed
-                if message.get("op") == "bls" and self.on_bls is not None:
+                if message.get("op") in ("bls", "blsc") and self.on_bls is not None:
                     self.on_bls(message)
                     continue
                 return message
