@@ -403,8 +403,12 @@ class RawPeer:
         """Send one request and return its reply; the daemon's liveness pings (sent to clients that
         hold regions whenever any connection closes) are skipped, as the real client skips them."""
         self.sock.send_multipart(frames)
+        return self.recv()
+
+    def recv(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The next reply header, skipping the daemon's liveness pings (see :meth:`ask`)."""
         while True:
-            assert self.sock.poll(30_000), "no answer within 30 s"
+            assert self.sock.poll(int(timeout * 1000)), f"no answer within {timeout:g} s"
             reply = protocol.unpack(self.sock.recv_multipart()[0])
             if reply.get("op") != protocol.PING:
                 return reply

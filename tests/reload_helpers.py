@@ -118,7 +118,9 @@ class Load:
         calls = call if isinstance(call, list) else [call] * threads
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.answers: list[tuple[float, float]] = []  # (monotonic time received, value)
+        # (monotonic time the request was sent, value): a request sent before a swap may still be
+        # answered by the old version after it; one sent after it never is
+        self.answers: list[tuple[float, float]] = []
         self.errors: list[BaseException] = []
         self._done = [0] * len(calls)  # requests completed, per thread
         self._threads = [
@@ -148,6 +150,7 @@ class Load:
 
     def _run(self, index: int, call: Callable[[], float]) -> None:
         while not self._stop.is_set():
+            sent = time.monotonic()
             try:
                 value = call()
             except BaseException as error:  # noqa: BLE001 - every failure is a test failure, kept for the report
@@ -156,7 +159,7 @@ class Load:
                     self._done[index] += 1
                 continue
             with self._lock:
-                self.answers.append((time.monotonic(), value))
+                self.answers.append((sent, value))
                 self._done[index] += 1
 
     def values_since(self, since: float) -> list[float]:

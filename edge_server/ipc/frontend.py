@@ -536,8 +536,9 @@ class IpcFrontend:
             identity, frames, done = replies.popleft()
             peer = find(identity)
             if done is not None:
-                if peer is None:
-                    continue  # dropped while the request ran
+                if peer is None:  # dropped while the request ran: its outputs are freed now
+                    self._trim_later()
+                    continue
                 self._peers.settle(peer, done, done.ctx.rid if isinstance(done, _IpcStream) else None)
             if frames:
                 self._send(sock, identity, frames, peer)
