@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -135,11 +136,12 @@ def cnn_onnx(path: Path) -> None:
 
 
 def alone_repository(root: Path, repo: Path) -> Path:
-    """A repository of ``repo``'s ``cnn`` only (the same files, linked)."""
+    """A repository of ``repo``'s ``cnn`` only (the same files, hard-linked: a model loads only files
+    inside its own directory, so a symbolic link to another repository is refused)."""
     alone = root / "alone"
     (alone / "cnn" / "1").mkdir(parents=True)
-    (alone / "cnn" / "1" / "model.onnx").symlink_to(repo / "cnn" / "1" / "model.onnx")
-    (alone / "cnn" / "config.pbtxt").symlink_to(repo / "cnn" / "config.pbtxt")
+    os.link(repo / "cnn" / "1" / "model.onnx", alone / "cnn" / "1" / "model.onnx")
+    os.link(repo / "cnn" / "config.pbtxt", alone / "cnn" / "config.pbtxt")
     return alone
 
 
@@ -159,7 +161,7 @@ def repository(root: Path) -> Path:
     for name, extra in extras.items():
         if name != "cnn":
             (repo / name / "1").mkdir(parents=True)
-            (repo / name / "1" / "model.onnx").symlink_to(repo / "cnn" / "1" / "model.onnx")
+            os.link(repo / "cnn" / "1" / "model.onnx", repo / name / "1" / "model.onnx")
         (repo / name / "config.pbtxt").write_text(CNN_CONFIG.format(name=name, extra=extra))
     return repo
 
