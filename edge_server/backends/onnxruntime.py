@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,12 @@ def _session_options(
     return options, settings
 
 
-#: Inputs of this many bytes or more make a run hand its arena's free memory back afterwards.
+#: Inputs of this many bytes or more make a run hand its arena's free memory back afterwards ...
 SHRINK_AFTER_BYTES = 1 << 20
+#: ... at most once in this many seconds: a shrink makes the next run fault its buffers in again, which
+#: cost a batch of eight 224x224 images a quarter of its throughput when every such run shrank
+#: (bench/bench_baselines.py, dynamic batching row: 0.71-0.77x of the minimal server against 0.91-0.96x).
+SHRINK_INTERVAL_S = 0.5
 _SHRINKAGE = "memory.enable_memory_arena_shrinkage"
 
 
@@ -137,7 +142,8 @@ def _arena_shrinkage(params: dict[str, str]) -> tuple[ort.RunOptions, int]:
     from a client that then went away (or was cut off for not reading) left +80 to +110 MiB resident in
     the ``identity`` example, with the heap trimmed.  So a run whose inputs are
     :data:`SHRINK_AFTER_BYTES` or more gives the arena's free memory back after it (small runs, the hot
-    path, keep their arena).  Triton's
+    path, keep their arena), at most once every :data:`SHRINK_INTERVAL_S`, so that a steady stream of
+    large frames keeps its buffers; what a burst left behind goes at the model's next run.  Triton's
     model parameter of the same name (``cpu:0;gpu:0``) makes every run shrink those devices instead.
     """
     options = ort.RunOptions()
@@ -336,6 +342,8 @@ class OnnxRuntimeBackend(TensorBackend):
         self._bf16 = any(t.data_type == "TYPE_BF16" for t in config.inputs + config.outputs)
         self._bindable = _bindable_outputs(config)
         self._shrink, self._shrink_after = _arena_shrinkage(config.parameters)
+        self._shrunk_at = -SHRINK_INTERVAL_S
+        self._shrink_pending = False
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
 
     @staticmethod
@@ -382,6 +390,25 @@ class OnnxRuntimeBackend(TensorBackend):
         providers.append("CPUExecutionProvider")
         return providers
 
+    def _shrink_due(self, inputs: dict[str, np.ndarray]) -> bool:
+        """Whether this run shrinks the arena after it (see :func:`_arena_shrinkage`).
+
+        A large run within the interval of the last shrink leaves a shrink pending, which the next run
+        past the interval does, large or not: what a burst of large requests left behind goes back at
+        the model's next request.
+        """
+        if self._shrink_after == 1:  # the model asked for every run
+            return sum(a.nbytes for a in inputs.values()) >= 1
+        large = sum(a.nbytes for a in inputs.values()) >= self._shrink_after
+        if not large and not self._shrink_pending:
+            return False
+        now = time.monotonic()
+        if now - self._shrunk_at < SHRINK_INTERVAL_S:
+            self._shrink_pending = self._shrink_pending or large
+            return False
+        self._shrunk_at, self._shrink_pending = now, False
+        return True
+
     def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
         feed: dict[str, Any] = inputs
         if self._string_inputs:  # bytes in, str for onnxruntime (see dtypes.as_str_array)
@@ -391,7 +418,7 @@ class OnnxRuntimeBackend(TensorBackend):
         try:
             if self._bf16:
                 values = self._run_bf16(feed, output_names)
-            elif self._shrink_after and sum(a.nbytes for a in inputs.values()) >= self._shrink_after:
+            elif self._shrink_after and self._shrink_due(inputs):
                 values = self._session.run(list(output_names), feed, self._shrink)
             else:
                 values = self._session.run(list(output_names), feed)
