@@ -31,7 +31,7 @@ from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, T
 from edge_server.backends.python_bls import serve_call
 from edge_server.backends.python_child import StubProcess, exit_reason
 from edge_server.backends.python_wire import Arena, ChannelClosed, put, read, unpack_inline
-from edge_server.config.model import ModelConfig
+from edge_server.config.model import ModelConfig, seconds_parameter
 from edge_server.errors import (
     AlreadyExists,
     Cancelled,
@@ -76,24 +76,8 @@ _ERRORS: dict[str, type[EdgeServerError]] = {
 }
 
 
-def _seconds(config: ModelConfig, key: str, default: float | None) -> float | None:
-    raw = config.parameters.get(key)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ConfigError(
-            f"{config.source or config.name}: parameters {{ key: {key!r} }} must be a positive number of "
-            f"seconds, got {raw!r}"
-        )
-    return value
-
-
 def init_timeout(config: ModelConfig) -> float:
-    return _seconds(config, INIT_TIMEOUT_KEY, DEFAULT_INIT_TIMEOUT_S) or DEFAULT_INIT_TIMEOUT_S
+    return seconds_parameter(config, INIT_TIMEOUT_KEY, DEFAULT_INIT_TIMEOUT_S) or DEFAULT_INIT_TIMEOUT_S
 
 
 def _error(entry: Any) -> EdgeServerError:
@@ -141,7 +125,7 @@ class IsolatedPythonBackend(Backend):
     def __init__(self, ctx: LoadContext) -> None:
         self._model = ctx.config.name
         self._name = ctx.instance.name
-        self._execute_timeout = _seconds(ctx.config, EXECUTE_TIMEOUT_KEY, None)
+        self._execute_timeout = seconds_parameter(ctx.config, EXECUTE_TIMEOUT_KEY, None)
         self._failure: InstanceFailed | None = None
         self._busy = False  # in execute(), which reports a death itself (the watcher stays quiet)
         # decoupled: the open streams by token (requests whose final response has not come yet)

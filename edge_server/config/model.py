@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 from edge_server.config.sequence import SequenceBatching
 from edge_server.config.triton_json import default_dict
+from edge_server.errors import ConfigError
 
 BackendName = Literal["onnxruntime", "tensorrt", "python", "ensemble"]
 
@@ -287,3 +288,31 @@ def _version_policy_dict(policy: VersionPolicy) -> dict[str, Any]:
     if policy.kind == "specific":
         return {"specific": {"versions": list(policy.versions)}}
     return {"latest": {"num_versions": policy.num_versions}}
+
+
+def seconds_parameter(
+    config: ModelConfig, key: str, default: float | None, *, most: float | None = None
+) -> float | None:
+    """A ``parameters`` entry that holds seconds, ``default`` when absent; ConfigError naming it otherwise.
+
+    Without ``most`` it must be positive and finite (a timeout); with it, from 0 to ``most`` (a wait).
+    """
+    raw = config.parameters.get(key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")  # fails both checks below
+    if most is not None:
+        if not 0 <= value <= most:
+            raise ConfigError(
+                f"{config.source or config.name}: parameters {{ key: {key!r} }} must be a number of seconds "
+                f"from 0 to {most:g}, got {raw!r}"
+            )
+    elif not 0 < value < float("inf"):
+        raise ConfigError(
+            f"{config.source or config.name}: parameters {{ key: {key!r} }} must be a positive number of "
+            f"seconds, got {raw!r}"
+        )
+    return value

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
-from edge_server.config.model import ModelConfig
-from edge_server.errors import ConfigError, EdgeServerError, InstanceFailed, ModelExecutionError
+from edge_server.config.model import ModelConfig, seconds_parameter
+from edge_server.errors import EdgeServerError, InstanceFailed, ModelExecutionError
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +54,8 @@ W = TypeVar("W")
 
 def restart_backoff(config: ModelConfig) -> float:
     """The first restart's wait for this model: ``instance_restart_backoff_s``, or RESTART_BACKOFF_S."""
-    raw = config.parameters.get(RESTART_BACKOFF_KEY)
-    if raw is None:
-        return RESTART_BACKOFF_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= RESTART_BACKOFF_MAX_S:
-        raise ConfigError(
-            f"{config.source or config.name}: parameters {{ key: {RESTART_BACKOFF_KEY!r} }} must be a number "
-            f"of seconds from 0 to {RESTART_BACKOFF_MAX_S:g}, got {raw!r}"
-        )
-    return value
+    wait = seconds_parameter(config, RESTART_BACKOFF_KEY, RESTART_BACKOFF_S, most=RESTART_BACKOFF_MAX_S)
+    return RESTART_BACKOFF_S if wait is None else wait
 
 
 class Batcher(Protocol[W]):
