@@ -88,8 +88,16 @@ class DeferredTrim:
             if self._timer is None:
                 self._arm(self._delays[0], 0)
 
+    def cancel(self) -> None:
+        """Drop the pending trims (the frontend that asked for them is closing)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
     def _arm(self, delay: float, stage: int) -> None:
         timer = threading.Timer(max(0.0, delay), self._fire, args=(stage,))
+        timer.name = "edge-heap-trim"
         timer.daemon = True
         self._timer = timer
         timer.start()

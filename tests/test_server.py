@@ -334,14 +334,25 @@ def test_example_repository_digits_are_classified(example_repository: Path) -> N
 
 def test_cheap_unbatched_model_runs_in_the_callers_thread(server: Server) -> None:
     x = np.ones(2, np.float32)
+    (before,) = server.statistics("renamed")
+    sent = 0
     for _ in range(20):  # the scheduler learns the model's execution time from the first requests
         server.infer("renamed", {"INPUT0": x})
-    future = server.submit("renamed", {"INPUT0": x})
-    assert future.done()  # no hand-off: it ran before submit() returned
+        sent += 1
+    # Its average must be under the 100 us budget: on a loaded machine a few slow runs can push it over
+    # for a while, so ask again (each run, fast or not, moves the average) rather than once.
+    for _ in range(500):
+        future = server.submit("renamed", {"INPUT0": x})
+        sent += 1
+        if future.done():  # no hand-off: it ran before submit() returned
+            break
+        future.result(10)
+    assert future.done(), "no request ran in the caller's thread in 500 tries"
     np.testing.assert_array_equal(future.result()["OUTPUT0"], x + 7.0)
     # Inline runs count in the statistics like queued ones.
     (stats,) = server.statistics("renamed")
-    assert stats["inference_stats"]["success"]["count"] == 21
+    count = stats["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]
+    assert count == sent
 
 
 RESHAPE_CONFIG = """

@@ -192,6 +192,7 @@ class IpcFrontend:
         self._wake()
         thread.join()
         self._control.shutdown(wait=True)
+        self._trimmer.cancel()  # what it would give back goes with the process, or stays for the next
 
     def __enter__(self) -> IpcFrontend:
         self.start()
