@@ -127,15 +127,15 @@ def _session(path: Path, threads: int = 1):
 # --------------------------------------------------------------------------------------------- static
 
 
-def copy_static(repo: Path, force: bool) -> None:
-    """Give a repository outside models/ the committed configs, so it is servable on its own."""
-    if repo.resolve() == HERE:
-        missing = [f for f in STATIC_FILES if not (HERE / f).is_file()]
+def copy_static(repo: Path, force: bool, *, here: Path = HERE, files: tuple[str, ...] = STATIC_FILES) -> None:
+    """Give a repository outside ``here`` (models/) the committed ``files``, so it is servable on its own."""
+    if repo.resolve() == here:
+        missing = [f for f in files if not (here / f).is_file()]
         if missing:
-            raise SystemExit(f"committed files missing from {HERE}: {', '.join(missing)}")
+            raise SystemExit(f"committed files missing from {here}: {', '.join(missing)}")
         return
-    for rel in STATIC_FILES:
-        src, dst = HERE / rel, repo / rel
+    for rel in files:
+        src, dst = here / rel, repo / rel
         if dst.exists() and not force:
             continue
         _atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))  # type: ignore[misc]

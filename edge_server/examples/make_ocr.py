@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_server.errors import InvalidArgument
-from edge_server.examples.make_models import _atomic_write
+from edge_server.examples.make_models import _atomic_write, copy_static
 
 HERE = (Path(__file__).parent / "ocr_repository").resolve()
 PACKAGE = "rapidocr_onnxruntime"
@@ -106,20 +106,6 @@ def samples(repo: Path) -> list[Path]:
     return [repo / "ocr" / "samples" / f"frame_{i}.png" for i in range(len(SAMPLES))]
 
 
-def copy_static(repo: Path, force: bool) -> None:
-    if repo.resolve() == HERE:
-        missing = [f for f in STATIC_FILES if not (HERE / f).is_file()]
-        if missing:
-            raise SystemExit(f"committed files missing from {HERE}: {', '.join(missing)}")
-        return
-    for rel in STATIC_FILES:
-        src, dst = HERE / rel, repo / rel
-        if dst.exists() and not force:
-            continue
-        _atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))  # type: ignore[misc]
-        print(f"copied {rel}")
-
-
 def make(repo: Path, *, force: bool = False) -> int:
     """Fill ``repo`` with the OCR example (what is missing, or everything with ``force``)."""
     import cv2
@@ -127,7 +113,7 @@ def make(repo: Path, *, force: bool = False) -> int:
     t0 = time.perf_counter()
     source = package_models()
     repo.mkdir(parents=True, exist_ok=True)
-    copy_static(repo, force)
+    copy_static(repo, force, here=HERE, files=STATIC_FILES)
     (repo / "ocr_detect" / "1").mkdir(parents=True, exist_ok=True)  # an ensemble's empty version
     for name, filename in ONNX_FILES.items():
         target = repo / name / "1" / "model.onnx"
