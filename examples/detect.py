@@ -67,9 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.local:
         ipc = None
     else:
+        from edge_server.errors import DaemonNotRunning
         from edge_server.ipc.addresses import find_daemon
 
-        ipc = find_daemon(args.ipc)
+        try:
+            ipc = find_daemon(args.ipc)
+        except DaemonNotRunning as error:  # --local needs no daemon: say so beside the addresses tried
+            parser.exit(1, f"{error}\n(--local runs the pipeline in this process)\n")
     outputs = detect(frame, ipc, args.model_repository, args.model)
     print(f"{len(outputs['boxes'])} detections in {args.image} ({frame.shape[1]}x{frame.shape[0]})")
     for box, label, score, digit_score in zip(

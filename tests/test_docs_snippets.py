@@ -5,7 +5,8 @@ from the markdown and run, as a user would paste them, against one real daemon s
 repositories (``models/``, and ``models_ocr/`` where it was made).  A snippet that cannot run here
 (a Jetson, root on a real box, a service, a measurement of minutes, ``./run serve`` itself, which
 blocks) carries ``<!-- not-run: REASON -->`` on the line before its fence; a marker without a reason
-fails, and so does a page with snippets none of which runs.
+fails, and so does a page with snippets none of which runs.  A snippet passes when it exits 0; a
+Python snippet with one ``print(...)  # VALUE`` must also print VALUE, as its comment promises.
 
 How the snippets reach the test daemon, in one place (:func:`snippet_environment` and
 :func:`substitute_ports`):
@@ -53,6 +54,7 @@ FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)\s*$")
 NOT_RUN = re.compile(r"^\s*<!--\s*not-run(?::(?P<reason>.*?))?\s*-->\s*$")
 DEFAULT_PORTS = re.compile(r"\b(localhost|127\.0\.0\.1):(8000|8001|8002)\b")
 OCR_REPOSITORY = ROOT / "models_ocr"
+PRINT_WITH_RESULT = re.compile(r"^\s*print\(.*\)\s+#\s*(?P<value>.+?)\s*$")
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ def test_the_reader_parses_markers_and_fences() -> None:
     """The reader itself: a marker applies to the next fence only, indented fences count, and
     ``console`` keeps only the prompted lines."""
     assert snippets("README.md")[0].not_run  # the two commands: ./run serve blocks
-    assert any(s.lang == "python" and s.not_run is None for s in snippets("README.md"))
+    readme_python = [s for s in snippets("README.md") if s.lang == "python"]
+    assert readme_python and printed_result(readme_python[0]) == "3"
     indented = [s for s in snippets("docs/triton-compatibility.md") if "/v2" in s.text]
     assert indented and indented[0].text.startswith("curl ")
     assert len(RUN) >= 20, [s.id for s in RUN]
@@ -224,3 +227,15 @@ def test_snippet_runs(snippet: Snippet, docs_daemon: DocsDaemon) -> None:
         f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}\n"
         f"--- the daemon's log\n{docs_daemon.daemon.log()[-2000:]}"
     )
+    promised = printed_result(snippet)
+    if promised is not None:
+        assert proc.stdout.strip() == promised, f"{snippet.id} printed {proc.stdout!r}, not {promised}"
+
+
+def printed_result(snippet: Snippet) -> str | None:
+    """What a Python snippet with a single ``print(...)  # VALUE`` says it prints, else None."""
+    if snippet.lang != "python":
+        return None
+    prints = [line for line in snippet.text.splitlines() if line.lstrip().startswith("print(")]
+    matched = PRINT_WITH_RESULT.match(prints[0]) if len(prints) == 1 else None
+    return None if matched is None else matched["value"]
