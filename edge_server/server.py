@@ -89,7 +89,7 @@ class Server:
         ``engine_build="on-load"`` rebuilds TensorRT plans that cannot serve here (another TensorRT
         version or device, or missing) from the ONNX beside them, in the background, while the ONNX serves.
         ``latency_summaries``: every version keeps latency quantiles for Triton's summary metrics.
-        ``onnxruntime_thread_policy``: auto, default or split (README, "Dynamic batching and instances").
+        ``onnxruntime_thread_policy``: auto, default or split (docs/batching.md, "ONNX Runtime threads").
         ``service``: the daemon's service layer (readiness, its part of :meth:`status`); None in-process.
         """
         if model_control_mode not in CONTROL_MODES:

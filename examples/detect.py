@@ -1,11 +1,13 @@
 """Run the detect-then-classify example on an image through the running daemon.
 
-    .venv/bin/python examples/detect.py models/detect_classify/samples/scene_0.png --ipc ipc://...
-    .venv/bin/python examples/detect.py scene.png --ipc ipc://... --annotate out.png
+    .venv/bin/python examples/detect.py models/detect_classify/samples/scene_0.png
+    .venv/bin/python examples/detect.py scene.png --ipc ipc://PATH --annotate out.png
+    .venv/bin/python examples/detect.py scene.png --local
 
 The frame goes through shared memory (one registered region, as a camera loop would use); the
 ``detect_classify`` model answers with boxes in frame pixels, the detector's class and the
-classifier's digit for every box.  Without ``--ipc`` the repository is loaded in-process instead.
+classifier's digit for every box.  The daemon is found as ``edge-server status`` finds it, or at
+``--ipc ADDRESS``; with ``--local`` the repository is loaded in this process instead.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 
 def detect(frame: np.ndarray, ipc: str | None, repository: Path, model: str) -> dict[str, Any]:
     """The model's outputs for one BGR frame, through the daemon (shared memory) or in-process."""
-    if ipc is None:
+    if ipc is None:  # --local
         from edge_server import Server
 
         with Server(repository) as server:
@@ -50,7 +52,9 @@ def annotate(frame: np.ndarray, outputs: dict[str, Any]) -> np.ndarray:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("image", type=Path, help="an image file OpenCV reads (BGR)")
-    parser.add_argument("--ipc", help="the daemon's address (ipc://PATH); default: load in-process")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--ipc", metavar="ADDRESS", help="the daemon (default: as `status` finds it)")
+    where.add_argument("--local", action="store_true", help="load --model-repository here, with no daemon")
     parser.add_argument(
         "--model-repository", type=Path, default=Path(__file__).resolve().parents[1] / "models"
     )
@@ -60,7 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     frame = cv2.imread(str(args.image), cv2.IMREAD_COLOR)
     if frame is None:
         parser.error(f"{args.image}: not an image OpenCV can read")
-    outputs = detect(frame, args.ipc, args.model_repository, args.model)
+    if args.local:
+        ipc = None
+    else:
+        from edge_server.errors import DaemonNotRunning
+        from edge_server.ipc.addresses import find_daemon
+
+        try:
+            ipc = find_daemon(args.ipc)
+        except DaemonNotRunning as error:  # --local needs no daemon: say so beside the addresses tried
+            parser.exit(1, f"{error}\n(--local runs the pipeline in this process)\n")
+    outputs = detect(frame, ipc, args.model_repository, args.model)
     print(f"{len(outputs['boxes'])} detections in {args.image} ({frame.shape[1]}x{frame.shape[0]})")
     for box, label, score, digit_score in zip(
         outputs["boxes"], outputs["labels"], outputs["scores"], outputs["digit_scores"], strict=True

@@ -183,7 +183,7 @@ def test_version_usage_errors_and_bad_files(repo: Path, env: dict[str, str], tmp
     )
     assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
-    # global flags after the command, as the README shows them
+    # global flags after the command, as docs/cli.md says they may come
     assert cli("models", "--model-repository", str(repo), "--log-verbose", "1", env=env).returncode == 0
 
 

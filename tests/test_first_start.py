@@ -116,7 +116,7 @@ def test_a_dropped_python_model_is_loaded_once(user_daemon: Daemon, repository: 
     (staging / "config.pbtxt").write_text(ISOLATED_CONFIG % {"name": "doubler", "isolation": isolation})
     (staging / "1" / "model.py").write_text(DOUBLE_MODEL)
     before = _tree(staging)
-    os.rename(staging, repository / "doubler")  # the atomic drop the README recommends
+    os.rename(staging, repository / "doubler")  # the atomic drop docs/hot-reload.md recommends
 
     with Client(user_daemon.address, timeout=30) as client:
         wait_for(lambda: client.model_ready("doubler"), timeout=60, what="the dropped model to be ready")

@@ -50,7 +50,7 @@ THREAD_POLICIES = ("default", "split")
 
 
 def thread_policy(params: dict[str, str], instance: InstanceSpec, *, source: str) -> tuple[str, str]:
-    """Which thread rule an instance's session follows, and why (README's ONNX Runtime section).
+    """Which thread rule an instance's session follows, and why (docs/batching.md, "ONNX Runtime threads").
 
     ``default``: ONNX Runtime's own settings (one intra-op thread per core, workers spinning briefly
     between runs), the fastest for one model with one instance: spinning saves the wake-up of every

@@ -166,7 +166,7 @@ def isolation_mode(config: ModelConfig) -> str:
 
     ``process`` contains crashes of user code (``os._exit``, a segfault in native code, an OOM kill):
     they fail that instance's requests with INSTANCE_FAILED and the instance is restarted; the cost is
-    a round trip to the child per batch (README, "Python models": which to choose, with numbers).
+    a round trip to the child per batch (docs/python-models.md, "Which to choose", with numbers).
     """
     mode = config.parameters.get(ISOLATION_KEY, DEFAULT_ISOLATION)
     if mode not in ISOLATION_MODES:
