@@ -8,6 +8,8 @@ and the repository index lists both folders' models.
 
 from __future__ import annotations
 
+import fcntl
+import importlib.util
 import logging
 import shutil
 import subprocess
@@ -283,3 +285,39 @@ def test_serve_refuses_nested_repositories_before_loading(tmp_path: Path) -> Non
     )
     assert result.returncode == 1
     assert "is inside model repository" in result.stderr
+
+
+@pytest.mark.slow
+def test_serve_in_a_checkout_serves_both_example_repositories(tmp_path: Path) -> None:
+    """What ``./run serve`` runs on a fresh clone: ``edge-server serve`` with no repository flag."""
+    ensure_examples()
+    ocr = ROOT / "models_ocr"
+    script = ocr / "make_models.py"
+    if importlib.util.find_spec("rapidocr_onnxruntime") is not None:
+        with open(script, "rb") as lock:  # as ensure_examples: one xdist worker makes it, others wait
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            subprocess.run([sys.executable, str(script)], check=True, capture_output=True)
+    why = not_made(ocr)
+    start_pyzmq_gc()
+    address = f"ipc://{tmp_path}/fresh.sock"
+    daemon = Daemon(ROOT / "models", address, tmp_path / "fresh.log")
+    command = [sys.executable, "-m", "edge_server", "serve", "--ipc", address, "--allow-http", "false"]
+    command += ["--allow-grpc", "false", "--allow-metrics", "false"]  # the defaults of ./run serve otherwise
+    with open(daemon.log_path, "ab") as log:
+        daemon.proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        daemon.wait_ready(300)
+        with Client(address, timeout=30) as client:
+            models = client.models()
+            status = client.status()
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    names = {m["name"] for m in models}
+    assert all(m["state"] == "READY" for m in models), models
+    assert {"digits", "detect", "identity"} <= names
+    if why is None:
+        assert status["repositories"] == [str(ROOT / "models"), str(ocr)]
+        assert {"ocr", "text_detection", "text_recognition"} <= names
+    else:
+        assert status["repositories"] == [str(ROOT / "models")]
+        assert f"not serving the OCR example {ocr}: {why}" in daemon.log()
