@@ -68,6 +68,16 @@ def test_a_name_in_two_repositories_is_one_refusal_naming_both(tmp_path: Path) -
     assert repos.find("nowhere") is None
 
 
+def test_a_link_from_one_repository_into_another_is_refused(tmp_path: Path) -> None:
+    """Each repository's owner decides what is code in it: a model linked in from another is left out."""
+    (tmp_path / "a" / "m" / "1").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "linked").symlink_to(tmp_path / "a" / "m")
+    repos = Repositories([tmp_path / "a", tmp_path / "b"])
+    assert sorted(repos.scan()) == ["m"]
+    assert repos.find("linked") is None
+
+
 def test_the_change_tracker_knows_models_in_every_root(tmp_path: Path) -> None:
     tracker = ChangeTracker(tmp_path / "a", tmp_path / "b", quiet_s=0.5, max_hold_s=10.0)
     assert tracker.model_of(str(tmp_path / "a" / "m" / "1" / "model.onnx")) == "m"
