@@ -11,7 +11,9 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import logging
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -331,3 +333,28 @@ def test_serve_in_a_checkout_serves_both_example_repositories(tmp_path: Path) ->
     else:
         assert status["repositories"] == [str(ROOT / "models")]
         assert f"not serving the OCR example {ocr}: {why}" in daemon.log()
+
+
+def test_sighup_rescans_every_repository(tmp_path: Path) -> None:
+    """Control mode none: nothing changes until SIGHUP, which scans both folders."""
+    examples = ensure_examples()
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(examples / "identity", first / "identity")
+    second.mkdir()
+    start_pyzmq_gc()
+    daemon = Daemon(first, f"ipc://{tmp_path}/h.sock", tmp_path / "h.log", "--model-repository", str(second))
+    daemon.start()
+    try:
+        _drop(examples / "digits", second / "digits")
+        with Client(daemon.address, timeout=30) as client:
+            assert {m["name"] for m in client.models()} == {"identity"}
+            os.kill(daemon.pid, signal.SIGHUP)
+            wait_for(lambda: _rows(client, "digits") == [(1, "READY", "")], timeout=60, what="the rescan")
+            assert client.infer("digits", {"image": np.zeros((1, 1, 8, 8), np.float32)})[
+                "probabilities"
+            ].shape == (
+                1,
+                10,
+            )
+    finally:
+        assert daemon.stop() == 0, daemon.log()
