@@ -350,11 +350,7 @@ def test_sighup_rescans_every_repository(tmp_path: Path) -> None:
             assert {m["name"] for m in client.models()} == {"identity"}
             os.kill(daemon.pid, signal.SIGHUP)
             wait_for(lambda: _rows(client, "digits") == [(1, "READY", "")], timeout=60, what="the rescan")
-            assert client.infer("digits", {"image": np.zeros((1, 1, 8, 8), np.float32)})[
-                "probabilities"
-            ].shape == (
-                1,
-                10,
-            )
+            image = np.zeros((1, 1, 8, 8), np.float32)
+            assert client.infer("digits", {"image": image})["probabilities"].shape == (1, 10)
     finally:
         assert daemon.stop() == 0, daemon.log()
