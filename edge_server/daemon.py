@@ -37,7 +37,7 @@ _FLUSH_S = 1.0
 
 @dataclass(frozen=True)
 class DaemonOptions:
-    model_repository: Path | None
+    model_repositories: tuple[Path, ...] = ()  # none: the bundled models/
     model_control_mode: ControlMode = "none"
     load_models: tuple[str, ...] = ()
     ipc_address: str | None = None  # None: the default address; "" disables the IPC frontend
@@ -107,7 +107,7 @@ class Daemon:
         supervisor.starting()
         loads = LoadCounter()  # hears every load from the first one on, for the metrics
         server = Server(
-            options.model_repository,
+            options.model_repositories or None,
             model_control_mode=options.model_control_mode,
             load_models=options.load_models,
             drain_timeout=options.drain_timeout,
@@ -177,7 +177,9 @@ class Daemon:
                     collector, address=options.metrics_address, port=options.metrics_port, limits=limits
                 )
             ready = [s for s in server.models() if s.state is ModelState.READY]
-            log.info("edge-server ready: %d model version(s) serving from %s", len(ready), server.repository)
+            log.info(
+                "edge-server ready: %d model version(s) serving from %s", len(ready), server.repositories
+            )
             supervisor.serving()
             self._loop(server, supervisor)
         finally:
@@ -225,7 +227,7 @@ class Daemon:
             except queue.Empty:
                 continue
             if signum == signal.SIGHUP:
-                log.info("SIGHUP: rescanning %s", server.repository)
+                log.info("SIGHUP: rescanning %s", server.repositories)
                 supervisor.reloading()
                 try:
                     server.rescan()

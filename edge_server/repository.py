@@ -1,7 +1,9 @@
-"""Reading a Triton-style model repository from disk: which models, which versions, which files.
+"""Reading Triton-style model repositories from disk: which models, which versions, which files.
 
 ``<repo>/<model>/config.pbtxt`` and ``<repo>/<model>/<version>/<file>``.  Hidden entries (``.name``),
-temporary files and non-numeric version folders are ignored, as in Triton.  Content hashes let the
+temporary files and non-numeric version folders are ignored, as in Triton.  A server may read several
+repositories (Triton's repeated ``--model-repository``): :class:`Repositories` makes them one namespace
+in which a model name found in two of them is refused, as Triton refuses it.  Content hashes let the
 lifecycle decide whether a version really changed (a copy that keeps timestamps is still noticed; a
 touched but identical file is not).
 
@@ -20,10 +22,11 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_server.errors import InvalidArgument, shorten
+from edge_server.errors import ConfigError, InvalidArgument, shorten
 
 log = logging.getLogger(__name__)
 
@@ -242,3 +245,71 @@ def scan(repository: Path) -> dict[str, ModelSource]:
         if source is not None:
             models[source.name] = source
     return models
+
+
+class DuplicateModel(ConfigError):
+    """A model name found in more than one repository: neither copy may load (Triton's rule)."""
+
+    def __init__(self, name: str, paths: list[Path]) -> None:
+        super().__init__(
+            f"model {shorten(name)} is in more than one model repository ({', '.join(map(str, paths))}); "
+            "model names must be unique across repositories: remove or rename all but one"
+        )
+
+
+class Repositories:
+    """The model repositories one server reads, as one namespace of model names.
+
+    Triton accepts ``--model-repository`` several times and refuses a model whose name is in two of
+    them ("not unique across all model repositories"); so do we, with both paths in the message.  A
+    repository inside another, or one given twice, is refused at start: every model of the inner one
+    would be a model directory of the outer one too.
+    """
+
+    def __init__(self, roots: Iterable[str | Path]) -> None:
+        paths = tuple(Path(root) for root in roots)
+        if not paths:
+            raise InvalidArgument("no model repository given")
+        for path in paths:
+            if not path.is_dir():
+                raise InvalidArgument(f"model repository {path} is not a directory")
+        resolved = [path.resolve() for path in paths]
+        for i, (path, real) in enumerate(zip(paths, resolved, strict=True)):
+            for other, other_real in list(zip(paths, resolved, strict=True))[:i]:
+                if real == other_real:
+                    raise InvalidArgument(f"model repository {path} is given twice (as {other} before)")
+                if real.is_relative_to(other_real) or other_real.is_relative_to(real):
+                    inner, outer = (path, other) if real.is_relative_to(other_real) else (other, path)
+                    raise InvalidArgument(
+                        f"model repository {inner} is inside model repository {outer}: give folders "
+                        "that do not contain each other"
+                    )
+        self.roots = paths
+
+    def __str__(self) -> str:
+        return ", ".join(map(str, self.roots))
+
+    def locate(self, name: str) -> ModelSource | DuplicateModel | None:
+        """The model directory ``name`` in whichever repository holds it; a DuplicateModel if several do."""
+        found = [source for root in self.roots if (source := scan_model(root, name)) is not None]
+        if len(found) > 1:
+            return DuplicateModel(name, [source.path for source in found])
+        return found[0] if found else None
+
+    def find(self, name: str) -> ModelSource | None:
+        """:meth:`locate`, raising the DuplicateModel."""
+        found = self.locate(name)
+        if isinstance(found, DuplicateModel):
+            raise found
+        return found
+
+    def scan(self) -> dict[str, ModelSource | DuplicateModel]:
+        """Every model directory of every repository, by name; a name in several is a DuplicateModel."""
+        copies: dict[str, list[ModelSource]] = {}
+        for root in self.roots:
+            for name, source in scan(root).items():
+                copies.setdefault(name, []).append(source)
+        return {
+            name: found[0] if len(found) == 1 else DuplicateModel(name, [s.path for s in found])
+            for name, found in sorted(copies.items())
+        }

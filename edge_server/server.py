@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +28,7 @@ from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
 from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, ModelManager
 from edge_server.loader import LoadEnvironment
+from edge_server.repository import Repositories
 from edge_server.request import InferRequest, RequestOptions
 from edge_server.routing import Routing, RoutingView
 from edge_server.scheduler.summaries import SummaryOptions
@@ -69,7 +70,7 @@ class Server:
 
     def __init__(
         self,
-        model_repository: str | Path | None = None,
+        model_repository: str | Path | Sequence[str | Path] | None = None,
         *,
         model_control_mode: ControlMode = "none",
         load_models: Iterable[str] = (),
@@ -83,7 +84,11 @@ class Server:
         onnxruntime_thread_policy: str = "auto",
         service: ServiceView | None = None,
     ) -> None:
-        """``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
+        """``model_repository``: a folder, or several (Triton's repeated flag); default: ``models/``.
+
+        Model names must be unique across several repositories (a name in two is refused, as in Triton).
+
+        ``watch_quiet_s`` (poll mode): how long a model's files must see no change before it loads.
 
         ``listeners`` hear every model state change from the first load on (see ``add_listener``).
         ``engine_build="on-load"`` rebuilds TensorRT plans that cannot serve here (another TensorRT
@@ -101,10 +106,11 @@ class Server:
                 f"onnxruntime_thread_policy must be one of {list(ONNXRUNTIME_THREAD_POLICIES)}, "
                 f"got {onnxruntime_thread_policy!r}"
             )
-        repository = Path(model_repository) if model_repository is not None else default_repository()
-        if not repository.is_dir():
-            raise InvalidArgument(f"model repository {repository} is not a directory")
-        self.repository = repository
+        if model_repository is None:
+            model_repository = default_repository()
+        self.repositories = Repositories(
+            [model_repository] if isinstance(model_repository, (str, Path)) else model_repository
+        )
         self.control_mode = model_control_mode
         # The composition root: each part gets what it needs at construction.  The routing table and
         # the index are what the request path and the observers read; the data plane routes through
@@ -131,7 +137,7 @@ class Server:
         )
         # load_timeout: a load (a Python model's initialize() included) running longer is abandoned.
         self._manager = ModelManager(
-            repository,
+            self.repositories,
             routing=self._routing,
             index=self._index,
             env=env,
@@ -148,7 +154,7 @@ class Server:
         if model_control_mode == "poll":
             # Watch before the first scan: a file that lands while the repository loads is not missed.
             self.watcher = RepositoryWatcher(
-                repository,
+                self.repositories.roots,
                 lambda names: self._manager.rescan(names, retry_failed=False),
                 quiet_s=watch_quiet_s,
             )
@@ -270,13 +276,13 @@ class Server:
             info = {"state": "stopped" if self._closed.is_set() else "serving"}
         return {
             **info,
-            "repository": str(self.repository),
+            "repositories": [str(root) for root in self.repositories.roots],
             "onnxruntime_threads": thread_rule(*self._manager.thread_rule_now()),
             "models": model_report(self._routing),
         }
 
     def load_model(self, model: str, *, config_override: str | None = None) -> list[VersionStatus]:
-        """Load or reload ``model`` from the repository (explicit and poll modes).
+        """Load or reload ``model`` from the repositories (explicit and poll modes).
 
         ``config_override``: the model's config as JSON (Triton's load-time ``config``), used instead of
         its config.pbtxt until it is loaded again without one.

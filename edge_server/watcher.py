@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,23 +83,30 @@ class ChangeTracker:
     waiting.
     """
 
-    def __init__(self, root: str | Path, *, quiet_s: float, max_hold_s: float) -> None:
-        self._root = os.path.abspath(root)
+    def __init__(self, *roots: str | Path, quiet_s: float, max_hold_s: float) -> None:
+        """``roots``: the repositories watched; no one lies inside another (see Repositories)."""
+        self._roots = [os.path.abspath(root) for root in roots]
         self._quiet = quiet_s
         self._max_hold = max_hold_s
         self._pending: dict[str, float] = {}  # model -> time of its last event
         self._writing: dict[str, str] = {}  # path still open for writing -> its model
 
     def model_of(self, path: str | bytes) -> str | None:
-        """The model a path belongs to, or None for the root itself, outside paths and ignored files."""
+        """The model a path belongs to, or None for a root itself, outside paths and ignored files.
+
+        Names are unique across repositories (a name in two is refused when it is rescanned), so a
+        model is known by its name wherever its files lie.
+        """
         text = os.fsdecode(path)
         if not text:
             return None
-        rel = os.path.relpath(os.path.abspath(text), self._root)
-        parts = Path(rel).parts
-        if not parts or parts[0] in (".", "..") or any(is_ignored(part) for part in parts):
-            return None
-        return parts[0]
+        full = os.path.abspath(text)
+        for root in self._roots:
+            parts = Path(os.path.relpath(full, root)).parts
+            if not parts or parts[0] in (".", ".."):
+                continue
+            return None if any(is_ignored(part) for part in parts) else parts[0]
+        return None
 
     def observe(self, event: FileSystemEvent, now: float) -> bool:
         """Take one event; True if it concerned a model."""
@@ -218,7 +225,7 @@ class _Handler(FileSystemEventHandler):
 
 
 class RepositoryWatcher:
-    """Watches a repository with inotify (via watchdog) and calls ``rescan(names)`` when models settle.
+    """Watches repositories with inotify (via watchdog) and calls ``rescan(names)`` when models settle.
 
     Each ``rescan`` round runs on a thread of its own, and a model is in at most one round at a time;
     exceptions are logged and the watcher goes on, so a failed or hung load never stops it from
@@ -227,15 +234,16 @@ class RepositoryWatcher:
 
     def __init__(
         self,
-        repository: str | Path,
+        roots: Sequence[str | Path],
         rescan: Callable[[list[str]], None],
         *,
         quiet_s: float = 0.5,
         max_hold_s: float = 30.0,
     ) -> None:
-        self.repository = Path(repository)
+        """``roots``: every repository of the server, each watched (recursively) by one observer."""
+        self.roots = [Path(root) for root in roots]
         self._rescan = rescan
-        self._tracker = ChangeTracker(self.repository, quiet_s=quiet_s, max_hold_s=max_hold_s)
+        self._tracker = ChangeTracker(*self.roots, quiet_s=quiet_s, max_hold_s=max_hold_s)
         self._cond = threading.Condition()
         self._stopping = False
         self._running: set[str] = set()  # models whose round is running
@@ -248,21 +256,24 @@ class RepositoryWatcher:
         """Start watching; events from now on are acted upon."""
         observer = _observer()
         observer.daemon = True
+        handler = _Handler(self)
+        watching = ""
         try:
-            observer.schedule(
-                _Handler(self), str(self.repository), recursive=True, event_filter=WATCHED_EVENTS
-            )
+            for root in self.roots:
+                watching = str(root)
+                observer.schedule(handler, watching, recursive=True, event_filter=WATCHED_EVENTS)
+            watching = ", ".join(map(str, self.roots))
             observer.start()
         except OSError as exc:  # ENOSPC: out of inotify watches; EMFILE: out of inotify instances
             observer.stop()
             raise EdgeServerError(
-                f"cannot watch {self.repository} for changes: {exc}; raise fs.inotify.max_user_watches "
+                f"cannot watch {watching} for changes: {exc}; raise fs.inotify.max_user_watches "
                 "and fs.inotify.max_user_instances, or use --model-control-mode explicit"
             ) from exc
         self._observer = observer
         self._thread = threading.Thread(target=self._run, name="edge-repository-watcher", daemon=True)
         self._thread.start()
-        log.info("watching %s for model changes", self.repository)
+        log.info("watching %s for model changes", ", ".join(map(str, self.roots)))
 
     def stop(self, deadline: float | None = None) -> bool:
         """Stop watching; pending changes are dropped and no new rescan starts.

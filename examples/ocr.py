@@ -1,6 +1,6 @@
 """Read the text in camera frames through the running daemon: the OCR example (``models_ocr/``).
 
-    ./run serve --ocr                                               # in one terminal
+    ./run serve                                                     # in one terminal (models/, models_ocr/)
     .venv/bin/python examples/ocr.py models_ocr/ocr/samples         # a folder of images
     .venv/bin/python examples/ocr.py clip.mp4 --every 10 --annotate out/   # every 10th frame of a video
 

@@ -61,7 +61,7 @@ def test_install_and_uninstall_staged_under_a_root(tmp_path: Path) -> None:
     assert "group edge-server-operators: also load and unload models" in result.stdout
     # Staged for an image on another machine: its devices and groups are unknown here.
     assert "\nSupplementaryGroups=video render\n" in text and "\nDevicePolicy=auto\n" in text
-    assert 'model-repository = "/var/lib/edge-server/models"' in settings.read_text()
+    assert 'model-repository = ["/var/lib/edge-server/models"]' in settings.read_text()
     assert (repository / "digits" / "1" / "model.onnx").is_file()
     assert (repository / "preprocess" / "1" / "model.py").is_file()
     # A second install keeps the operator's settings.

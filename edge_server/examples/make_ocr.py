@@ -74,6 +74,21 @@ def package_models() -> Path:
     return Path(spec.origin).parent / "models"
 
 
+def not_made(repo: Path) -> str | None:
+    """Why ``repo`` cannot serve the OCR example yet, or None when its models are in place."""
+    onnx = [f"{name}/1/model.onnx" for name in ONNX_FILES]
+    absent = [path for path in onnx if not (repo / path).is_file()]
+    if not (repo / "ocr" / "characters.txt").is_file():
+        absent.append("ocr/characters.txt")
+    if not absent:
+        return None
+    if importlib.util.find_spec(PACKAGE) is None:
+        return (
+            f"the {PACKAGE} package, whose wheel holds its models, is not installed (it needs Python < 3.13)"
+        )
+    return f"{', '.join(absent)} not made yet (python models_ocr/make_models.py makes them)"
+
+
 def characters(recogniser: Path) -> list[str]:
     """The recogniser's characters, as the package reads them (``splitlines`` of its metadata)."""
     import onnxruntime as ort

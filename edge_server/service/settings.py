@@ -1,6 +1,7 @@
 """The settings file ``edge-server serve`` reads: one TOML key per ``serve`` flag, flags override it.
 
-A key is the flag's name without its dashes (``model-repository = "/var/lib/edge-server/models"``,
+A key is the flag's name without its dashes (``model-repository = "/var/lib/edge-server/models"``, or a
+list for a repeated flag: ``model-repository = ["/var/lib/edge-server/models", "/opt/more-models"]``,
 ``exit-on-error = false``, ``load-model = ["detector", "classifier"]``); values go through the flag's
 own parser, so a setting and a flag accept exactly the same things.  Unknown keys are errors naming
 the file and the key.  Under systemd the file is ``$CONFIGURATION_DIRECTORY/edge-server.toml``

@@ -212,7 +212,8 @@ def install_service(args: argparse.Namespace) -> int:
     else:
         settings.parent.mkdir(parents=True, exist_ok=True)
         serve = build_parser().parse_args(["serve"]).subparser
-        chosen = {"model-repository": f"/{STATE_DIR}/models", "model-control-mode": "poll"}
+        # A list: more repositories may be added beside the first (model names unique across them).
+        chosen = {"model-repository": [f"/{STATE_DIR}/models"], "model-control-mode": "poll"}
         settings.write_text(render_settings(serve, chosen))
         done.append(f"wrote {settings} (every serve flag listed; model-repository and poll mode set)")
     if not staged and _systemd_running():

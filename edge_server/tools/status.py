@@ -53,7 +53,8 @@ def render(status: dict[str, Any], address: str) -> str:
     lines.append(f"state       {state}")
     if "uptime_s" in status:
         lines.append(f"uptime      {_duration(status['uptime_s'])}")
-    lines.append(f"repository  {status.get('repository', '?')}")
+    for repository in status.get("repositories", ["?"]):
+        lines.append(f"repository  {repository}")
     reload = status.get("last_reload")
     if reload:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reload["at"]))
