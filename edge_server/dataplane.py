@@ -107,7 +107,7 @@ class DataPlane:
             loaded = None
             if request.correlation_id:
                 # A sequence that started before a reload finishes on the version it started on (and a
-                # second start of it is refused there, as it would be without a reload).
+                # second start of it restarts it there, as it would without a reload).
                 loaded = self._routing.sequence_holder(request.model, request.correlation_id, request.owner)
             if loaded is None or (request.version is not None and loaded.version != request.version):
                 loaded = self._routing.resolve(request.model, request.version)

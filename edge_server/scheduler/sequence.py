@@ -17,7 +17,8 @@ different streams batch together, one request of each per batch.  Two strategies
 
 A sequence with nothing queued or running for ``max_sequence_idle_microseconds`` is released (its
 slot and state freed); its next request is an error, as in Triton.  A sequence also ends after its
-END request ran.
+END request ran.  A START on a live correlation id ends that sequence early and starts it again in its
+place, as Triton does: the requests it already queued run first, the START with fresh state.
 
 Next to strangers (beyond Triton, whose correlation ids are global): a sequence belongs to the owner
 of its START request (``BatchItem.owner``: the client's uid, which the frontend learned from the
@@ -83,6 +84,7 @@ class _Request:
     future: Future[dict]
     enqueue_ns: int
     rescheduled: bool = False  # the model released it with RESCHEDULE: its future is already running
+    restarts: bool = False  # a START on a live sequence: its state starts afresh when it runs
 
     @property
     def batch_size(self) -> int:
@@ -187,12 +189,19 @@ class SequenceScheduler:
             if self._pool.unavailable:
                 raise Unavailable(self._pool.unavailable)
             seq = self._live.get(key)
-            if start:
-                if seq is not None:
-                    raise InvalidArgument(
-                        f"model {self._name!r}: sequence {corrid!r} is already in progress; end it "
-                        "(sequence_end) before starting it again"
-                    )
+            restarts = start and seq is not None
+            if restarts:
+                assert seq is not None
+                # Triton's rule: a START on a live id ends that sequence early and starts it again in
+                # its place (slot or backlog): what it queued runs first, this request with fresh state.
+                log.warning(
+                    "%s: sequence %s started again before it ended; the old one ends here",
+                    self._name,
+                    shorten(corrid),
+                )
+                self._counts["ended"] += 1
+                self._counts["started"] += 1
+            elif start:
                 if not self._accepting:
                     raise SchedulerClosed(f"model {self._name!r} is being replaced or unloaded")
                 if len(self._held) >= self._max_sequences:
@@ -211,7 +220,7 @@ class SequenceScheduler:
             if end:
                 del self._live[key]
                 seq.ending = True
-            seq.pending.append(_Request(item, shape_key, future, now))
+            seq.pending.append(_Request(item, shape_key, future, now, restarts=restarts))
             seq.last_ns = now
             self._queued += 1
             self._cond.notify_all()
@@ -595,6 +604,9 @@ class SequenceScheduler:
         batch: list[BatchItem] = []
         real: list[int] = []  # positions of the live requests in the batch
         for seq, request in rows:
+            if request is not None and request.restarts and seq is not None:  # busy: ours to write
+                seq.state = tensors.initial_state()
+                request.restarts = False  # once, not again if the model reschedules it
             state = seq.state if seq is not None else None
             if request is not None and id(request) in chosen:
                 real.append(len(batch))
