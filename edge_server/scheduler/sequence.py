@@ -63,6 +63,7 @@ from edge_server.errors import (
     shorten,
 )
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, Rescheduled
+from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
 from edge_server.scheduler.scheduler import SchedulerClosed
@@ -167,6 +168,7 @@ class SequenceScheduler:
         self._queued = 0
         self._in_flight = 0
         self._accepting = True
+        self._finish_sequences = False  # the drain waits for live sequences too (close_intake)
         self._counts = {"started": 0, "ended": 0, "expired": 0}
         stats.sequence_stats = self.sequence_stats
         self._pool.start()
@@ -174,9 +176,18 @@ class SequenceScheduler:
     # -- request side ---------------------------------------------------------------------------
 
     def submit(
-        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+        self,
+        item: BatchItem,
+        shape_key: Hashable,
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        budget: Budget = QUEUE_ONLY,
     ) -> Future[dict]:
-        """Queue a request behind the earlier ones of its sequence; errors for a wrong sequence raise."""
+        """Queue a request behind the earlier ones of its sequence; errors for a wrong sequence raise.
+
+        Never in the caller's thread, whatever its ``budget``: a sequence's requests run on its slots.
+        """
         corrid = item.correlation_id
         key = (item.owner, corrid)
         start = bool(item.flags & REQUEST_FLAG_SEQUENCE_START)
@@ -225,8 +236,6 @@ class SequenceScheduler:
             self._queued += 1
             self._cond.notify_all()
         return future
-
-    dispatch = submit  # a sequence request never runs in the caller's thread
 
     def _unknown(self, key: tuple[int | None, int | str]) -> InvalidArgument:
         corrid = key[1]
@@ -393,21 +402,25 @@ class SequenceScheduler:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def close_intake(self) -> None:
-        """Start no new sequences; live ones go on until they end or idle out."""
+    def close_intake(self, *, finish_sequences: bool = False) -> None:
+        """Start no new sequences; live ones go on until they end or idle out.
+
+        ``finish_sequences`` (a reload, where the data plane keeps routing their requests here): the
+        drain also waits for every live sequence to end or idle out.
+        """
         with self._lock:
             self._accepting = False
+            self._finish_sequences = self._finish_sequences or finish_sequences
             self._cond.notify_all()
 
-    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
+    def drain(self, deadline: float) -> bool:
         """Close intake and wait, until ``deadline`` (monotonic), for queued and running requests.
 
-        ``finish_sequences``: also wait for every live sequence to end or idle out (a reload, where
-        the data plane keeps routing their requests here).  Returns False if the deadline passed first.
+        Returns False if the deadline passed first.
         """
         self.close_intake()
         return self._pool.drain(
-            deadline, lambda: bool(self._queued or self._in_flight or (finish_sequences and self._held))
+            deadline, lambda: bool(self._queued or self._in_flight or (self._finish_sequences and self._held))
         )
 
     def stop(self, grace: float = 2.0) -> None:
