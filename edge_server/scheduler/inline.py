@@ -10,7 +10,7 @@ Every caller of the data plane gets a future.  :meth:`DataPlane.submit` only que
   batching whose executions are cheap (a moving average under ``INLINE_BUDGET_NS``) runs here when an
   instance is idle and nothing is queued: a thread hand-off costs more than such a model, and the
   caller would only wait for it anyway.  The daemon's only model, when it has one instance, does so up
-  to ``ALONE_INLINE_BUDGET_NS``: no other model's requests can wait behind it on a frontend thread,
+  to ``SOLE_VERSION_INLINE_BUDGET_NS``: no other model's requests can wait behind it on a frontend thread,
   and its own would wait for the instance anyway, so it serves as a hand-written receive-run-reply
   loop does, without the two thread wake-ups (a tenth of a millisecond each on a loaded 2-core box)
   that a worker costs every request.
@@ -35,7 +35,7 @@ another thread (a Python model's asyncio loop states nothing: FRONTEND).
 
 The :class:`InlinePolicy` of a model version keeps the cost estimate (a moving average of one request's
 execution and of its input bytes), the model's budget (``INLINE_BUDGET_NS``, or
-``ALONE_INLINE_BUDGET_NS`` for the daemon's only model with one instance) and answers, for a caller's
+``SOLE_VERSION_INLINE_BUDGET_NS`` for the daemon's only model with one instance) and answers, for a caller's
 budget, whether the request may run there; the scheduler lends it an idle instance when it says yes.
 """
 
@@ -53,7 +53,7 @@ INLINE_BUDGET_NS = 100_000
 # The daemon's only model (one instance) may hold the caller's thread longer: a frame period at 50 fps,
 # the longest that control requests (status, health over IPC, shared-memory registration) wait
 # behind it; beyond it the two wake-ups saved are under 2% of the run.
-ALONE_INLINE_BUDGET_NS = 20_000_000
+SOLE_VERSION_INLINE_BUDGET_NS = 20_000_000
 # ... and only for requests not much larger than those the average was measured on: a request far
 # larger than usual (a 4K frame to a model measured on thumbnails) could hold a frontend thread, and
 # every other client and model behind it, for its whole execution.  It goes to a worker instead.
@@ -123,7 +123,7 @@ class InlinePolicy:
         # preserve_ordering: an inline answer could overtake a batch running on another instance.
         self._pipeline = not preserve_ordering and all(backend.allows_inline for backend in backends)
         self._calls_models = any(backend.calls_models for backend in backends)
-        self._budget_ns = INLINE_BUDGET_NS  # ALONE_INLINE_BUDGET_NS while the daemon's only model
+        self._budget_ns = INLINE_BUDGET_NS  # SOLE_VERSION_INLINE_BUDGET_NS while the daemon's only model
         self._compute_ema_ns = float("inf")  # moving average of one request's execution
         self._bytes_ema = 0.0  # moving average of the input bytes of the requests measured
 
@@ -148,7 +148,7 @@ class InlinePolicy:
 
     def set_sole_version(self, sole: bool) -> None:
         """Whether this is the daemon's only model version, with one instance (the longer budget)."""
-        self._budget_ns = ALONE_INLINE_BUDGET_NS if sole else INLINE_BUDGET_NS
+        self._budget_ns = SOLE_VERSION_INLINE_BUDGET_NS if sole else INLINE_BUDGET_NS
 
     def observe(self, spent_ns: int, item: BatchItem) -> None:
         """Fold one single-request execution into the estimates that decide inline execution."""

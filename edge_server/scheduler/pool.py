@@ -169,9 +169,6 @@ class InstancePool(Generic[W]):
     def names(self) -> list[str]:
         return [name for name, _ in self._instances]
 
-    def waiting(self) -> int:
-        return self._batcher.waiting()
-
     def workers_alive(self) -> int:
         """How many worker threads still run (after :meth:`stop`: those stuck in user code)."""
         return sum(thread.is_alive() for thread in self._threads)

@@ -41,9 +41,9 @@ from edge_server.errors import (
     Unavailable,
 )
 from edge_server.scheduler.inline import (  # noqa: F401  (re-exported: tests and benchmarks read them)
-    ALONE_INLINE_BUDGET_NS,
     INLINE_BUDGET_NS,
     QUEUE_ONLY,
+    SOLE_VERSION_INLINE_BUDGET_NS,
     Budget,
     InlinePolicy,
 )
