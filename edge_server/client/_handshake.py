@@ -15,9 +15,8 @@ from typing import Any
 
 from edge_server.client import _wire
 from edge_server.client._call import Call
-from edge_server.client._common import MessageLimit, daemon_limit, register_fields
+from edge_server.client._common import MessageLimit, daemon_limit, reregistrations
 from edge_server.client.shm import SharedMemoryRegion
-from edge_server.errors import EdgeServerError
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +47,8 @@ class Handshake:
 
     def _reregister(self) -> None:
         """A new daemon knows none of our regions: register them again ahead of everything queued."""
-        for region in reversed(list(self._regions.values())):
-            rid = next(self._ids)
-            try:
-                fields = register_fields(self._address, region)
-            except EdgeServerError as exc:
-                log.warning(
-                    "could not re-register region %s after reconnecting: %s", region.name, exc.message
-                )
-                continue
-            frames = _wire.control_message(rid, "shm_register", **fields)
+        # Each goes to the head of the outbox: the last first, so that they leave in their order.
+        for rid, frames, _ in reversed(reregistrations(self._address, self._regions.values(), self._ids)):
             self._send_first(Call(rid, frames, _log_reregister, None, early=True))
 
     def _greet(self) -> None:

@@ -38,12 +38,13 @@ from edge_server.client._common import (
     Decoder,
     MessageLimit,
     dealer,
+    reply_header,
     reply_outcome,
 )
 from edge_server.client._handshake import Handshake
 from edge_server.client.shm import SharedMemoryRegion
-from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, MessageTooLarge, ReplyTimeout
-from edge_server.ipc import protocol, zmqio
+from edge_server.errors import Cancelled, ConnectionLost, MessageTooLarge, ReplyTimeout
+from edge_server.ipc import zmqio
 from edge_server.ipc.wakeup import signal_eventfd
 
 log = logging.getLogger(__name__)
@@ -356,10 +357,8 @@ class Transport:
                 return
 
     def _reply(self, frames: list[Any]) -> None:
-        try:
-            header = protocol.unpack(frames[0])
-        except EdgeServerError as exc:
-            log.warning("ignoring a reply that is not protocol: %s", exc.message)
+        header = reply_header(frames)
+        if header is None:
             return
         rid = header.get("id")
         with self._lock:
