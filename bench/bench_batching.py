@@ -31,7 +31,8 @@ from edge_server import Server  # noqa: E402
 from edge_server.backends.base import BatchItem, InstanceSpec, LoadContext, Timing  # noqa: E402
 from edge_server.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 from edge_server.config import load_config_file  # noqa: E402
-from edge_server.scheduler import inline as scheduler_module  # noqa: E402
+from edge_server.request import InferRequest  # noqa: E402
+from edge_server.scheduler import inline as scheduler_inline  # noqa: E402
 
 CNN = ROOT / "models" / "cnn" / "1" / "model.onnx"
 IDENTITY = ROOT / "models" / "identity"
@@ -46,6 +47,10 @@ output [ {{ name: "logits", data_type: TYPE_FP32, dims: [ 10 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: {count} }} ]
 {batching}
 """
+
+
+def _request(x: np.ndarray) -> InferRequest:
+    return InferRequest(model="identity", inputs={"INPUT0": x})
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -116,8 +121,9 @@ def make_repo(base: Path, *, count: int, batching: bool) -> Path:
 
 def overhead(runs: int = 5, calls: int = 3000) -> dict[str, float]:
     """Median µs per call (median of runs) of the identity model: the backend called directly, and
-    ``Server.infer`` with the request run in the caller's thread (inline, the default for a model this
-    cheap) and forced through the queue and an instance's worker thread (what every batching model pays).
+    the data plane's ``run_here`` with a frontend's budget (the request runs in the caller's thread, as
+    ``Server.infer`` and the frontends do for a model this cheap), and its ``submit`` (through the queue
+    and an instance's worker thread: what every batching model pays).
     """
     config, _ = load_config_file(IDENTITY / "config.pbtxt", default_name="identity")
     model_path = IDENTITY / "1" / "model.onnx"
@@ -138,15 +144,15 @@ def overhead(runs: int = 5, calls: int = 3000) -> dict[str, float]:
             call()
         return (time.perf_counter() - t0) / calls * 1e6
 
-    budget = scheduler_module.INLINE_BUDGET_NS
     with Server(ROOT / "models", model_control_mode="explicit", load_models=["identity"]) as server:
+        dataplane = server.dataplane
         for _ in range(runs):
             samples["direct"].append(timed(lambda: backend.execute([item], Timing())))
-            scheduler_module.INLINE_BUDGET_NS = budget
-            samples["inline"].append(timed(lambda: server.infer("identity", {"INPUT0": x})))
-            scheduler_module.INLINE_BUDGET_NS = 0  # nothing is cheap enough: every request is queued
-            samples["queued"].append(timed(lambda: server.infer("identity", {"INPUT0": x})))
-        scheduler_module.INLINE_BUDGET_NS = budget
+            # A frontend's budget: the cheap model runs in this thread; with none, on its worker.
+            samples["inline"].append(
+                timed(lambda: dataplane.run_here(_request(x), scheduler_inline.FRONTEND).result())
+            )
+            samples["queued"].append(timed(lambda: dataplane.submit(_request(x)).result()))
     backend.close()
     result = {name: statistics.median(values) for name, values in samples.items()}
     for path in ("inline", "queued"):
@@ -203,11 +209,11 @@ def main() -> int:
     print("|---|---|---|")
     print(f"| backend.execute directly | {cost['direct']:.1f} | |")
     print(
-        f"| Server.infer, run in the caller's thread (default for this model) | {cost['inline']:.1f} | "
+        f"| DataPlane.run_here(FRONTEND): run in the caller's thread | {cost['inline']:.1f} | "
         f"**{cost['inline_added']:.1f}** |"
     )
     print(
-        f"| Server.infer through the queue and a worker thread | {cost['queued']:.1f} | "
+        f"| DataPlane.submit: through the queue and a worker thread | {cost['queued']:.1f} | "
         f"**{cost['queued_added']:.1f}** (target < 50) |"
     )
     return 0

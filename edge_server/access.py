@@ -17,6 +17,7 @@ from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, Unavailable
 from edge_server.request import InferRequest, ResponseSink
 from edge_server.routing import RoutingView
+from edge_server.scheduler import inline
 
 
 class LocalAccess:
@@ -39,7 +40,8 @@ class LocalAccess:
         self._unload = unload
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
-        return self._dataplane.submit(request)
+        """The data plane's ``run_here`` with the budget stated for this thread (a worker's, mostly)."""
+        return self._dataplane.run_here(request, inline.current())
 
     def stream(self, request: InferRequest, sink: ResponseSink) -> None:
         self._dataplane.stream(request, sink)

@@ -1,7 +1,9 @@
 """The transport-free data plane every frontend calls: validate a request, route it, queue it.
 
-IPC, HTTP and the in-process API all build an :class:`InferRequest` and call :meth:`DataPlane.submit`;
-nothing here knows about sockets or JSON.  Every request is checked against its model's config
+IPC, HTTP and the in-process API all build an :class:`InferRequest` and get a future for it:
+:meth:`DataPlane.submit` queues it; :meth:`DataPlane.run_here` may run it in the caller's thread first,
+within the budget the caller states (:mod:`edge_server.scheduler.inline`).  Nothing here knows about
+sockets or JSON.  Every request is checked against its model's config
 (:mod:`edge_server.validation`) before it is queued, so a bad request fails alone and never reaches a
 batch.
 """
@@ -18,11 +20,11 @@ import numpy as np
 from edge_server import classification, dtypes
 from edge_server.config.model import ModelConfig, TensorSpec
 from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument, shorten
-from edge_server.request import InferRequest, ResponseSink, Result
+from edge_server.request import InferRequest, ResponseSink
 from edge_server.routing import RoutingView
+from edge_server.scheduler import inline
+from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 from edge_server.scheduler.scheduler import SchedulerClosed
-
-_Outcome = Result | Future[dict[str, np.ndarray]]
 
 
 def _finish_stream(sink: ResponseSink, future: Future[dict[str, np.ndarray]]) -> None:
@@ -39,15 +41,10 @@ def _finish_stream(sink: ResponseSink, future: Future[dict[str, np.ndarray]]) ->
         sink.put(future.result(), None, final=True)
 
 
-def _converted(outcome: _Outcome, convert: classification.Convert) -> _Outcome:
-    """``outcome`` with ``convert`` applied to its outputs (a result at once, a future when it is done)."""
-    if isinstance(outcome, Exception):
-        return outcome
-    if not isinstance(outcome, Future):
-        try:
-            return convert(outcome)
-        except EdgeServerError as exc:
-            return exc
+def _converted(
+    future: Future[dict[str, np.ndarray]], convert: classification.Convert
+) -> Future[dict[str, np.ndarray]]:
+    """A future of ``future``'s outputs with ``convert`` applied, once it is done."""
     converted: Future[dict[str, np.ndarray]] = Future()
 
     def done(future: Future[dict[str, np.ndarray]]) -> None:
@@ -64,7 +61,7 @@ def _converted(outcome: _Outcome, convert: classification.Convert) -> _Outcome:
         except EdgeServerError as exc:
             converted.set_exception(exc)
 
-    outcome.add_done_callback(done)
+    future.add_done_callback(done)
     return converted
 
 
@@ -75,19 +72,26 @@ class DataPlane:
         self._routing = routing
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
-        """Validate, route and queue ``request``; the future gets its outputs or its error."""
-        return self._route(request, None, here=False)  # type: ignore[return-value]
+        """Validate, route and queue ``request``; the future gets its outputs or its error.
 
-    def dispatch(self, request: InferRequest) -> dict[str, np.ndarray] | Future[dict[str, np.ndarray]]:
-        """:meth:`submit`, except that a request that ran inline in this thread returns its outputs.
-
-        Cheap models run in the caller's thread when an instance is idle (see the scheduler); a frontend
-        that can answer at once saves a future per request this way.  Errors of an inline run raise.
+        Validation and routing errors raise here, before anything was queued.  Never runs the request
+        in this thread: see :meth:`run_here`.
         """
-        outcome = self._route(request, None, here=True)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+        return self._route(request, None, QUEUE_ONLY)
+
+    def run_here(self, request: InferRequest, budget: Budget) -> Future[dict[str, np.ndarray]]:
+        """:meth:`submit`, but the request may run in this thread first, within the caller's ``budget``.
+
+        The model's :class:`~edge_server.scheduler.inline.InlinePolicy` decides (cheap models, the
+        daemon's only model, a pipeline's next step; see :mod:`edge_server.scheduler.inline`); when it
+        ran here, the future is done on return, and a frontend can answer at once.  Calls made
+        meanwhile from this thread (an ensemble's steps, BLS calls) inherit ``budget``.
+        """
+        outer = inline.state(budget)
+        try:
+            return self._route(request, None, budget)
+        finally:
+            inline.state(outer)
 
     def stream(self, request: InferRequest, sink: ResponseSink) -> None:
         """Run ``request`` and send its responses to ``sink``, ending with exactly one final.
@@ -95,19 +99,22 @@ class DataPlane:
         A decoupled model sends zero or more responses itself (maybe after its ``execute`` returned);
         any other model's single result becomes one final response.  Errors before or instead of a
         response (validation, queue policy, a failed execution) end the stream as an error; a
-        validation error raises here instead, before anything was queued.
+        validation error raises here instead, before anything was queued.  An ordinary model's
+        request may run in this thread within the budget stated for it (:func:`inline.current`).
         """
-        self._route(request, sink, here=False)
+        self._route(request, sink, inline.current())
 
-    def _route(self, request: InferRequest, sink: ResponseSink | None, *, here: bool) -> _Outcome:
-        """Validate and hand ``request`` to its version; ``here``: it may run in this thread."""
+    def _route(
+        self, request: InferRequest, sink: ResponseSink | None, budget: Budget
+    ) -> Future[dict[str, np.ndarray]]:
+        """Validate and hand ``request`` to its version; ``budget``: what it may cost this thread."""
         # A version that is being swapped out can close between routing and queueing; a request that did
         # not ask for a specific version then goes to the version that replaced it.
         for _attempt in range(3):
             loaded = None
             if request.correlation_id:
                 # A sequence that started before a reload finishes on the version it started on (and a
-                # second start of it is refused there, as it would be without a reload).
+                # second start of it restarts it there, as it would without a reload).
                 loaded = self._routing.sequence_holder(request.model, request.correlation_id, request.owner)
             if loaded is None or (request.version is not None and loaded.version != request.version):
                 loaded = self._routing.resolve(request.model, request.version)
@@ -137,23 +144,18 @@ class DataPlane:
             request.routed_version = loaded.version
             scheduler = loaded.scheduler
             try:
-                if here:
-                    outcome = scheduler.dispatch(
-                        item, shape_key, priority=request.priority, timeout_us=request.timeout_us
-                    )
-                else:
-                    outcome = scheduler.submit(
-                        item, shape_key, priority=request.priority, timeout_us=request.timeout_us
-                    )
+                future = scheduler.submit(
+                    item, shape_key, priority=request.priority, timeout_us=request.timeout_us, budget=budget
+                )
             except SchedulerClosed:
                 if request.version is not None:
                     raise
                 continue
             if stream is not None:
-                outcome.add_done_callback(partial(_finish_stream, stream))  # type: ignore[union-attr]
+                future.add_done_callback(partial(_finish_stream, stream))
             elif convert is not None:
-                return _converted(outcome, convert)
-            return outcome
+                return _converted(future, convert)
+            return future
         raise SchedulerClosed(f"model {shorten(request.model)} is being unloaded")
 
     def config(self, name: str, version: int | None = None) -> ModelConfig:

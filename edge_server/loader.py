@@ -89,7 +89,8 @@ class LoadedVersion:
         ``finish_sequences`` (a reload with a successor): a sequence model also waits for its live
         sequences to end or idle out, so that they finish on the version they started on.
         """
-        if not self.scheduler.drain(deadline, finish_sequences=finish_sequences):
+        self.scheduler.close_intake(finish_sequences=finish_sequences)
+        if not self.scheduler.drain(deadline):
             log.warning(
                 "%s v%d: drain deadline passed; failing what is still queued", self.name, self.version
             )

@@ -269,12 +269,16 @@ class ModelAccess(Protocol):
     """Other models, as a pipeline or a Python model's BLS call reaches them: through the data plane.
 
     A request submitted here is validated, queued, batched with every other request for that model and
-    counted in its statistics, exactly like a client's.  Implementations must not block in
-    :meth:`submit` beyond queueing (pipelines call it from done-callbacks on model worker threads).
+    counted in its statistics, exactly like a client's.  Pipelines call :meth:`submit` from
+    done-callbacks on model worker threads, and BLS calls from inside a model's ``execute``.
     """
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
-        """Queue ``request``; validation errors raise here, everything later arrives in the future."""
+        """Queue ``request``, or run it here where this thread's stated budget allows it.
+
+        (``edge_server.scheduler.inline``: a worker inside its execute, say.)  Validation errors raise
+        here, everything later arrives in the future.
+        """
         ...
 
     def stream(self, request: InferRequest, sink: ResponseSink) -> None:

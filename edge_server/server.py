@@ -31,6 +31,7 @@ from edge_server.loader import LoadEnvironment
 from edge_server.repository import Repositories
 from edge_server.request import InferRequest, RequestOptions
 from edge_server.routing import Routing, RoutingView
+from edge_server.scheduler import inline
 from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.status_index import Listener, StatusIndex, VersionStatus
 from edge_server.streaming import AsyncResponseIterator, ResponseIterator
@@ -192,9 +193,8 @@ class Server:
     ) -> dict[str, np.ndarray]:
         """Run one request and wait for its outputs; failures raise an :class:`EdgeServerError`."""
         self._check_open()
-        outcome = self._dataplane.dispatch(_request(model, inputs, options))
-        # the outputs themselves when the request ran in this thread
-        return outcome.result() if isinstance(outcome, Future) else outcome
+        # This thread waits for the outputs anyway: a cheap model runs here (a frontend's budget).
+        return self._dataplane.run_here(_request(model, inputs, options), inline.FRONTEND).result()
 
     async def infer_async(
         self, model: str, inputs: Mapping[str, np.ndarray], **options: Unpack[RequestOptions]

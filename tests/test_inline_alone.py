@@ -16,7 +16,7 @@ import numpy as np
 
 from edge_server import Server
 from edge_server.client import Client
-from edge_server.scheduler.scheduler import ALONE_INLINE_BUDGET_NS, INLINE_BUDGET_NS
+from edge_server.scheduler.scheduler import INLINE_BUDGET_NS, SOLE_VERSION_INLINE_BUDGET_NS
 from tests.daemon import Daemon
 from tests.test_python_inline import threads_that_ran
 
@@ -45,7 +45,7 @@ class TritonPythonModel:
 """
 
 SLOW_S = 0.002  # well over the shared budget, well under the alone budget
-assert INLINE_BUDGET_NS < SLOW_S * 1e9 < ALONE_INLINE_BUDGET_NS / 4
+assert INLINE_BUDGET_NS < SLOW_S * 1e9 < SOLE_VERSION_INLINE_BUDGET_NS / 4
 
 
 def _model(repo: Path, name: str, seconds: float, count: int = 1) -> None:
@@ -81,7 +81,7 @@ def test_the_only_model_with_two_instances_keeps_its_workers(tmp_path: Path) -> 
 
 
 def test_the_only_model_over_the_budget_keeps_its_worker(tmp_path: Path) -> None:
-    _model(tmp_path, "slower", 1.5 * ALONE_INLINE_BUDGET_NS / 1e9)
+    _model(tmp_path, "slower", 1.5 * SOLE_VERSION_INLINE_BUDGET_NS / 1e9)
     with Server(tmp_path) as server:
         assert threading.current_thread().name not in threads_that_ran(server, "slower", 4)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import textwrap
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 from edge_server import Server
 from edge_server.backends.python_process import IsolatedPythonBackend
 from edge_server.request import InferRequest
+from edge_server.scheduler import inline
 
 CONFIG = """
 name: "{name}"
@@ -76,12 +76,11 @@ def server(tmp_path: Path) -> Iterator[Server]:
 
 
 def threads_that_ran(server: Server, model: str, count: int = 60) -> list[str]:
-    """Dispatch ``count`` requests (inline or queued, as the scheduler decides): the threads that ran them."""
+    """Run ``count`` requests with a frontend's budget (here or queued, as the policy says): who ran them."""
     x = np.ones(2, np.float32)
     names = []
     for _ in range(count):
-        outcome = server.dataplane.dispatch(InferRequest(model=model, inputs={"IN": x}))
-        out = outcome.result() if isinstance(outcome, Future) else outcome
+        out = server.dataplane.run_here(InferRequest(model=model, inputs={"IN": x}), inline.FRONTEND).result()
         names.append(out["OUT"][0].decode())
     return names
 
@@ -93,6 +92,19 @@ def test_cheap_python_model_runs_inline_once_measured(server: Server) -> None:
     assert names[-5:] == [me] * 5, names
     stats = server.statistics("plain")[0]
     assert stats["inference_stats"]["success"]["count"] == len(names)
+
+
+def test_submit_and_a_queue_only_budget_never_run_on_the_callers_thread(server: Server) -> None:
+    me = threading.current_thread().name
+    assert threads_that_ran(server, "plain")[-1] == me  # measured cheap: it would run here
+    x = {"IN": np.ones(2, np.float32)}
+    for _ in range(5):
+        assert (
+            server.dataplane.submit(InferRequest(model="plain", inputs=x)).result()["OUT"][0].decode() != me
+        )
+        queued = server.dataplane.run_here(InferRequest(model="plain", inputs=x), inline.QUEUE_ONLY)
+        assert queued.result()["OUT"][0].decode() != me
+        assert server.submit("plain", x).result()["OUT"][0].decode() != me
 
 
 def test_async_python_model_stays_off_the_callers_thread(server: Server) -> None:

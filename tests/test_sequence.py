@@ -217,13 +217,16 @@ def test_bad_sequence_requests_get_clear_errors(
         server.infer("acc_oldest", request, **kwargs)
 
 
-def test_start_twice_and_state_output_request_are_refused(server: Server) -> None:
+def test_start_twice_restarts_and_state_output_request_is_refused(server: Server) -> None:
     server.infer("acc_direct", one(1), correlation_id=90, sequence_start=True)
-    with pytest.raises(InvalidArgument, match="already in progress"):
-        server.infer("acc_direct", one(1), correlation_id=90, sequence_start=True)
+    assert scalar(server.infer("acc_direct", one(7), correlation_id=90)) == 8
+    # Triton's rule: a START on a live id ends that sequence and starts it again, with fresh state.
+    assert scalar(server.infer("acc_direct", one(1), correlation_id=90, sequence_start=True)) == 1
     with pytest.raises(InvalidArgument, match="implicit state"):
         server.infer("acc_direct", one(1), correlation_id=90, outputs=["ACC_OUT"])
     assert scalar(server.infer("acc_direct", one(5), correlation_id=90, sequence_end=True)) == 6
+    stats = server.statistics("acc_direct")[0]["sequence_stats"]
+    assert stats["started"] - stats["ended"] == stats["active"] == 0
     with pytest.raises(InvalidArgument, match="not in progress"):
         server.infer("acc_direct", one(1), correlation_id=90)
 
@@ -294,10 +297,10 @@ def test_reload_lets_live_sequences_finish_on_the_old_version(tmp_path: Path) ->
         # The live sequence goes on on version 1; a new one starts on version 2.
         assert scalar(server.infer("acc", one(2), correlation_id=1)) == 3
         assert scalar(server.infer("acc", one(5), correlation_id=2, sequence_start=True)) == 1005
-        with pytest.raises(InvalidArgument, match="already in progress"):
-            server.infer("acc", one(1), correlation_id=1, sequence_start=True)
+        # A second START restarts it where it lives (Triton's rule), so it still finishes on version 1.
+        assert scalar(server.infer("acc", one(1), correlation_id=1, sequence_start=True)) == 1
         assert loading.is_alive()  # version 1 waits for its sequence
-        assert scalar(server.infer("acc", one(3), correlation_id=1, sequence_end=True)) == 6
+        assert scalar(server.infer("acc", one(3), correlation_id=1, sequence_end=True)) == 4
         loading.join(timeout=10)
         assert not loading.is_alive()
         assert sorted(server.routing.serving()["acc"]) == [2]

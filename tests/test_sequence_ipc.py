@@ -118,13 +118,59 @@ def test_ipc_sequence_errors_are_invalid_argument(seq_daemon: Daemon) -> None:
         with pytest.raises(InvalidArgument, match="not in progress"):
             client.infer("acc", x, sequence_id=4242, sequence_end=True)
         client.infer("acc", x, sequence_id=4243, sequence_start=True)
-        with pytest.raises(InvalidArgument, match="already in progress"):
-            client.infer("acc", x, sequence_id=4243, sequence_start=True)
         with pytest.raises(InvalidArgument, match="server fills"):
             client.infer("acc", {**x, "ACC_IN": np.zeros((1, 1), np.int32)}, sequence_id=4243)
         assert int(client.infer("acc", x, sequence_id=4243, sequence_end=True)["OUTPUT"][0, 0]) == 2
         stats = client.statistics("acc")[0]["sequence_stats"]
         assert stats["started"] >= 1 and stats["active"] == 0
+
+
+# Triton's test_no_sequence_end: start 1, 2, then START 42 on the same live id, END 9.  The second
+# START ends the first sequence (its requests already sent ran first) and starts afresh: 42, then 51.
+RESTART_STEPS = [(1, "s"), (2, ""), (42, "s"), (9, "e")]
+RESTART_SUMS = [1, 3, 42, 51]
+
+
+@pytest.mark.parametrize("model", ["acc", "acc_idle"])
+def test_a_second_start_restarts_the_sequence_over_ipc(seq_daemon: Daemon, model: str) -> None:
+    with Client(seq_daemon.address) as client:
+        got = [
+            int(
+                client.infer(
+                    model,
+                    {"INPUT": np.array([[value]], np.int32)},
+                    sequence_id=4566,
+                    sequence_start="s" in flags,
+                    sequence_end="e" in flags,
+                )["OUTPUT"][0, 0]
+            )
+            for value, flags in RESTART_STEPS
+        ]
+        assert got == RESTART_SUMS
+        with pytest.raises(InvalidArgument, match="not in progress"):  # it ended with the END
+            client.infer(model, {"INPUT": np.array([[1]], np.int32)}, sequence_id=4566)
+
+
+def test_a_second_start_restarts_the_sequence_over_http_tritonclient(
+    seq_daemon: Daemon, http_port: int
+) -> None:
+    httpclient = pytest.importorskip("tritonclient.http")
+    with httpclient.InferenceServerClient(url=f"127.0.0.1:{http_port}") as client:
+        got = []
+        for value, flags in RESTART_STEPS:
+            tensor = httpclient.InferInput("INPUT", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.full((1, 1), value, np.int32))
+            result = client.infer(
+                "acc",
+                [tensor],
+                sequence_id=4567,
+                sequence_start="s" in flags,
+                sequence_end="e" in flags,
+            )
+            got.append(int(result.as_numpy("OUTPUT")[0, 0]))
+        assert got == RESTART_SUMS
+        stats = client.get_inference_statistics("acc")["model_stats"][0]
+        assert stats["inference_count"] >= len(RESTART_STEPS)
 
 
 def _http_infer(port: int, model: str, value: int, **parameters: object) -> dict:

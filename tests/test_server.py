@@ -6,7 +6,6 @@ import asyncio
 import logging
 import re
 import textwrap
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from edge_server.errors import (
     Unavailable,
 )
 from edge_server.request import InferRequest
+from edge_server.scheduler import inline
 from tests.onnx_factory import affine_model
 
 ADDER_CONFIG = """
@@ -457,27 +457,31 @@ def test_unloaded_model_stays_unloaded_across_rescans_until_loaded(repo: Path) -
         assert server.infer("pyscale", {"IN": np.ones(1, np.float32)})["OUT"][0] == 3.0
 
 
-def test_dispatch_returns_inline_outputs_and_queued_futures(server: Server) -> None:
-    """What a frontend that can answer at once calls: outputs for an inline run, a future otherwise."""
+def test_run_here_answers_cheap_models_at_once(server: Server) -> None:
+    """What a frontend that can answer at once calls: a future, done on return when it ran here."""
     x = np.array([1.0, 2.0], np.float32)
-    kinds = []
+    here = []
     for _ in range(200):
-        outcome = server.dataplane.dispatch(InferRequest(model="renamed", inputs={"INPUT0": x}))
-        kinds.append(type(outcome))
-        out = outcome.result() if isinstance(outcome, Future) else outcome
-        np.testing.assert_array_equal(out["OUTPUT0"], x + 7.0)
-        if kinds[-5:] == [dict] * 5:
+        future = server.dataplane.run_here(
+            InferRequest(model="renamed", inputs={"INPUT0": x}), inline.FRONTEND
+        )
+        here.append(future.done())
+        np.testing.assert_array_equal(future.result()["OUTPUT0"], x + 7.0)
+        if here[-5:] == [True] * 5:
             break
     # The first requests go through the queue, until the scheduler's timing of this cheap model (a
     # moving average that starts from a cold first run) falls under the inline budget; then it stays.
-    assert kinds[-5:] == [dict] * 5, kinds
-    assert kinds[0] is Future
+    assert here[-5:] == [True] * 5, here
+    assert not here[0]
     stats = server.statistics("renamed")[0]
-    assert stats["inference_stats"]["success"]["count"] == len(kinds)  # inline runs are counted too
-    batched = server.dataplane.dispatch(
-        InferRequest(model="adder", inputs={"INPUT0": np.ones((1, 4), np.float32)})
+    assert stats["inference_stats"]["success"]["count"] == len(here)  # inline runs are counted too
+    queued = server.dataplane.run_here(InferRequest(model="renamed", inputs={"INPUT0": x}), inline.QUEUE_ONLY)
+    np.testing.assert_array_equal(queued.result()["OUTPUT0"], x + 7.0)
+    batched = server.dataplane.run_here(
+        InferRequest(model="adder", inputs={"INPUT0": np.ones((1, 4), np.float32)}), inline.FRONTEND
     )
-    assert isinstance(batched, Future)  # dynamic batching: always through the queue
     np.testing.assert_array_equal(batched.result()["OUTPUT0"], np.full((1, 4), 4.0, np.float32))
     with pytest.raises(InvalidArgument, match="expected shape"):
-        server.dataplane.dispatch(InferRequest(model="renamed", inputs={"INPUT0": np.ones(3, np.float32)}))
+        server.dataplane.run_here(
+            InferRequest(model="renamed", inputs={"INPUT0": np.ones(3, np.float32)}), inline.FRONTEND
+        )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from edge_server.config.model import InstanceGroup, ModelConfig, SecondaryDevice
 from edge_server.errors import BackendUnavailable, ConfigError, InstanceFailed, InvalidArgument
 from edge_server.loader import instance_specs
 from edge_server.request import BatchItem
+from edge_server.scheduler import inline
 from edge_server.scheduler.scheduler import ModelScheduler
 from edge_server.scheduler.stats import ModelStats
 
@@ -390,9 +390,7 @@ def test_gpu_instances_never_run_inline() -> None:
     try:
         for _ in range(50):  # enough for the scheduler to measure the model as cheap
             item = BatchItem(inputs={"x": np.ones(1, np.float32)}, batch_size=1, requested_outputs=("y",))
-            outcome = scheduler.dispatch(item, ((1,),))
-            assert isinstance(outcome, Future)
-            outcome.result(timeout=5)
+            scheduler.submit(item, ((1,),), budget=inline.FRONTEND).result(timeout=5)
     finally:
         scheduler.stop()
     assert backend.threads and all(name == "edge-gpu_0" for name in backend.threads)

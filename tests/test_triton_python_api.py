@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from edge_server.errors import (
     Unsupported,
 )
 from edge_server.request import InferRequest
+from edge_server.scheduler import inline
 from tests import triton_models
 from tests.daemon import Daemon
 
@@ -109,8 +109,7 @@ def test_request_accessors_come_from_the_request(server: Server) -> None:
         timeout_us=1_500_000,
         outputs=["INFO"],
     )
-    outcome = server._dataplane.dispatch(request)
-    info = probe_info(outcome.result() if isinstance(outcome, Future) else outcome)
+    info = probe_info(server._dataplane.run_here(request, inline.FRONTEND).result())
     assert info["request_id"] == "req-7"
     assert info["correlation_id"] == 42
     assert info["flags"] == pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START

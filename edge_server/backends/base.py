@@ -80,7 +80,7 @@ class Backend(abc.ABC):
     allows_inline: bool = False
 
     #: whether the model may call other models (BLS): the scheduler never runs such a request on a
-    #: worker that holds an instance of its own (see ``scheduler._pipeline_caller``)
+    #: worker that holds an instance of its own (see ``scheduler.inline.delivering``)
     calls_models: bool = False
 
     #: device label for status and metrics: "cpu", "cuda:0", "dla:1"

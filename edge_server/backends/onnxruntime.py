@@ -1,4 +1,4 @@
-"""ONNX Runtime backend: one InferenceSession per instance.
+"""ONNX Runtime backend: one InferenceSession per instance (the config auto-complete: onnxruntime_config).
 
 Execution providers are picked from what this onnxruntime build offers and what the instance group and
 ``optimization.execution_accelerators`` ask for (TensorRT EP, then CUDA EP, then CPU), as Triton's
@@ -10,7 +10,6 @@ on the box keeps ONNX Runtime's own thread settings (see :func:`thread_policy`).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -28,19 +27,14 @@ from edge_server.backends.base import (
     OutputBuffer,
     TensorBackend,
 )
-from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
+from edge_server.backends.onnxruntime_config import complete_from_graph
+from edge_server.config.model import ModelConfig
 from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError, ShmOutOfBounds
 
 log = logging.getLogger(__name__)
 
 _BF16 = dtypes.to_numpy("TYPE_BF16")
 _ONNX_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
-
-# Triton's --backend-config=onnxruntime,default-max-batch-size default.
-DEFAULT_MAX_BATCH_SIZE = 4
-
-
-_Graph = tuple[str, str, list[int]]
 
 #: the ``rule`` of thread settings that ``auto`` chose because the instance was alone on the box
 AUTO_ALONE_RULE = "auto: the only CPU ONNX Runtime instance"
@@ -152,112 +146,6 @@ def _arena_shrinkage(params: dict[str, str]) -> tuple[ort.RunOptions, int]:
     return options, 1 if explicit else SHRINK_AFTER_BYTES
 
 
-def _graph_tensors(args: Sequence[Any]) -> list[tuple[str, str, list[int]]]:
-    """(name, config type, dims with -1 for symbolic) of ONNX Runtime NodeArgs."""
-    out = []
-    for arg in args:
-        dims = [d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or [])]
-        out.append((arg.name, dtypes.from_onnxruntime(arg.type), dims))
-    return out
-
-
-def _check_or_fill(
-    configured: tuple[TensorSpec, ...],
-    graph: list[tuple[str, str, list[int]]],
-    *,
-    role: str,
-    batched: bool,
-    source: str,
-) -> tuple[TensorSpec, ...]:
-    by_name = {name: (dtype, dims) for name, dtype, dims in graph}
-    if not configured:
-        return tuple(
-            TensorSpec(name=name, data_type=dtype, dims=tuple(dims[1:] if batched else dims))
-            for name, dtype, dims in graph
-        )
-    completed = []
-    for spec in configured:
-        if spec.name not in by_name:
-            raise ConfigError(
-                f"{source}: {role} {spec.name!r} is not in the ONNX model; the model's {role}s are "
-                f"{sorted(by_name)}"
-            )
-        dtype, dims = by_name[spec.name]
-        spec = _fill_from_graph(spec, dtype, dims, batched=batched)
-        completed.append(spec)
-        if spec.data_type != dtype:
-            raise ConfigError(
-                f"{source}: {role} {spec.name!r} has data_type {spec.data_type} "
-                f"but the ONNX model has {dtype}"
-            )
-        model_dims = dims[1:] if batched and dims else dims
-        want = list(spec.reshape if spec.reshape is not None else spec.dims)
-        if batched and not dims:
-            raise ConfigError(
-                f"{source}: {role} {spec.name!r} is a scalar in the model but max_batch_size > 0"
-            )
-        if len(want) != len(model_dims) or any(
-            m != -1 and w != -1 and m != w for w, m in zip(want, model_dims, strict=False)
-        ):
-            raise ConfigError(
-                f"{source}: {role} {spec.name!r} has dims {want} but the ONNX model has "
-                f"{model_dims} (excluding the batch axis)"
-                if batched
-                else f"{source}: {role} {spec.name!r} has dims {want} but the ONNX model has {model_dims}"
-            )
-        if batched and dims[0] not in (-1,):
-            raise ConfigError(
-                f"{source}: max_batch_size > 0 but the ONNX model's {role} {spec.name!r} has a fixed first "
-                f"dimension {dims[0]}; export it with a dynamic batch axis or set max_batch_size: 0"
-            )
-    return tuple(completed)
-
-
-def _fill_from_graph(spec: TensorSpec, dtype: str, dims: list[int], *, batched: bool) -> TensorSpec:
-    """Fill a data_type or dims the config left out (TYPE_INVALID, no dims) from the graph."""
-    changes: dict[str, Any] = {}
-    if spec.data_type == "TYPE_INVALID":
-        changes["data_type"] = dtype
-    if not spec.dims and spec.reshape is None:
-        changes["dims"] = tuple(dims[1:] if batched and dims else dims)
-    return dataclasses.replace(spec, **changes) if changes else spec
-
-
-def _split_sequence_tensors(
-    config: ModelConfig, inputs: list[_Graph], outputs: list[_Graph]
-) -> tuple[list[_Graph], list[_Graph]]:
-    """The graph's client inputs and outputs, after checking the ones sequence batching fills and keeps.
-
-    Control and state inputs are model inputs that the config does not list (Triton's rule), so they
-    are neither auto-completed as client inputs nor left for a client to send.
-    """
-    seq = config.sequence_batching
-    assert seq is not None
-    graph_in = {name: dtype for name, dtype, _ in inputs}
-    graph_out = {name: dtype for name, dtype, _ in outputs}
-    wanted = [(c.name, c.control.tensor_type, "control input") for c in seq.control_inputs]
-    wanted += [(s.input_name, s.data_type, "state input") for s in seq.states]
-    for name, dtype, role in wanted:
-        if name not in graph_in:
-            raise ConfigError(
-                f"{config.source}: sequence_batching {role} {name!r} is not an input of the ONNX model; "
-                f"its inputs are {sorted(graph_in)}"
-            )
-        if graph_in[name] != dtype:
-            raise ConfigError(
-                f"{config.source}: sequence_batching {role} {name!r} is {dtype} in the config but "
-                f"{graph_in[name]} in the ONNX model"
-            )
-    for state in seq.states:
-        if graph_out.get(state.output_name) != state.data_type:
-            raise ConfigError(
-                f"{config.source}: sequence_batching state output {state.output_name!r} must be a "
-                f"{state.data_type} output of the ONNX model; its outputs are {sorted(graph_out)}"
-            )
-    server_in, kept_out = set(seq.server_inputs()), set(seq.state_outputs())
-    return [t for t in inputs if t[0] not in server_in], [t for t in outputs if t[0] not in kept_out]
-
-
 class OnnxRuntimeBackend(TensorBackend):
     # A CPU session's cost follows its input size, which the scheduler checks before lending it to a
     # caller's thread; a CUDA session's instance sets this back to False at load.
@@ -284,36 +172,7 @@ class OnnxRuntimeBackend(TensorBackend):
 
     @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        try:
-            session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own exception types
-            raise ConfigError(f"{model_path}: not a loadable ONNX model: {exc}") from exc
-        inputs = _graph_tensors(session.get_inputs())
-        outputs = _graph_tensors(session.get_outputs())
-        del session
-        if config.sequence_batching is not None:
-            inputs, outputs = _split_sequence_tensors(config, inputs, outputs)
-        changes: dict[str, Any] = {}
-        max_batch = config.max_batch_size
-        if max_batch == 0 and not config.inputs and not config.outputs:
-            # Triton's rule: batch when every input and output starts with a dynamic axis.
-            if all(dims and dims[0] == -1 for _, _, dims in inputs + outputs):
-                max_batch = DEFAULT_MAX_BATCH_SIZE
-                changes["max_batch_size"] = max_batch
-                if config.dynamic_batching is None and config.sequence_batching is None:
-                    changes["dynamic_batching"] = DynamicBatching()
-        batched = max_batch > 0
-        changes["inputs"] = _check_or_fill(
-            config.inputs, inputs, role="input", batched=batched, source=config.source
-        )
-        changes["outputs"] = _check_or_fill(
-            config.outputs, outputs, role="output", batched=batched, source=config.source
-        )
-        if not config.platform:
-            changes["platform"] = "onnxruntime_onnx"
-        return config.replace(**changes)
+        return complete_from_graph(config, model_path)
 
     def __init__(self, ctx: LoadContext) -> None:
         config = ctx.config

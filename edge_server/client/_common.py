@@ -13,10 +13,11 @@ and the one the daemon announces in its ``live`` reply), and building infer requ
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import sys
 import threading
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar
 
@@ -28,6 +29,8 @@ from edge_server.errors import EdgeServerError, InvalidArgument, MessageTooLarge
 from edge_server.ipc import protocol
 from edge_server.ipc.addresses import client_address, ipc_path
 from edge_server.ipc.handoff import hand_over, handoff_path
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 S = TypeVar("S", bound="zmq.Socket[Any]")
@@ -71,6 +74,35 @@ def register_fields(address: str, region: SharedMemoryRegion) -> dict[str, Any]:
         )
     token = hand_over(handoff_path(path), region.fd)
     return {"name": region.name, "byte_size": region.byte_size, "token": token}
+
+
+def reply_header(frames: list[Any]) -> dict[str, Any] | None:
+    """A reply's header, or None (logged) for a first frame that is not our protocol."""
+    try:
+        return protocol.unpack(frames[0])
+    except EdgeServerError as exc:
+        log.warning("ignoring a reply that is not protocol: %s", exc.message)
+        return None
+
+
+def reregistrations(
+    address: str, regions: Iterable[SharedMemoryRegion], ids: Iterator[int]
+) -> list[tuple[int, list[Any], str]]:
+    """(id, frames, region name) of the ``shm_register`` messages that register ``regions`` again.
+
+    What a client sends first to a daemon that restarted (it knows none of them); a region that
+    cannot be handed over any more is logged and left out.
+    """
+    messages = []
+    for region in regions:
+        try:
+            fields = register_fields(address, region)
+        except EdgeServerError as exc:
+            log.warning("could not re-register region %s after reconnecting: %s", region.name, exc.message)
+            continue
+        rid = next(ids)
+        messages.append((rid, _wire.control_message(rid, "shm_register", **fields), region.name))
+    return messages
 
 
 class MessageLimit:

@@ -8,9 +8,10 @@ so a round trip costs no thread hand-off.  When requests are pending and no call
 when work remains, so no request is ever left without a leader.
 
 Connecting: on every connection (the first, and each reconnection after the daemon restarted) the
-leader first registers this client's regions again (a new daemon knows none of them) and asks ``live``
-for the daemon's message-size limit; queued requests wait until that answer came, and one over the
-limit fails with MessageTooLarge instead of being sent (ZeroMQ would drop the connection for it).
+leader first says what :class:`~edge_server.client._handshake.Handshake` says (``live``, for the
+daemon's message-size limit, and the client's regions registered again); queued requests wait until
+that answer came, and one over the limit fails with MessageTooLarge instead of being sent (ZeroMQ would
+drop the connection for it).
 Requests already sent when a connection drops fail with ConnectionLost: their replies died with the
 old daemon.
 """
@@ -25,25 +26,25 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import Future, InvalidStateError
-from functools import partial
+from concurrent.futures import InvalidStateError
 from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from edge_server.client import _wire
+from edge_server.client._call import Call, StreamCall
 from edge_server.client._common import (
     Decoder,
     MessageLimit,
-    daemon_limit,
     dealer,
-    register_fields,
+    reply_header,
     reply_outcome,
 )
+from edge_server.client._handshake import Handshake
 from edge_server.client.shm import SharedMemoryRegion
-from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, MessageTooLarge, ReplyTimeout
-from edge_server.ipc import protocol, zmqio
+from edge_server.errors import Cancelled, ConnectionLost, MessageTooLarge, ReplyTimeout
+from edge_server.ipc import zmqio
 from edge_server.ipc.wakeup import signal_eventfd
 
 log = logging.getLogger(__name__)
@@ -54,64 +55,6 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 # A leader that starts after the socket went this long without a poll checks the monitor first.
 _UNWATCHED_S = 0.001
-
-
-class Call:
-    """One request and, once settled, its value or error.
-
-    Only calls whose caller wants a future (``Client.submit``, the greeting) get one: a synchronous
-    round trip reads ``value``/``error`` directly, and building, settling and reading a
-    ``concurrent.futures.Future`` would be a good part of its cost.
-    """
-
-    __slots__ = (
-        *("rid", "frames", "nbytes", "decode", "future", "deadline"),
-        *("sent", "early", "settled", "value", "error"),
-    )
-
-    def __init__(
-        self,
-        rid: int,
-        frames: list[Any],
-        decode: Decoder,
-        deadline: float | None,
-        *,
-        nbytes: int = 0,
-        early: bool = False,
-        future: bool = False,
-    ) -> None:
-        self.rid = rid
-        self.frames: list[Any] | None = frames
-        self.nbytes = nbytes
-        self.decode = decode
-        self.future: Future[Any] | None = Future() if future else None
-        self.deadline = deadline
-        self.sent = False
-        self.early = early  # sent on connecting, before the daemon's limit is known
-        self.settled = False  # set after value/error and before the future: the leader tests it
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def outcome(self) -> Any:
-        """The value of a settled call, or its error raised."""
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class StreamCall(Call):
-    """A ``stream`` request: its responses queue up here until the caller takes them.
-
-    ``settled`` means "a response is waiting (or the stream ended)", so the leader's loop stops for
-    it exactly as for a plain call; it is reset when the caller takes the last waiting response.
-    """
-
-    __slots__ = ("items", "done")
-
-    def __init__(self, rid: int, frames: list[Any], decode: Decoder, *, nbytes: int = 0) -> None:
-        super().__init__(rid, frames, decode, None, nbytes=nbytes)
-        self.items: collections.deque[tuple[Any, BaseException | None, bool]] = collections.deque()
-        self.done = False  # the final response (or the stream's end by error) has arrived
 
 
 class Transport:
@@ -127,7 +70,6 @@ class Transport:
     ) -> None:
         self.address = address
         self.limit = limit
-        self.regions = regions  # the client's registered regions: registered again on reconnect
         self._ids = ids
         self._ctx = zmq.Context(io_threads=1)
         sock, self._monitor = dealer(self._ctx, address)
@@ -160,7 +102,8 @@ class Transport:
         self._deadlines: list[tuple[float, int]] = []
         self._connected = False
         self._was_connected = False
-        self._greeting: Call | None = None  # the `live` asked on connecting, until it is answered
+        # What is said first on every connection: `live` (the daemon's limit), regions registered again.
+        self._handshake = Handshake(address, limit, regions, ids, self._send_first)
         self._closed = False
         self._pump: threading.Thread | None = None
 
@@ -383,7 +326,7 @@ class Transport:
             if call.frames is None:  # timed out before it could be sent
                 outbox.popleft()
                 continue
-            if self._greeting is not None and not call.early:
+            if self._handshake.greeting is not None and not call.early:
                 return False  # the daemon's limit is not known yet; its answer wakes the poll
             if call.nbytes > self.limit.allowed:
                 outbox.popleft()
@@ -414,10 +357,8 @@ class Transport:
                 return
 
     def _reply(self, frames: list[Any]) -> None:
-        try:
-            header = protocol.unpack(frames[0])
-        except EdgeServerError as exc:
-            log.warning("ignoring a reply that is not protocol: %s", exc.message)
+        header = reply_header(frames)
+        if header is None:
             return
         rid = header.get("id")
         with self._lock:
@@ -464,9 +405,7 @@ class Transport:
                 self._receive()  # replies that arrived before the connection closed still count
                 self._lost()
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._greet()
-                if self._was_connected:
-                    self._reregister()
+                self._handshake.connected(again=self._was_connected)
                 self._connected = self._was_connected = True
 
     def _lost(self) -> None:
@@ -476,43 +415,6 @@ class Transport:
                 del self._pending[call.rid]
         for call in gone:
             self._settle(call, exc=ConnectionLost(f"the daemon at {self.address} went away before replying"))
-
-    def _reregister(self) -> None:
-        """A new daemon knows none of our regions: register them again ahead of everything queued."""
-        for region in reversed(list(self.regions.values())):
-            rid = next(self._ids)
-            try:
-                fields = register_fields(self.address, region)
-            except EdgeServerError as exc:
-                log.warning(
-                    "could not re-register region %s after reconnecting: %s", region.name, exc.message
-                )
-                continue
-            frames = _wire.control_message(rid, "shm_register", **fields)
-            self._send_first(Call(rid, frames, _log_reregister, None, early=True))
-
-    def _greet(self) -> None:
-        """Ask the daemon just connected to for its message-size limit before sending any request."""
-        self.limit.learned(None)
-        rid = next(self._ids)
-        call = Call(rid, _wire.control_message(rid, "live"), daemon_limit, None, early=True, future=True)
-        self._greeting = call
-        assert call.future is not None
-        call.future.add_done_callback(partial(self._greeted, call))
-        self._send_first(call)
-
-    def _greeted(self, call: Call, future: Future[Any]) -> None:
-        # Runs where the future is settled: the leader's _receive or _lost, or close().
-        if call is not self._greeting:
-            return
-        self._greeting = None
-        exc = None if future.cancelled() else future.exception()
-        if future.cancelled() or exc is not None:
-            # Lost with the connection: the next handshake asks again.  An error reply: carry on
-            # with the client's own limit (the daemon still answers MESSAGE_TOO_LARGE itself).
-            log.debug("the daemon's message limit is unknown: %r", exc)
-            return
-        self.limit.learned(future.result())
 
     def _send_first(self, call: Call) -> None:
         with self._lock:
@@ -574,7 +476,3 @@ def _release_zmq(ctx: zmq.Context, sock: zmq.Socket, monitor: zmq.Socket, wake_f
 
 def _ignore(header: dict[str, Any], frames: list[Any]) -> None:
     return None
-
-
-def _log_reregister(header: dict[str, Any], frames: list[Any]) -> None:
-    log.info("re-registered shared-memory region %s after reconnecting", header.get("region"))

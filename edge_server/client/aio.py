@@ -32,8 +32,9 @@ from edge_server.client._common import (
     T,
     daemon_limit,
     dealer,
-    register_fields,
+    reply_header,
     reply_outcome,
+    reregistrations,
 )
 from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import Cancelled, ConnectionLost, EdgeServerError, ReplyTimeout
@@ -197,10 +198,8 @@ class AsyncClient(ClientBase):
     async def _read(self) -> None:
         while True:
             frames = await self._sock.recv_multipart(copy=False)
-            try:
-                header = protocol.unpack(frames[0])
-            except EdgeServerError as exc:
-                log.warning("ignoring a reply that is not protocol: %s", exc.message)
+            header = reply_header(frames)
+            if header is None:
                 continue
             rid = header.get("id")
             if not isinstance(rid, int):
@@ -250,17 +249,9 @@ class AsyncClient(ClientBase):
 
     async def _reregister(self) -> None:
         """A new daemon knows none of our regions: register them before anything else is sent."""
-        for region in self._regions.values():
-            try:
-                fields = register_fields(self.address, region)
-            except EdgeServerError as exc:
-                log.warning(
-                    "could not re-register region %s after reconnecting: %s", region.name, exc.message
-                )
-                continue
-            frames = _wire.control_message(next(self._ids), "shm_register", **fields)
+        for _, frames, name in reregistrations(self.address, self._regions.values(), self._ids):
             if not await self._try_send(frames):
-                log.warning("could not re-register region %s after reconnecting", region.name)
+                log.warning("could not re-register region %s after reconnecting", name)
 
     async def _greet(self, epoch: int) -> None:
         """Ask the daemon just connected to for its message-size limit, then let requests go."""

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from edge_server.client._call import Call, StreamCall
 from edge_server.client._common import ClientBase, Control, InferOptions, Request, Steps, T
-from edge_server.client._transport import Call, StreamCall, Transport
+from edge_server.client._transport import Transport
 from edge_server.client.shm import SharedMemoryRegion, ShmRing
 from edge_server.errors import EdgeServerError
 from edge_server.ipc import protocol

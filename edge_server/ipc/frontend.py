@@ -42,6 +42,7 @@ from edge_server.ipc.peers import Peer, PeerTable, same_connection
 from edge_server.ipc.wakeup import signal_eventfd
 from edge_server.limits import Connection, LimitOptions, Limits
 from edge_server.request import ResponseSink
+from edge_server.scheduler import inline
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -481,13 +482,13 @@ class IpcFrontend:
         request, ctx = handlers.decode_infer(header, frames, peer.registry)
         if request.correlation_id:
             request.owner = peer.uid  # the sequence belongs to this user (scheduler.sequence)
-        outcome = self._dataplane.dispatch(request)
-        if not isinstance(outcome, Future):  # it ran inline on this thread: answer now, nothing to track
+        future = self._dataplane.run_here(request, inline.FRONTEND)
+        if future.done():  # it ran on this thread: answer now (its error raises), nothing to track
             assert self._sock is not None
-            self._send(self._sock, identity, handlers.encode_result(ctx, outcome, self._pack), peer)
+            self._send(self._sock, identity, handlers.encode_result(ctx, future.result(), self._pack), peer)
             return
-        self._peers.track(peer, outcome)
-        outcome.add_done_callback(partial(self._infer_done, identity, ctx))
+        self._peers.track(peer, future)
+        future.add_done_callback(partial(self._infer_done, identity, ctx))
 
     def _stream(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
         self._admit(peer)

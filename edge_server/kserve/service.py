@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
 from edge_server.request import NO_PARAMETERS, InferRequest
+from edge_server.scheduler import inline
 from edge_server.shm import Lease
 from edge_server.status_index import ModelState
 from edge_server.validation import check_parameters
@@ -258,15 +258,12 @@ class KServeService:
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Run ``request``; a cheap model answers inline on the caller's (event loop) thread."""
-        outcome = self.dataplane.dispatch(request)
-        if isinstance(outcome, Future):
-            return await asyncio.wrap_future(outcome)
-        return outcome
+        future = self.dataplane.run_here(request, inline.FRONTEND)
+        return future.result() if future.done() else await asyncio.wrap_future(future)
 
     def infer_blocking(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Run ``request`` and wait for it in this thread (the gRPC frontend's worker threads)."""
-        outcome = self.dataplane.dispatch(request)
-        return outcome.result() if isinstance(outcome, Future) else outcome
+        return self.dataplane.run_here(request, inline.FRONTEND).result()
 
     # -- system shared memory -------------------------------------------------------------------
 

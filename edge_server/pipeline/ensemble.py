@@ -37,7 +37,8 @@ from edge_server.errors import Cancelled, EdgeServerError, ServerShuttingDown
 from edge_server.pipeline.decoupled import DecoupledWalk
 from edge_server.pipeline.graph import EnsembleGraph, Step, build_graph
 from edge_server.pipeline.steps import step_request
-from edge_server.request import BatchItem, ModelAccess, Result, Timing
+from edge_server.request import BatchItem, ModelAccess, Timing
+from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 from edge_server.scheduler.pool import wait_until_idle
 from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.stats import ModelStats
@@ -137,8 +138,19 @@ class EnsembleScheduler:
     # -- request side ---------------------------------------------------------------------------
 
     def submit(
-        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+        self,
+        item: BatchItem,
+        shape_key: Hashable,
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        budget: Budget = QUEUE_ONLY,
     ) -> Future[dict]:
+        """Start walking the graph; its first steps go out with the budget stated for this thread.
+
+        (The data plane stated ``budget`` for the time of a ``run_here``: the steps reach their models
+        through :class:`~edge_server.request.ModelAccess`, which submits with the thread's budget.)
+        """
         run = _Run(item, self._graph, priority, timeout_us, time.monotonic_ns())
         with self._lock:
             if not self._accepting:
@@ -151,11 +163,6 @@ class EnsembleScheduler:
         if admitted:
             self._start(run)
         return run.future
-
-    def dispatch(
-        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
-    ) -> Result | Future[dict]:
-        return self.submit(item, shape_key, priority=priority, timeout_us=timeout_us)
 
     def queue_size(self) -> int:
         with self._lock:
@@ -309,11 +316,11 @@ class EnsembleScheduler:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def close_intake(self) -> None:
+    def close_intake(self, *, finish_sequences: bool = False) -> None:
         with self._lock:
             self._accepting = False
 
-    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
+    def drain(self, deadline: float) -> bool:
         self.close_intake()
         return wait_until_idle(self._cond, lambda: bool(self._running or self._waiting), deadline)
 

@@ -1,40 +1,51 @@
-"""Whether a request may run in the caller's own thread: one policy object per model version.
+"""Whether a request may run in the caller's own thread: the caller's budget, and one policy per version.
 
-A model without dynamic batching whose executions are cheap (a moving average under
-``INLINE_BUDGET_NS``) runs a request in the caller's own thread when an instance is idle and nothing is
-queued: a thread hand-off costs more than such a model, and the caller would only wait for it anyway.
-The idle instance is lent for that one request; its worker does not touch it meanwhile.  The
-daemon's only model, when it has one instance, does so up to ``ALONE_INLINE_BUDGET_NS``: no other
-model's requests can wait behind it on a frontend thread, and its own would wait for the instance
-anyway, so it serves as a hand-written receive-run-reply loop does, without the two thread wake-ups
-(a tenth of a millisecond each on a loaded 2-core box) that a worker costs every request.
+Every caller of the data plane gets a future.  :meth:`DataPlane.submit` only queues;
+:meth:`DataPlane.run_here` may run the request in the caller's thread first, within a
+:class:`Budget` the caller states, and the future is then done when it returns.  The budgets:
 
-A request submitted from another scheduler's worker thread (a pipeline: an ensemble's next step,
-submitted from the done-callback of the step before it, or a BLS call from inside a Python model's
-``execute``) runs inline whenever an instance is idle and nothing is queued, whatever its cost, and
-with dynamic batching too: that thread is a pipeline's own, so blocking it stalls no frontend (the
-IPC frontend's thread is never a worker and keeps the budget), and handing the request to another
-thread would only make it wait for the answer.  A worker does this only while it is inside its own
-``execute`` (its instance is busy anyway), or, while it delivers a finished batch, when its own queue
-is empty (it holds no one up) and the callee cannot call models (a BLS model could need the very
-instance this worker would hold while running it: a deadlock no thread hand-off would have had).
-A detect-then-classify frame, whose steps all run inside the BLS model's ``execute``, thus walks
-them in one thread while their instances are free, and hands off only where a step is busy: there
-it queues, and batches with what else is queued.
+* :data:`QUEUE_ONLY`: nothing runs here (``submit``).
+* :data:`FRONTEND`: a frontend's thread (the IPC thread, KServe's event loop and gRPC workers, the
+  in-process ``Server.infer``), and any thread whose owner stated nothing: a model without dynamic
+  batching whose executions are cheap (a moving average under ``INLINE_BUDGET_NS``) runs here when an
+  instance is idle and nothing is queued: a thread hand-off costs more than such a model, and the
+  caller would only wait for it anyway.  The daemon's only model, when it has one instance, does so up
+  to ``SOLE_VERSION_INLINE_BUDGET_NS``: no other model's requests can wait behind it on a frontend thread,
+  and its own would wait for the instance anyway, so it serves as a hand-written receive-run-reply
+  loop does, without the two thread wake-ups (a tenth of a millisecond each on a loaded 2-core box)
+  that a worker costs every request.
+* :data:`IN_EXECUTE`: an instance's worker inside its own ``execute`` (a BLS call): any request, whatever
+  its cost and with dynamic batching too: its instance is busy anyway, so blocking the thread stalls no
+  frontend, and handing the request to another thread would only make it wait for the answer.
+* :func:`delivering`: an instance's worker delivering a finished batch (an ensemble's next step,
+  submitted from the done-callback of the step before it): the same, but only while its own queue is
+  empty (it holds no one up) and for callees that cannot call models (a BLS model could need the very
+  instance this worker would hold while running it: a deadlock no thread hand-off would have had).
 
-The policy keeps the cost estimate (a moving average of one request's execution and of its input
-bytes), the budget (``INLINE_BUDGET_NS``, or ``ALONE_INLINE_BUDGET_NS`` for the daemon's only model
-with one instance) and which callers qualify; the scheduler asks it, and lends an idle instance from
-its pool when it says yes.
+A detect-then-classify frame, whose steps all run inside the BLS model's ``execute``, thus walks them in
+one thread while their instances are free, and hands off only where a step is busy: there it queues,
+and batches with what else is queued.
+
+A call made while a request runs here (a BLS call inside the lent instance's ``execute``, the steps of
+an ensemble walked from this thread) is made with the budget stated for this thread: the data plane
+states the caller's for the time of a ``run_here`` (:func:`state`), an instance's worker states
+:func:`delivering` for its life and :data:`IN_EXECUTE` around each execute, and the access that
+pipelines and BLS calls receive reads it (:func:`current`).  It is kept per thread, never copied to
+another thread (a Python model's asyncio loop states nothing: FRONTEND).
+
+The :class:`InlinePolicy` of a model version keeps the cost estimate (a moving average of one request's
+execution and of its input bytes), the model's budget (``INLINE_BUDGET_NS``, or
+``SOLE_VERSION_INLINE_BUDGET_NS`` for the daemon's only model with one instance) and answers, for a caller's
+budget, whether the request may run there; the scheduler lends it an idle instance when it says yes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from edge_server.backends.base import Backend, BatchItem
-from edge_server.scheduler.pool import Worker
 
 # A request runs in the caller's thread only for models whose executions average less than this:
 # about what two thread hand-offs cost in CPython, and short enough not to stall an IPC frontend.
@@ -42,7 +53,7 @@ INLINE_BUDGET_NS = 100_000
 # The daemon's only model (one instance) may hold the caller's thread longer: a frame period at 50 fps,
 # the longest that control requests (status, health over IPC, shared-memory registration) wait
 # behind it; beyond it the two wake-ups saved are under 2% of the run.
-ALONE_INLINE_BUDGET_NS = 20_000_000
+SOLE_VERSION_INLINE_BUDGET_NS = 20_000_000
 # ... and only for requests not much larger than those the average was measured on: a request far
 # larger than usual (a 4K frame to a model measured on thumbnails) could hold a frontend thread, and
 # every other client and model behind it, for its whole execution.  It goes to a worker instead.
@@ -58,17 +69,47 @@ def _input_bytes(item: BatchItem) -> int:
     return total
 
 
-def _pipeline_caller(callee_calls_models: bool) -> bool:
-    """Whether this thread is a worker free to run another model's request (see the module doc)."""
-    caller = threading.current_thread()
-    if type(caller) is not Worker:
-        return False
-    if caller.executing:  # its instance is busy anyway: running the callee here holds nothing more
-        return True
-    # Delivering a finished batch: its instance is free, but would stay held while the callee runs
-    # here.  A callee that may call models (a BLS model) could need that very instance (A's step
-    # done -> B inline -> B calls A) and wait for it forever: it goes to its own worker instead.
-    return not callee_calls_models and not caller.pool.waiting()  # a benign race: a hint only
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Budget:
+    """What a caller lets a request cost in its own thread (see the module doc)."""
+
+    name: str
+    #: the thread is an instance's worker (IN_EXECUTE, delivering): a pipeline's own thread
+    on_worker: bool = False
+    #: delivering: how many requests wait for the worker's own instance (it lends itself only when none)
+    own_queue: Callable[[], int] | None = None
+
+
+#: Nothing runs in the caller's thread: :meth:`DataPlane.submit`.
+QUEUE_ONLY = Budget("queue only")
+#: A frontend's thread: cheap models only, up to the model's budget.
+FRONTEND = Budget("frontend")
+#: An instance's worker inside its own execute: any model that allows inline execution.
+IN_EXECUTE = Budget("inside an execute", on_worker=True)
+
+
+def delivering(own_queue: Callable[[], int]) -> Budget:
+    """The budget of a worker delivering a finished batch; ``own_queue``: its batcher's waiting count."""
+    return Budget("delivering a batch", on_worker=True, own_queue=own_queue)
+
+
+class _Stated(threading.local):
+    budget: Budget = FRONTEND  # a thread whose owner stated nothing: a frontend's rule
+
+
+_STATED = _Stated()
+
+
+def current() -> Budget:
+    """The budget stated for this thread (FRONTEND where nothing was stated)."""
+    return _STATED.budget
+
+
+def state(budget: Budget) -> Budget:
+    """State ``budget`` for this thread (calls made from it inherit it); returns the one to restore."""
+    outer = _STATED.budget
+    _STATED.budget = budget
+    return outer
 
 
 class InlinePolicy:
@@ -82,30 +123,32 @@ class InlinePolicy:
         # preserve_ordering: an inline answer could overtake a batch running on another instance.
         self._pipeline = not preserve_ordering and all(backend.allows_inline for backend in backends)
         self._calls_models = any(backend.calls_models for backend in backends)
-        self._budget_ns = INLINE_BUDGET_NS  # ALONE_INLINE_BUDGET_NS while the daemon's only model
+        self._budget_ns = INLINE_BUDGET_NS  # SOLE_VERSION_INLINE_BUDGET_NS while the daemon's only model
         self._compute_ema_ns = float("inf")  # moving average of one request's execution
         self._bytes_ema = 0.0  # moving average of the input bytes of the requests measured
 
-    def caller(self, item: BatchItem) -> tuple[bool, int]:
-        """(whether the calling thread is a pipeline's worker, the request's input bytes), lock-free."""
-        pipeline = self._pipeline and _pipeline_caller(self._calls_models)
-        return pipeline, (_input_bytes(item) if self._capable and not pipeline else 0)
+    def pays(self, budget: Budget, item: BatchItem) -> bool:
+        """Whether ``item`` may run in a thread with ``budget``, if an instance is idle and none queued.
 
-    def pays(self, nbytes: int, pipeline: bool) -> bool:
-        """Whether the request may run in the caller's thread, if an instance is idle and none queued.
-
-        ``pipeline``: the caller is another scheduler's worker, which may run any request inline.
+        Lock-free: the estimates it reads are hints (a benign race).
         """
-        if pipeline:
-            return self._pipeline
-        if not self._capable or self._compute_ema_ns >= self._budget_ns:
+        if budget is FRONTEND:
+            if not self._capable or self._compute_ema_ns >= self._budget_ns:
+                return False
+            # Out of line with what was measured: a worker runs it (and measures it).
+            return _input_bytes(item) <= INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK
+        if not budget.on_worker or not self._pipeline:
             return False
-        # Out of line with what was measured: a worker runs it (and measures it).
-        return nbytes <= INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK
+        if budget.own_queue is None:  # inside an execute: its instance is busy anyway
+            return True
+        # Delivering a finished batch: its instance is free, but would stay held while the callee runs
+        # here.  A callee that may call models (a BLS model) could need that very instance (A's step
+        # done -> B here -> B calls A) and wait for it forever: it goes to its own worker instead.
+        return not self._calls_models and not budget.own_queue()
 
     def set_sole_version(self, sole: bool) -> None:
         """Whether this is the daemon's only model version, with one instance (the longer budget)."""
-        self._budget_ns = ALONE_INLINE_BUDGET_NS if sole else INLINE_BUDGET_NS
+        self._budget_ns = SOLE_VERSION_INLINE_BUDGET_NS if sole else INLINE_BUDGET_NS
 
     def observe(self, spent_ns: int, item: BatchItem) -> None:
         """Fold one single-request execution into the estimates that decide inline execution."""

@@ -11,20 +11,26 @@ from collections.abc import Hashable
 from concurrent.futures import Future
 from typing import Protocol
 
-from edge_server.request import BatchItem, Result
+from edge_server.request import BatchItem
+from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 
 
 class RequestScheduler(Protocol):
     def submit(
-        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+        self,
+        item: BatchItem,
+        shape_key: Hashable,
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        budget: Budget = QUEUE_ONLY,
     ) -> Future[dict]:
-        """Queue a validated request; the future gets its outputs or its error."""
-        ...
+        """Queue a validated request; the future gets its outputs or its error.
 
-    def dispatch(
-        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
-    ) -> Result | Future[dict]:
-        """:meth:`submit`, or the result itself when the request ran in the caller's thread."""
+        ``budget``: what the caller lets the request cost in its own thread (:mod:`.inline`); where the
+        model's :class:`~edge_server.scheduler.inline.InlinePolicy` says it pays, the request runs
+        here and the future is done on return.
+        """
         ...
 
     def queue_size(self) -> int: ...
@@ -33,16 +39,19 @@ class RequestScheduler(Protocol):
         """Told on every change of what is served: whether this is the daemon's only model version."""
         ...
 
-    def close_intake(self) -> None:
-        """Take no new requests (``SchedulerClosed``); what is queued still runs."""
+    def close_intake(self, *, finish_sequences: bool = False) -> None:
+        """Take no new requests (``SchedulerClosed``); what is queued still runs.
+
+        ``finish_sequences`` (a reload with a successor, where the data plane still routes the live
+        sequences' requests here): a sequence batcher's :meth:`drain` also waits for its live sequences
+        to end or idle out; the others ignore it.
+        """
         ...
 
-    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
-        """Close intake and wait until ``deadline`` (monotonic) for queued and running requests.
+    def drain(self, deadline: float) -> bool:
+        """Close intake and wait until ``deadline`` (monotonic) for what it accepted to finish.
 
-        ``finish_sequences`` (a reload with a successor): a sequence batcher also waits for its live
-        sequences to end or idle out; the others ignore it.  Every drain waits through
-        :func:`edge_server.scheduler.pool.wait_until_idle`.
+        Every drain waits through :func:`edge_server.scheduler.pool.wait_until_idle`.
         """
         ...
 

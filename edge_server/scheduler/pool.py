@@ -34,6 +34,7 @@ from typing import Generic, Protocol, TypeVar
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig, seconds_parameter
 from edge_server.errors import EdgeServerError, InstanceFailed, ModelExecutionError
+from edge_server.scheduler import inline
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +80,7 @@ class Batcher(Protocol[W]):
 
 
 class Worker(threading.Thread):
-    """An instance's worker thread: requests submitted from it may run inline (see the scheduler)."""
-
-    def __init__(self, pool: InstancePool[W], index: int, name: str) -> None:
-        super().__init__(target=pool._work, args=(index,), name=name, daemon=True)
-        self.pool = pool
-        self.executing = False  # inside its own backend's execute: its instance is busy anyway
+    """An instance's worker thread, named in the OS too (``top -H``)."""
 
     def run(self) -> None:
         _name_os_thread(self.name)
@@ -152,7 +148,10 @@ class InstancePool(Generic[W]):
         self._busy_ns: collections.defaultdict[Backend, int] = collections.defaultdict(int)
         for _, backend in instances:
             backend.watch(functools.partial(self.lost, backend))
-        self._threads = [Worker(self, index, f"edge-{name}") for index, (name, _) in enumerate(instances)]
+        self._threads = [
+            Worker(target=self._work, args=(index,), name=f"edge-{name}", daemon=True)
+            for index, (name, _) in enumerate(instances)
+        ]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -169,9 +168,6 @@ class InstancePool(Generic[W]):
 
     def names(self) -> list[str]:
         return [name for name, _ in self._instances]
-
-    def waiting(self) -> int:
-        return self._batcher.waiting()
 
     def workers_alive(self) -> int:
         """How many worker threads still run (after :meth:`stop`: those stuck in user code)."""
@@ -201,12 +197,13 @@ class InstancePool(Generic[W]):
     def execute(self, backend: Backend, items: Sequence[BatchItem], timing: Timing) -> list[Result]:
         """One result per item on ``backend``; a failure of the whole batch becomes every item's error.
 
-        :class:`InstanceFailed` also takes the instance out of service.  Counts its busy time.
+        :class:`InstanceFailed` also takes the instance out of service.  Counts its busy time.  On a
+        worker (its own, or one that runs another model's request inline), the calls its backend makes
+        meanwhile (BLS) may run in this thread: its instance is busy anyway (:data:`inline.IN_EXECUTE`).
         """
-        caller = threading.current_thread()
-        worker = type(caller) is Worker
-        if worker:
-            was, caller.executing = caller.executing, True  # type: ignore[attr-defined]
+        outer = inline.current()
+        if outer.on_worker:
+            inline.state(inline.IN_EXECUTE)
         start = time.monotonic_ns()
         try:
             results = backend.execute(items, timing)
@@ -225,10 +222,12 @@ class InstancePool(Generic[W]):
             return [ModelExecutionError(f"model {self.model!r} failed: {exc!r}")] * len(items)
         finally:
             self._busy_ns[backend] += time.monotonic_ns() - start
-            if worker:
-                caller.executing = was  # type: ignore[attr-defined]
+            if outer.on_worker:
+                inline.state(outer)
 
     def _work(self, index: int) -> None:
+        # What this thread lets others' requests cost while it delivers (an ensemble's next step).
+        inline.state(inline.delivering(self._batcher.waiting))
         backend = self._instances[index][1]
         while True:
             try:

@@ -6,8 +6,9 @@ one future on its way out.  Because only idle instances form batches, a freed in
 largest batch the queue holds at that moment, as Triton's dynamic batcher does.
 
 Whether a request runs in the caller's own thread instead (a cheap model, the daemon's only model, a
-pipeline's next step) is decided by one :class:`~edge_server.scheduler.inline.InlinePolicy`; this
-scheduler lends it an idle instance from the pool when it says yes.
+pipeline's next step) is decided by one :class:`~edge_server.scheduler.inline.InlinePolicy`, for the
+budget the caller states (:meth:`ModelScheduler.submit`); this scheduler lends it an idle instance from
+the pool when it says yes.
 
 The instances, their workers, restarts after a fault, busy time and the stop belong to the
 :class:`~edge_server.scheduler.pool.InstancePool` that the sequence batcher uses too; this module keeps
@@ -40,8 +41,10 @@ from edge_server.errors import (
     Unavailable,
 )
 from edge_server.scheduler.inline import (  # noqa: F401  (re-exported: tests and benchmarks read them)
-    ALONE_INLINE_BUDGET_NS,
     INLINE_BUDGET_NS,
+    QUEUE_ONLY,
+    SOLE_VERSION_INLINE_BUDGET_NS,
+    Budget,
     InlinePolicy,
 )
 from edge_server.scheduler.policy import BatchSettings, next_batch
@@ -140,38 +143,30 @@ class ModelScheduler:
     # -- request side ---------------------------------------------------------------------------
 
     def submit(
-        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+        self,
+        item: BatchItem,
+        shape_key: Hashable,
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        budget: Budget = QUEUE_ONLY,
     ) -> Future[dict]:
-        """Queue a validated request; the future gets its outputs or its error."""
-        outcome = self.dispatch(item, shape_key, priority=priority, timeout_us=timeout_us)
-        if isinstance(outcome, Future):
-            return outcome
-        future: Future[dict] = Future()
-        if isinstance(outcome, Exception):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-        return future
+        """Queue a validated request, or run it now in this thread where ``budget`` allows it.
 
-    def dispatch(
-        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
-    ) -> Result | Future[dict]:
-        """Run the request now in this thread if that pays (see the module doc), else queue it.
-
-        Returns the result (outputs or error) when it ran here, or the future of the queued request: a
-        frontend that answers inline results at once saves a future per request.
+        The model's :class:`InlinePolicy` answers for ``budget`` (see the module doc); a request it
+        lets run here gets an idle instance lent, and its future is done when this returns.
         """
         level = self._level(priority) if priority or self._levels else 1
         now = time.monotonic_ns()
-        pipeline, nbytes = self._inline.caller(item)
+        here = budget is not QUEUE_ONLY and self._inline.pays(budget, item)
+        future: Future[dict] = Future()
         with self._lock:
             if not self._accepting:
                 raise SchedulerClosed(f"model {self._config.name!r} is unloading")
             if self._pool.unavailable:
                 raise Unavailable(self._pool.unavailable)
-            lent = None if self._queue.size or not self._inline.pays(nbytes, pipeline) else self._pool.lend()
+            lent = self._pool.lend() if here and not self._queue.size else None
             if lent is None:
-                future: Future[dict] = Future()
                 self._queue.push(self._queued(item, shape_key, level, now, future, timeout_us))
                 # Every waiter: one woken at random may be a worker whose instance is lent out, or one
                 # waiting for its turn to deliver (preserve_ordering), and could not take the request.
@@ -186,7 +181,11 @@ class ModelScheduler:
                 self._in_flight -= 1
                 if self._queue.size or not self._accepting:
                     self._cond.notify_all()  # the instance's worker may be waiting for it
-        return result
+        if isinstance(result, Exception):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+        return future
 
     def _queued(
         self,
@@ -241,16 +240,16 @@ class ModelScheduler:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def close_intake(self) -> None:
+    def close_intake(self, *, finish_sequences: bool = False) -> None:
         """Take no new requests; queued ones are sent without waiting for a batching delay."""
         with self._lock:
             self._accepting = False
             self._cond.notify_all()
 
-    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
+    def drain(self, deadline: float) -> bool:
         """Close intake and wait, until ``deadline`` (monotonic), for queued and running requests.
 
-        Returns False if the deadline passed first.  (``finish_sequences``: the sequence batcher's.)
+        Returns False if the deadline passed first.
         """
         self.close_intake()
         return self._pool.drain(deadline, lambda: bool(len(self._queue) or self._in_flight))

@@ -17,7 +17,8 @@ different streams batch together, one request of each per batch.  Two strategies
 
 A sequence with nothing queued or running for ``max_sequence_idle_microseconds`` is released (its
 slot and state freed); its next request is an error, as in Triton.  A sequence also ends after its
-END request ran.
+END request ran.  A START on a live correlation id ends that sequence early and starts it again in its
+place, as Triton does: the requests it already queued run first, the START with fresh state.
 
 Next to strangers (beyond Triton, whose correlation ids are global): a sequence belongs to the owner
 of its START request (``BatchItem.owner``: the client's uid, which the frontend learned from the
@@ -30,7 +31,9 @@ that keeps every slot busy cannot make another's start wait without end.
 
 The instances, their workers, restarts after a fault (an isolated model's process that died), busy
 time and the stop belong to the :class:`~edge_server.scheduler.pool.InstancePool` the dynamic batcher
-uses too; this module forms a batch from the sequences (:meth:`SequenceScheduler.form`) and runs and
+uses too; which sequences are live and where they sit (slots, candidate places, the backlog, idle
+release) belongs to the :class:`~edge_server.scheduler.sequence_table.SequenceTable`.  This module
+takes requests in, forms a batch from the sequences (:meth:`SequenceScheduler.form`), and runs and
 delivers it (:meth:`SequenceScheduler.run`).
 
 Lock order: one lock (the pool's); backends run and futures complete outside it.  A sequence is ``busy`` while
@@ -40,12 +43,10 @@ consistent: the state is written back before ``busy`` is cleared.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,6 @@ from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig
 from edge_server.errors import (
     Cancelled,
-    InvalidArgument,
     ModelExecutionError,
     QueueFull,
     RequestTimeout,
@@ -62,45 +62,19 @@ from edge_server.errors import (
     shorten,
 )
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, Rescheduled
+from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
 from edge_server.scheduler.scheduler import SchedulerClosed
-from edge_server.scheduler.sequence_tensors import SequenceTensors, State
+from edge_server.scheduler.sequence_table import Sequence, SequenceRequest, SequenceTable
+from edge_server.scheduler.sequence_tensors import SequenceTensors
 from edge_server.scheduler.stats import ModelStats
 
 log = logging.getLogger(__name__)
 
-_EXPIRED_REMEMBERED = 4096  # correlation ids of idled-out sequences kept for a precise error
 #: Live sequences one version holds at most (each holds its state): a client that starts sequences
 #: without end cannot grow the daemon without bound before they idle out.
 MAX_SEQUENCES = 16384
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    item: BatchItem
-    shape_key: Hashable
-    future: Future[dict]
-    enqueue_ns: int
-    rescheduled: bool = False  # the model released it with RESCHEDULE: its future is already running
-
-    @property
-    def batch_size(self) -> int:
-        return 1
-
-
-@dataclass(eq=False)
-class _Sequence:
-    corrid: int | str
-    last_ns: int
-    owner: int | None = None
-    backlog_until_ns: int = 0  # in the backlog: when its wait for a slot ends with QUEUE_FULL
-    pending: collections.deque[_Request] = field(default_factory=collections.deque)
-    busy: bool = False
-    ending: bool = False  # END was submitted: no more requests
-    admitted: bool = False  # holds a slot (direct) or a candidate place (oldest)
-    slot: tuple[int, int] | None = None  # direct: (instance, row)
-    state: State | None = None
 
 
 class _Head:
@@ -108,7 +82,7 @@ class _Head:
 
     __slots__ = ("seq", "shape_key", "enqueue_ns", "batch_size")
 
-    def __init__(self, seq: _Sequence, shape_key: Hashable) -> None:
+    def __init__(self, seq: Sequence, shape_key: Hashable) -> None:
         self.seq = seq
         self.shape_key = shape_key
         self.enqueue_ns = seq.pending[0].enqueue_ns
@@ -116,7 +90,7 @@ class _Head:
 
 
 # A batch as taken from the queues: per row, the sequence and its request (None: a filler row).
-_Row = tuple[_Sequence | None, _Request | None]
+_Row = tuple[Sequence | None, SequenceRequest | None]
 
 
 class SequenceScheduler:
@@ -147,34 +121,43 @@ class SequenceScheduler:
             preferred_batch_sizes=frozenset(seq.preferred_batch_size),
             max_queue_delay_ns=self._delay_ns,
         )
-        self._max_candidates = seq.max_candidate_sequences
-        self._max_sequences = MAX_SEQUENCES
         self._pool: InstancePool[list[_Row]] = InstancePool(
             config.name, instances, self, restart=restart, backoff_s=restart_backoff(config)
         )
         self._lock = self._pool.lock
         self._cond = self._pool.cond
-        # sequences that take requests (END not yet sent), by (owner, correlation id)
-        self._live: dict[tuple[int | None, int | str], _Sequence] = {}
-        self._refused: list[_Request] = []  # backlogged past their bound: failed outside the lock
-        self._held: set[_Sequence] = set()  # every sequence not yet released (live or ending)
-        self._expired: collections.OrderedDict[tuple[int | None, int | str], None] = collections.OrderedDict()
-        self._backlog: collections.deque[_Sequence] = collections.deque()
-        self._candidates: list[_Sequence] = []  # oldest: admitted sequences, in admission order
-        self._slots: list[list[_Sequence | None]] = [[None] * self._slots_per_instance for _ in instances]
+        self._table = SequenceTable(
+            config.name,
+            direct=self._direct,
+            instances=len(instances),
+            slots_per_instance=self._slots_per_instance,
+            max_candidates=seq.max_candidate_sequences,
+            idle_ns=self._idle_ns,
+            max_sequences=MAX_SEQUENCES,
+        )
+        self._refused: list[SequenceRequest] = []  # backlogged past their bound: failed outside the lock
         self._queued = 0
         self._in_flight = 0
         self._accepting = True
-        self._counts = {"started": 0, "ended": 0, "expired": 0}
+        self._finish_sequences = False  # the drain waits for live sequences too (close_intake)
         stats.sequence_stats = self.sequence_stats
         self._pool.start()
 
     # -- request side ---------------------------------------------------------------------------
 
     def submit(
-        self, item: BatchItem, shape_key: Hashable, *, priority: int = 0, timeout_us: int | None = None
+        self,
+        item: BatchItem,
+        shape_key: Hashable,
+        *,
+        priority: int = 0,
+        timeout_us: int | None = None,
+        budget: Budget = QUEUE_ONLY,
     ) -> Future[dict]:
-        """Queue a request behind the earlier ones of its sequence; errors for a wrong sequence raise."""
+        """Queue a request behind the earlier ones of its sequence; errors for a wrong sequence raise.
+
+        Never in the caller's thread, whatever its ``budget``: a sequence's requests run on its slots.
+        """
         corrid = item.correlation_id
         key = (item.owner, corrid)
         start = bool(item.flags & REQUEST_FLAG_SEQUENCE_START)
@@ -186,56 +169,31 @@ class SequenceScheduler:
                 raise SchedulerClosed(f"model {self._name!r} was unloaded")
             if self._pool.unavailable:
                 raise Unavailable(self._pool.unavailable)
-            seq = self._live.get(key)
-            if start:
-                if seq is not None:
-                    raise InvalidArgument(
-                        f"model {self._name!r}: sequence {corrid!r} is already in progress; end it "
-                        "(sequence_end) before starting it again"
-                    )
+            table = self._table
+            seq = table.live.get(key)
+            restarts = start and seq is not None
+            if start and seq is not None:
+                # Triton's rule: a START on a live id ends that sequence early and starts it again in
+                # its place (slot or backlog): what it queued runs first, this request with fresh state.
+                table.restart(seq)
+            elif start:
                 if not self._accepting:
                     raise SchedulerClosed(f"model {self._name!r} is being replaced or unloaded")
-                if len(self._held) >= self._max_sequences:
-                    raise QueueFull(
-                        f"model {self._name!r} has {len(self._held)} live sequences, the most it keeps; "
-                        "end sequences (sequence_end) or let them idle out before starting more"
-                    )
-                seq = _Sequence(corrid, now, item.owner, state=self._tensors.initial_state())
-                self._live[key] = seq
-                self._held.add(seq)
-                self._expired.pop(key, None)
-                self._counts["started"] += 1
-                self._admit(seq, now, timeout_us or item.timeout_us)
+                seq = table.start(key, now, self._tensors.initial_state(), timeout_us or item.timeout_us)
             elif seq is None:
-                raise self._unknown(key)
+                raise table.unknown(key)
+            assert seq is not None
             if end:
-                del self._live[key]
-                seq.ending = True
-            seq.pending.append(_Request(item, shape_key, future, now))
+                table.end(key, seq)
+            seq.pending.append(SequenceRequest(item, shape_key, future, now, restarts=restarts))
             seq.last_ns = now
             self._queued += 1
             self._cond.notify_all()
         return future
 
-    dispatch = submit  # a sequence request never runs in the caller's thread
-
-    def _unknown(self, key: tuple[int | None, int | str]) -> InvalidArgument:
-        corrid = key[1]
-        if key in self._expired:
-            return InvalidArgument(
-                f"model {self._name!r}: sequence {corrid!r} was released after being idle for more than "
-                f"{self._idle_ns // 1000} us (max_sequence_idle_microseconds); start it again with "
-                "sequence_start"
-            )
-        return InvalidArgument(
-            f"model {self._name!r}: sequence {shorten(corrid)} is not in progress (never started, already "
-            "ended, idled out, or refused for want of a slot); the first request of a sequence must set "
-            "sequence_start, and a sequence takes requests only from the user who started it"
-        )
-
     def holds(self, corrid: int | str, owner: int | None = None) -> bool:
         """Whether ``owner``'s ``corrid`` is a live sequence here (a reload lets it finish here)."""
-        return (owner, corrid) in self._live
+        return (owner, corrid) in self._table.live
 
     def queue_size(self) -> int:
         with self._lock:
@@ -259,109 +217,13 @@ class SequenceScheduler:
     def sequence_stats(self) -> dict[str, Any]:
         """Sequence counts and slot occupancy for the statistics."""
         with self._lock:
-            out: dict[str, Any] = {
-                "strategy": "direct" if self._direct else "oldest",
-                "active": len(self._held),
-                "backlog": len(self._backlog),
-                **self._counts,
-            }
-            if self._direct:
-                out["slots"] = [
-                    {"instance": name, "total": len(slots), "occupied": sum(s is not None for s in slots)}
-                    for name, slots in zip(self._pool.names(), self._slots, strict=True)
-                ]
-            else:
-                out["candidates"] = len(self._candidates)
-            return out
+            return self._table.stats(self._pool.names())
 
-    # -- admission and release (lock held) -------------------------------------------------------
+    # -- releasing sequences (lock held) ---------------------------------------------------------
 
-    def _admit(self, seq: _Sequence, now: int = 0, timeout_us: int | None = None) -> None:
-        """Give ``seq`` a slot (direct) or a candidate place (oldest), or put it in the backlog.
-
-        In the backlog it waits at most ``timeout_us`` (its START request's), else the idle limit.
-        """
-        if self._direct:
-            # Row by row across the instances, so that sequences spread over every instance first.
-            for row in range(self._slots_per_instance):
-                for instance, slots in enumerate(self._slots):
-                    if slots[row] is None:
-                        slots[row] = seq
-                        seq.slot = (instance, row)
-                        seq.admitted = True
-                        return
-        elif not self._max_candidates or len(self._candidates) < self._max_candidates:
-            self._candidates.append(seq)
-            seq.admitted = True
-            return
-        if not seq.backlog_until_ns:
-            bound_ns = timeout_us * 1000 if timeout_us else self._idle_ns
-            seq.backlog_until_ns = (now or time.monotonic_ns()) + bound_ns
-        self._backlog.append(seq)
-
-    def _release(self, seq: _Sequence, *, expired: bool) -> None:
-        self._held.discard(seq)
-        key = (seq.owner, seq.corrid)
-        if self._live.get(key) is seq:
-            del self._live[key]
-        if expired:
-            self._counts["expired"] += 1
-            self._expired[key] = None
-            while len(self._expired) > _EXPIRED_REMEMBERED:
-                self._expired.popitem(last=False)
-        else:
-            self._counts["ended"] += 1
-        seq.state = None
-        if not seq.admitted:
-            self._backlog.remove(seq)
-            return
-        if seq.slot is not None:
-            instance, row = seq.slot
-            self._slots[instance][row] = None
-        else:
-            self._candidates.remove(seq)
-        seq.admitted = False
-        if self._backlog:
-            self._admit(self._backlog.popleft())
+    def _release(self, seq: Sequence, *, expired: bool) -> None:
+        self._table.release(seq, expired=expired)
         self._cond.notify_all()
-
-    def _reap(self, now: int) -> int:
-        """Release sequences idle for too long and refuse those backlogged past their bound.
-
-        Returns ns until the next one could be (0: none).
-        """
-        soonest = 0
-        for seq in list(self._backlog):
-            left = seq.backlog_until_ns - now
-            if left <= 0:
-                self._refuse(seq)
-            else:
-                soonest = left if not soonest else min(soonest, left)
-        for seq in list(self._held):
-            if seq.busy or seq.pending:
-                continue
-            idle = now - seq.last_ns
-            if idle >= self._idle_ns:
-                log.info("%s: sequence %r idle for %d us; released", self._name, seq.corrid, idle // 1000)
-                self._release(seq, expired=True)
-            else:
-                left = self._idle_ns - idle
-                soonest = left if not soonest else min(soonest, left)
-        return soonest
-
-    def _refuse(self, seq: _Sequence) -> None:
-        """A backlogged sequence waited its bound for a slot: release it, fail its requests (later)."""
-        self._held.discard(seq)
-        key = (seq.owner, seq.corrid)
-        if self._live.get(key) is seq:
-            del self._live[key]
-        self._backlog.remove(seq)
-        self._queued -= len(seq.pending)
-        self._refused.extend(seq.pending)
-        seq.pending.clear()
-        seq.state = None
-        self._cond.notify_all()  # a drain waiting for the queue to empty
-        log.warning("%s: sequence %r found no free slot in time; refused", self._name, shorten(seq.corrid))
 
     def _fail_refused(self) -> None:
         """Answer the requests of refused sequences (called with the lock held; completes outside it)."""
@@ -384,21 +246,26 @@ class SequenceScheduler:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def close_intake(self) -> None:
-        """Start no new sequences; live ones go on until they end or idle out."""
+    def close_intake(self, *, finish_sequences: bool = False) -> None:
+        """Start no new sequences; live ones go on until they end or idle out.
+
+        ``finish_sequences`` (a reload, where the data plane keeps routing their requests here): the
+        drain also waits for every live sequence to end or idle out.
+        """
         with self._lock:
             self._accepting = False
+            self._finish_sequences = self._finish_sequences or finish_sequences
             self._cond.notify_all()
 
-    def drain(self, deadline: float, *, finish_sequences: bool = False) -> bool:
+    def drain(self, deadline: float) -> bool:
         """Close intake and wait, until ``deadline`` (monotonic), for queued and running requests.
 
-        ``finish_sequences``: also wait for every live sequence to end or idle out (a reload, where
-        the data plane keeps routing their requests here).  Returns False if the deadline passed first.
+        Returns False if the deadline passed first.
         """
         self.close_intake()
         return self._pool.drain(
-            deadline, lambda: bool(self._queued or self._in_flight or (finish_sequences and self._held))
+            deadline,
+            lambda: bool(self._queued or self._in_flight or (self._finish_sequences and self._table.held)),
         )
 
     def stop(self, grace: float = 2.0) -> None:
@@ -407,24 +274,24 @@ class SequenceScheduler:
             self._accepting = False
             self._pool.mark_stopping()
             leftover = self._take_all_pending()
-            for seq in list(self._held):  # a busy one's worker finds it released when its batch ends
-                self._release(seq, expired=False)
-            self._backlog.clear()
+            for seq in list(self._table.held):  # a busy one's worker finds it released when its batch ends
+                self._table.release(seq, expired=False)
+            self._table.backlog.clear()
             self._cond.notify_all()
         self._fail(leftover, ServerShuttingDown(f"model {self._name!r} was unloaded before the request ran"))
         self._pool.stop(grace)
 
-    def _take_all_pending(self) -> list[_Request]:
+    def _take_all_pending(self) -> list[SequenceRequest]:
         """Every queued request, taken off its sequence, and those refused a slot (lock held)."""
-        leftover = [r for seq in self._held for r in seq.pending] + self._refused
+        leftover = [r for seq in self._table.held for r in seq.pending] + self._refused
         self._refused = []
-        for seq in self._held:
+        for seq in self._table.held:
             seq.pending.clear()
         self._queued = 0
         return leftover
 
     @staticmethod
-    def _fail(requests: list[_Request], error: Exception) -> None:
+    def _fail(requests: list[SequenceRequest], error: Exception) -> None:
         for request in requests:
             if request.rescheduled or request.future.set_running_or_notify_cancel():
                 request.future.set_exception(error)
@@ -444,7 +311,11 @@ class SequenceScheduler:
     def form(self, index: int) -> tuple[list[_Row] | None, float | None]:
         """Rows for instance ``index`` (its slots, or the oldest sequences), or how long to wait."""
         now = time.monotonic_ns()
-        reap_ns = self._reap(now)
+        reap_ns, refused = self._table.reap(now)
+        if refused:
+            self._queued -= len(refused)
+            self._refused += refused
+            self._cond.notify_all()  # a drain waiting for the queue to empty
         if self._refused:
             self._fail_refused()  # lets go of the lock while it answers: look again afterwards
             return None, 0.0
@@ -460,10 +331,10 @@ class SequenceScheduler:
         waits = [w for w in (wait_ns, reap_ns) if w]
         return None, (min(waits) / 1e9 if waits else None)
 
-    def _ready(self, candidates: list[_Sequence]) -> list[_Sequence]:
+    def _ready(self, candidates: list[Sequence]) -> list[Sequence]:
         return [s for s in candidates if s.pending and not s.busy]
 
-    def _key(self, seq: _Sequence) -> Hashable:
+    def _key(self, seq: Sequence) -> Hashable:
         """What rows must share to be stacked: the head's input shapes, and a growing state's shapes."""
         key = seq.pending[0].shape_key
         if self._tensors.variable_state and seq.state is not None:  # not busy: nobody writes it now
@@ -471,7 +342,7 @@ class SequenceScheduler:
         return key
 
     def _form_direct(self, instance: int, now: int) -> tuple[list[_Row], int]:
-        slots = self._slots[instance]
+        slots = self._table.slots[instance]
         ready = self._ready([s for s in slots if s is not None])
         if not ready:
             return [], 0
@@ -494,7 +365,7 @@ class SequenceScheduler:
         return rows, 0
 
     def _form_oldest(self, now: int) -> tuple[list[_Row], int]:
-        ready = self._ready(self._candidates)
+        ready = self._ready(self._table.candidates)
         if not ready:
             return [], 0
         heads = sorted((_Head(s, self._key(s)) for s in ready), key=lambda h: h.enqueue_ns)
@@ -508,8 +379,8 @@ class SequenceScheduler:
 
     def run(self, backend: Backend, rows: list[_Row]) -> None:
         start_ns = time.monotonic_ns()
-        live: list[tuple[_Sequence, _Request]] = []
-        cancelled: list[_Sequence] = []
+        live: list[tuple[Sequence, SequenceRequest]] = []
+        cancelled: list[Sequence] = []
         for seq, request in rows:
             if seq is not None and request is not None:
                 if request.rescheduled or request.future.set_running_or_notify_cancel():
@@ -526,11 +397,11 @@ class SequenceScheduler:
                 results = [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(live)
         end_ns = time.monotonic_ns()
         results = [self._end_reschedule(r, res, end_ns) for (_, r), res in zip(live, results, strict=True)]
-        again: list[_Request] = []
+        again: list[SequenceRequest] = []
         with self._lock:
             for (seq, request), result in zip(live, results, strict=True):
                 if isinstance(result, Rescheduled):
-                    if seq in self._held:  # the same request runs again, first of its sequence
+                    if seq in self._table.held:  # the same request runs again, first of its sequence
                         request.rescheduled = True
                         seq.pending.appendleft(request)
                         self._queued += 1
@@ -540,7 +411,7 @@ class SequenceScheduler:
                 seq.busy = False
                 seq.last_ns = end_ns
                 self._in_flight -= 1
-                if seq.ending and not seq.pending and seq in self._held:
+                if seq.ending and not seq.pending and seq in self._table.held:
                     self._release(seq, expired=False)
             self._cond.notify_all()
         for (_, request), result in zip(live, results, strict=True):
@@ -562,7 +433,7 @@ class SequenceScheduler:
                 timing=timing,
             )
 
-    def _end_reschedule(self, request: _Request, result: Result, now: int) -> Result:
+    def _end_reschedule(self, request: SequenceRequest, result: Result, now: int) -> Result:
         """What becomes of a request the model rescheduled: run again, or end it (its answer here).
 
         It ends when its stream is already finished (the model sent the final response), when the
@@ -585,7 +456,7 @@ class SequenceScheduler:
         return result
 
     def _execute(
-        self, backend: Backend, rows: list[_Row], live: list[tuple[_Sequence, _Request]], timing: Timing
+        self, backend: Backend, rows: list[_Row], live: list[tuple[Sequence, SequenceRequest]], timing: Timing
     ) -> list[Result]:
         """Run the rows (fillers included) and keep each live sequence's new state; its results in order."""
         tensors = self._tensors
@@ -595,6 +466,9 @@ class SequenceScheduler:
         batch: list[BatchItem] = []
         real: list[int] = []  # positions of the live requests in the batch
         for seq, request in rows:
+            if request is not None and request.restarts and seq is not None:  # busy: ours to write
+                seq.state = tensors.initial_state()
+                request.restarts = False  # once, not again if the model reschedules it
             state = seq.state if seq is not None else None
             if request is not None and id(request) in chosen:
                 real.append(len(batch))
