@@ -96,10 +96,14 @@ def _close(socks: list[socket.socket]) -> None:
 
 
 def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the daemon closed ``sock`` (after an answer, such as a 503, which is read and dropped)."""
     try:
         sock.setblocking(False)
         try:
-            return sock.recv(1, socket.MSG_PEEK) == b""
+            for _ in range(64):
+                if sock.recv(65536) == b"":
+                    return True
+            return False
         finally:
             sock.setblocking(True)
     except BlockingIOError:

@@ -38,7 +38,7 @@ from edge_server.errors import (
 )
 from edge_server.ipc import addresses, handlers, protocol, zmqio
 from edge_server.ipc.handoff import FdHandoff, handoff_path
-from edge_server.ipc.peers import Peer, PeerTable, same_connection
+from edge_server.ipc.peers import Peer, PeerTable, connection_of, connection_uid, same_connection
 from edge_server.ipc.wakeup import signal_eventfd
 from edge_server.limits import Connection, LimitOptions, Limits
 from edge_server.request import ResponseSink
@@ -59,6 +59,9 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = zmqio.NOBLOCK
 _SNDMORE = int(zmq.SNDMORE)
 _PING = protocol.pack({"v": protocol.PROTOCOL_VERSION, "id": None, "op": protocol.PING})
+#: A connection cut off for a message over the frame limit is closed this long after its error reply was
+#: handed to ZeroMQ, so that the reply leaves first.
+_CUT_OFF_DELAY_S = 0.2
 
 
 class IpcFrontend:
@@ -102,6 +105,8 @@ class IpcFrontend:
         self.max_frames = max_frames
         self.max_requests = max_requests
         self.slow_clients = 0  # disconnected for not reading their replies
+        self.cut_off_clients = 0  # disconnected for a message over the frame limit
+        self._cut_offs: collections.deque[tuple[float, bytes, tuple[int, int]]] = collections.deque()
         self._peers = PeerTable(probe_interval=probe_interval, max_client_regions=max_client_regions)
         self._handoff: FdHandoff | None = None
         self._replies: collections.deque[tuple[bytes, list[Any], Future | _IpcStream | None]] = (
@@ -220,6 +225,7 @@ class IpcFrontend:
             "released_clients": self._peers.dropped,
             "dropped_replies": self.dropped_replies,
             "slow_clients": self.slow_clients,
+            "cut_off_clients": self.cut_off_clients,
             "reply_backlog_bytes": self._peers.total_backlog(),
             "max_message_bytes": self.max_message_bytes,
         }
@@ -266,6 +272,8 @@ class IpcFrontend:
         assert sock is not None and monitor is not None
         self.turns += 1
         deadline = peers.next_deadline()
+        if self._cut_offs:
+            deadline = min(deadline, self._cut_offs[0][0])
         timeout_ms = max(0, int((deadline - time.monotonic()) * 1000.0) + 1)
         if self._stopping:
             timeout_ms = min(timeout_ms, 50)
@@ -294,6 +302,8 @@ class IpcFrontend:
                 self._resume_accepting()
         if self._replies:
             self._send_replies(sock)
+        if self._cut_offs and time.monotonic() >= self._cut_offs[0][0]:
+            self._cut_off_due()
         if time.monotonic() >= peers.next_deadline():  # handling may have brought probes forward
             for identity in peers.due_probes():
                 self._send(sock, identity, [_PING])
@@ -401,6 +411,7 @@ class IpcFrontend:
                 header = protocol.unpack(head)
                 rid = protocol.request_id(header)
             if dropped:
+                self._cut_off_later(identity, head, len(frames) + dropped - 1)
                 raise MalformedMessage(
                     f"the message has {len(frames) + dropped - 1} frames; a request may have at most "
                     f"{self.max_frames} (a header and its tensors; --max-frames)"
@@ -614,12 +625,42 @@ class IpcFrontend:
         self._peers.drop(peer.identity, "disconnected for not reading its replies")
         self._trim_later()
 
+    def _cut_off_later(self, identity: bytes, frame: zmq.Frame, count: int) -> None:
+        """A message of ``count`` frames was refused (and drained): close its connection, penalize its uid.
+
+        libzmq hands over only whole messages, so the frames past the limit were all received and
+        held (about 64 bytes each inside libzmq) before the daemon could see the first; draining them
+        costs ~1 us each.  So the client must not do it again: its connection is shut down once the
+        error reply has left, and its uid's new connections are refused for a while
+        (:meth:`~edge_server.limits.Limits.penalize`).
+        """
+        connection = connection_of(frame)
+        uid = connection_uid(connection[0])
+        why = f"sent an IPC message of {count} frames (--max-frames {self.max_frames})"
+        self._limits.penalize(None if uid < 0 else uid, why)
+        self._cut_offs.append((time.monotonic() + _CUT_OFF_DELAY_S, identity, connection))
+
+    def _cut_off_due(self) -> None:
+        now = time.monotonic()
+        while self._cut_offs and self._cut_offs[0][0] <= now:
+            _due, identity, connection = self._cut_offs.popleft()
+            self.cut_off_clients += 1
+            log.warning(
+                "client %s sent a message over the frame limit (--max-frames %d); disconnecting it",
+                identity.hex(),
+                self.max_frames,
+            )
+            if same_connection(connection):
+                refuse_connection(connection[0])
+            self._peers.drop(identity, "disconnected for a message over the frame limit")
+            self._trim_later()
+
     def _trim_later(self) -> None:
         """Hand the memory of a dropped client's replies and requests back to the system once freed.
 
         ZeroMQ's I/O thread, pyzmq's collector and the schedulers free them over the next seconds, and
         glibc keeps freed pages in its arenas (measured: 300 x 1-8 MiB requests of a client that went
-        away left +70 to +370 MiB resident until a trim): trim 1 s and 5 s after the last drop.
+        away left +70 to +370 MiB resident until a trim): trim 0.25, 1 and 5 s after the last drop.
         """
         self._trimmer.request()
 
