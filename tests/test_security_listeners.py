@@ -703,3 +703,48 @@ def test_a_message_over_the_frame_limit_cuts_its_connection_off(
         status = client.ipc_status()
     assert status["cut_off_clients"] == 1 and status["limits"]["penalized"] == 1, status
     still_serves(proc)
+
+
+@needs_root
+def test_a_client_cut_off_for_not_reading_is_penalized(public_dir: Path) -> None:
+    """Item 21: a DEALER that never reads is disconnected at --max-client-reply-bytes, and reconnects
+    by itself to send the same flood again; its user is penalized (connections refused a while)."""
+    import zmq
+
+    from edge_server.ipc import protocol
+
+    proc = start_daemon(
+        public_dir, build_repository(public_dir), "n.sock", "--max-client-reply-bytes", str(2 << 20)
+    )
+    os.chmod(proc.address.removeprefix("ipc://"), 0o666)
+
+    def flood() -> list[Any]:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)  # its own process takes (almost) nothing off the wire
+        sock.setsockopt(zmq.RCVBUF, 4096)  # (so it does not see its connection close either)
+        sock.setsockopt(zmq.SNDTIMEO, 2000)  # cut off and penalized: its reconnections are refused
+        payload = np.ones(1 << 16, np.float32).tobytes()
+        tensor = {"name": "INPUT0", "datatype": "FP32", "shape": [1 << 16], "frame": 0}
+        sock.connect(proc.address)
+        for rid in range(200):  # 50 MiB of replies
+            head = {"v": protocol.PROTOCOL_VERSION, "id": rid, "op": "infer", "model": "identity"}
+            try:
+                sock.send_multipart([protocol.pack({**head, "inputs": [tensor]}), payload])
+            except zmq.Again:
+                break
+        return [ctx, sock]  # held open, unread, until the test closes the child
+
+    try:
+        attacker = OtherUser(flood)
+        try:
+            with Client(proc.address, timeout=10) as client:
+                wait_for(lambda: client.ipc_status()["slow_clients"] >= 1, timeout=60, what="the cut-off")
+                status = client.ipc_status()
+            assert status["limits"]["penalized"] >= 1, status
+            still_serves(proc)
+        finally:
+            attacker.close()
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()

@@ -611,8 +611,15 @@ class IpcFrontend:
                 self._disconnect_slow(peer, pending)
 
     def _disconnect_slow(self, peer: Peer, pending: int) -> None:
-        """Shut down the connection of a client that does not read; ZeroMQ then frees its replies."""
+        """Shut down the connection of a client that does not read; ZeroMQ then frees its replies.
+
+        Its uid is penalized: a DEALER reconnects by itself and would send the same flood again at once
+        (as bench_hostile's nonreading-ipc client does), each time costing the model's queue
+        and a burst of memory before the cut-off.
+        """
         self.slow_clients += 1
+        why = f"left over {self.max_reply_bytes} bytes of IPC replies unread (--max-client-reply-bytes)"
+        self._limits.penalize(None if peer.uid < 0 else peer.uid, why)
         log.warning(
             "client %s is not reading its replies: %d bytes wait for it, over --max-client-reply-bytes "
             "(%d); disconnecting it",
