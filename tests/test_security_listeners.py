@@ -652,6 +652,7 @@ def test_a_user_whose_gzip_bomb_was_refused_is_refused_unread_for_a_while(
                 break
         assert statuses[0][0] == 400 and "declared shapes" in statuses[0][1], statuses
         assert statuses[-1][0] == 503 and "refused for" in statuses[-1][1], statuses
+        assert "MALFORMED_MESSAGE" in statuses[-1][1], statuses  # what it sent, by its own code
         return True
 
     attacker = OtherUser(send_bombs)

@@ -106,10 +106,11 @@ class KServeHttpApp:
         except _Disconnected:
             return
         except Exception as exc:  # noqa: BLE001 - every error becomes a reply; the server never dies
-            status, code, message = error_status(exc)
+            status, _code, message = error_status(exc)
             if scope.get(_INFLATED) and isinstance(exc, (MalformedMessage, MessageTooLarge)):
                 # it cost a whole inflation to find out: the next such body is refused unread
-                scope[BUDGET_KEY].penalize(f"sent a compressed request body refused after inflating ({code})")
+                why = f"sent a compressed request body refused after inflating ({exc.code})"
+                scope[BUDGET_KEY].penalize(why)
             close = [(b"connection", b"close")] if isinstance(exc, (MessageTooLarge, ProtocolError)) else []
             await _send(send, status, json.dumps({"error": message}).encode(), _JSON + close)
             return
