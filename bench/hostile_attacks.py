@@ -96,10 +96,14 @@ def _close(socks: list[socket.socket]) -> None:
 
 
 def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the daemon closed ``sock`` (after an answer, such as a 503, which is read and dropped)."""
     try:
         sock.setblocking(False)
         try:
-            return sock.recv(1, socket.MSG_PEEK) == b""
+            for _ in range(64):
+                if sock.recv(65536) == b"":
+                    return True
+            return False
         finally:
             sock.setblocking(True)
     except BlockingIOError:
@@ -303,6 +307,34 @@ def sparse_system_shm(t: Target, stop: threading.Event, armed: Armed) -> str:
         client.close()
 
 
+def frame_flood(t: Target, stop: threading.Event, armed: Armed) -> str:
+    """Item 16: IPC messages of 1,000,000 empty frames, each from a new connection (a cut-off client
+    that comes back)."""
+    frames = [header(op="live")] + [b""] * 1_000_000
+    ctx = zmq.Context()
+    sent = answered = 0
+    try:
+        armed("sending messages of 1,000,000 empty frames, a new connection for each")
+        while not stop.is_set() and sent < 100:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, 5000)
+            try:
+                sock.connect(t.ipc)
+                sock.send_multipart(frames)
+                sent += 1
+                if sock.poll(5000):
+                    sock.recv_multipart()
+                    answered += 1
+            except zmq.Again:
+                pass
+            finally:
+                sock.close(0)
+        return f"{sent} messages sent, {answered} answered"
+    finally:
+        ctx.term()
+
+
 # -- items 17-21: the IPC path ------------------------------------------------------------------------
 
 
@@ -454,6 +486,7 @@ ATTACKS: dict[str, tuple[str, Callable[[Target, threading.Event, Armed], str]]] 
     "gzip-bomb": ("5", gzip_bomb),
     "grpc-nonreading": ("6", grpc_nonreading),
     "sparse-system-shm": ("7", sparse_system_shm),
+    "frame-flood": ("16", frame_flood),
     "token-hoarding": ("17", token_hoarding),
     "silent-handoff": ("18", silent_handoff),
     "many-regions": ("19", many_regions),

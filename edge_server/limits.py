@@ -18,7 +18,13 @@ once at start-up and handed to every frontend, holds:
 * the timeouts every listener applies: a connection must send its request headers within
   ``--header-timeout-secs`` and its body within ``--body-timeout-secs``, and one idle that long
   between requests (``--idle-timeout-secs``) is closed;
-* gRPC streams one uid may hold open (``--max-client-streams``).
+* gRPC streams one uid may hold open (``--max-client-streams``);
+* the penalty box (:meth:`Limits.penalize`): a uid whose request cost the daemon much work before it
+  could be refused (a gzip body inflating to a JSON bomb, an IPC message of a million frames) has its
+  connections refused, and its compressed bodies answered 503 unread, for :data:`PENALTY_S` seconds,
+  doubling with each repeat up to :data:`MAX_PENALTY_S`.  Refusing is cheap; the work was not, and a
+  client could repeat it as fast as the daemon refuses.  The daemon's own uid and unknown peers
+  (``None``: remote TCP clients, who share it) are never penalized.
 
 A peer whose uid is unknown (a TCP client on another host) counts under ``None``: such peers share one
 client's caps.  Everything here is thread-safe: listeners run on threads and event loops of their own.
@@ -27,8 +33,10 @@ client's caps.  Everything here is thread-safe: listeners run on threads and eve
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +61,9 @@ DEFAULT_MAX_CLIENT_REQUESTS = 1024
 DEFAULT_MAX_CLIENT_REPLY_BYTES = 256 << 20
 #: Connections the metrics endpoint serves at once (one thread each); Prometheus needs one.
 METRICS_CONNECTIONS = 8
+#: A penalized uid's first penalty; each repeat within :data:`MAX_PENALTY_S` of the last doubles it.
+PENALTY_S = 1.0
+MAX_PENALTY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -127,12 +138,17 @@ class Limits:
         self._body_by_uid: dict[int | None, int] = {}
         self._streams: dict[int | None, int] = {}
         self._watchers: list[Callable[[], None]] = []
+        self._penalties: dict[int, tuple[float, float, str]] = {}  # uid: (until, seconds, why)
+        self._own_uid = os.geteuid()
         self.refused_connections = 0
         self.refused_bodies = 0
         self.refused_streams = 0
         self.cut_off_streams = 0  # gRPC streams cancelled for not reading their responses
-        #: gives freed memory back to the system a while after a client's large buffers go (every listener)
-        self.trimmer = DeferredTrim()
+        self.penalized = 0  # penalties given (see penalize)
+        #: gives freed memory back to the system a while after a client's large buffers go (every listener):
+        #: an HTTP body is freed when its connection closes (the first trim), an IPC client's replies by
+        #: ZeroMQ's I/O thread and pyzmq's collector over the next seconds (the later ones)
+        self.trimmer = DeferredTrim((0.25, 1.0, 5.0))
 
     # -- descriptors --------------------------------------------------------------------------------
 
@@ -154,10 +170,13 @@ class Limits:
         the listener calls :meth:`disconnect` for it too: a burst of refusals cannot exhaust the
         descriptors while the listener is still closing them.
         """
+        penalty = self.penalty(uid)
         with self._lock:
             held = self._by_uid.get(uid, 0)
             refusal = None
-            if self._connections + self._aside >= self.max_connections:
+            if penalty is not None:
+                refusal = penalty
+            elif self._connections + self._aside >= self.max_connections:
                 refusal = (
                     f"the daemon holds {self._connections + self._aside} connections, its limit "
                     "(--max-connections or the descriptor budget)"
@@ -250,6 +269,43 @@ class Limits:
         if nbytes >= TRIM_AFTER_BYTES:  # a large body's pages go back once its request is done
             self.trimmer.request()
 
+    # -- penalties ----------------------------------------------------------------------------------
+
+    def penalize(self, uid: int | None, why: str) -> None:
+        """``uid`` made the daemon work for a request it then refused: refuse its costly requests a while.
+
+        ``why`` says what it sent; :meth:`penalty` quotes it.  The daemon's own uid and ``None`` are
+        never penalized.
+        """
+        if uid is None or uid == self._own_uid:
+            return
+        now = time.monotonic()
+        with self._lock:
+            until, seconds, _why = self._penalties.get(uid, (0.0, 0.0, ""))
+            repeat = seconds > 0 and now < until + MAX_PENALTY_S
+            seconds = min(MAX_PENALTY_S, 2 * seconds) if repeat else PENALTY_S
+            self._penalties[uid] = (now + seconds, seconds, why)
+            self.penalized += 1
+            for other in [u for u, (end, _s, _w) in self._penalties.items() if end + MAX_PENALTY_S < now]:
+                del self._penalties[other]  # long expired: its next offence starts from the first penalty
+
+    def penalty(self, uid: int | None) -> str | None:
+        """Why ``uid``'s costly requests and new connections are refused now; None when they are not."""
+        if uid is None or not self._penalties:
+            return None
+        with self._lock:
+            entry = self._penalties.get(uid)
+        if entry is None:
+            return None
+        until, seconds, why = entry
+        left = until - time.monotonic()
+        if left <= 0:
+            return None
+        return (
+            f"uid {uid} {why}; its connections and compressed request bodies are refused for "
+            f"{seconds:g} s ({left:.1f} s left)"
+        )
+
     # -- streams ------------------------------------------------------------------------------------
 
     def open_stream(self, uid: int | None) -> str | None:
@@ -289,6 +345,7 @@ class Limits:
                 "streams": sum(self._streams.values()),
                 "refused_streams": self.refused_streams,
                 "cut_off_streams": self.cut_off_streams,
+                "penalized": self.penalized,
             }
 
 

@@ -73,7 +73,9 @@ class DeferredTrim:
     For memory that is freed a while after the event that dooms it: the replies and queued requests of
     a client that went away are freed by ZeroMQ's I/O thread, pyzmq's collector and the schedulers
     over the following seconds, and a burst of such events must end with a trim after the last one.
-    At most one timer thread is alive.
+    A request starts the delays over: one that came while the timer waited for a later stage (a client
+    that left 2 s after the previous one) is trimmed after the first delay, not the last.  At most one
+    timer thread is alive.
     """
 
     def __init__(self, delays: tuple[float, ...] = (1.0, 5.0)) -> None:
@@ -81,10 +83,14 @@ class DeferredTrim:
         self._lock = threading.Lock()
         self._last = 0.0
         self._timer: threading.Timer | None = None
+        self._stage = 0  # the stage the timer waits for
 
     def request(self) -> None:
         with self._lock:
             self._last = time.monotonic()
+            if self._timer is not None and self._stage > 0:
+                self._timer.cancel()
+                self._timer = None
             if self._timer is None:
                 self._arm(self._delays[0], 0)
 
@@ -100,10 +106,13 @@ class DeferredTrim:
         timer.name = "edge-heap-trim"
         timer.daemon = True
         self._timer = timer
+        self._stage = stage
         timer.start()
 
     def _fire(self, stage: int) -> None:
         with self._lock:
+            if threading.current_thread() is not self._timer:
+                return  # cancelled, or started over by a request, after this timer was due
             now = time.monotonic()
             due = self._last + self._delays[stage]
             if now < due:  # requested again meanwhile: wait until that is as old

@@ -164,3 +164,28 @@ def test_absurdly_nested_json_is_malformed_not_a_crash() -> None:
         codec.split_body(b"[" * 10_000 + b"]" * 10_000, None)
     with pytest.raises(InvalidArgument, match="nested deeper"):
         codec.from_json([[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]], "BYTES", (1,), "s")
+
+
+@pytest.mark.parametrize("window", [7, 64, 4096])
+def test_json_bounds_count_by_window_as_by_whole_body(monkeypatch: pytest.MonkeyPatch, window: int) -> None:
+    """Strings that straddle windows (escaped quotes, brackets and commas inside them) are skipped whole."""
+    from edge_server.kserve import json_bounds
+
+    monkeypatch.setattr(json_bounds, "WINDOW", window)
+    parts = [b'"a[,{"', b'"\\\\"', b'"x\\"[,"', b"[1,2]", b' {"k": [3]}, ', b'"' + b"[" * 100 + b'"']
+    body = b"[" + b",".join(parts * 50) + b"]"
+    whole = json_bounds._STRING.sub(b'""', body)
+    expected = (whole.count(b"[") + whole.count(b"{"), whole.count(b","))
+    assert json_bounds._count(body, 1 << 30, 1 << 30) == (*expected, True)
+
+
+def test_json_bounds_stop_at_the_first_window_past_the_allowance() -> None:
+    """An 8 MiB body of ``[],`` is refused after its first window, not after counting all of it."""
+    from edge_server.kserve import json_bounds
+
+    head = b'{"inputs":[{"name":"I","datatype":"FP32","shape":[4],"data":['
+    body = head + b"[]," * ((8 << 20) // 3) + b"[]]}]}"
+    containers, _values, whole = json_bounds._count(body, 5000, 5000)
+    assert not whole and containers <= json_bounds.WINDOW // 3 + 1
+    with pytest.raises(MalformedMessage, match="holds at least"):
+        codec.split_body(body, None)

@@ -615,3 +615,137 @@ def test_a_compressed_body_is_inflated_no_further_than_the_users_body_budget(
     assert refused.value.code == 503 and "body budget" in message, message
     assert http_get(http, "/v2/health/live") == 200
     still_serves(proc)
+
+
+@needs_root
+def test_a_user_whose_gzip_bomb_was_refused_is_refused_unread_for_a_while(
+    listener_daemon: tuple[Daemon, int, int],
+) -> None:
+    """Item 5: inflating is the costly part of a gzip bomb, and a client could repeat it as fast as the
+    daemon refuses it; so the user whose inflated body was refused gets 503 for its next compressed
+    bodies (and connections), unread, for a second, doubling with each repeat; other users are served."""
+    import gzip
+    import http.client
+
+    proc, http_port, _grpc = listener_daemon
+    body = b'{"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[4],"data":['
+    body += b"[]," * (200 << 10) + b"[]]}]}"  # 600 KiB: inside the user's 1 MiB body budget here
+    bomb = gzip.compress(body)
+
+    def send_bombs() -> bool:
+        statuses = []
+        for _ in range(6):  # 1 s, 2 s, 4 s...: a loaded machine cannot make every retry miss it
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+                conn.request(
+                    "POST",
+                    "/v2/models/identity/infer",
+                    body=bomb,
+                    headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+                )
+                response = conn.getresponse()
+                statuses.append((response.status, response.read().decode()))
+                conn.close()
+            except OSError as exc:  # refused at connect: the answer may be lost with the reset
+                statuses.append((0, str(exc)))
+            if statuses[-1][0] == 503:
+                break
+        assert statuses[0][0] == 400 and "declared shapes" in statuses[0][1], statuses
+        assert statuses[-1][0] == 503 and "refused for" in statuses[-1][1], statuses
+        assert "MALFORMED_MESSAGE" in statuses[-1][1], statuses  # what it sent, by its own code
+        return True
+
+    attacker = OtherUser(send_bombs)
+    attacker.close()
+    with Client(proc.address, timeout=10) as client:
+        assert client.ipc_status()["limits"]["penalized"] >= 1
+    assert http_get(http_port, "/v2/health/live") == 200  # root, never penalized
+    still_serves(proc)
+
+
+@needs_root
+def test_a_message_over_the_frame_limit_cuts_its_connection_off(
+    listener_daemon: tuple[Daemon, int, int],
+) -> None:
+    """Item 16: libzmq hands over only whole messages, so a message of 300,000 empty frames is received
+    whole before it can be refused; the refusal drops the frames past the limit without keeping them,
+    answers MALFORMED_MESSAGE, then closes that connection and penalizes its user, so that it cannot
+    make the daemon do it again at once; other users are served meanwhile."""
+    import zmq
+
+    from edge_server.ipc import protocol
+    from tests.daemon import header
+
+    proc, _http, _grpc = listener_daemon
+    os.chmod(proc.address.removeprefix("ipc://"), 0o666)
+
+    def flood() -> bool:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            sock.connect(proc.address)
+            sock.send_multipart([header(op="live")] + [b""] * 300_000)
+            assert sock.poll(60_000), "no answer"
+            reply = protocol.unpack(sock.recv_multipart()[-1])
+            assert reply["error"]["code"] == "MALFORMED_MESSAGE", reply
+            assert "300001 frames" in reply["error"]["message"], reply
+            assert monitor.poll(30_000), "the connection was not closed"
+        finally:
+            monitor.close(0)
+            sock.close(0)
+            ctx.term()
+        return True
+
+    attacker = OtherUser(flood)
+    attacker.close()
+    with Client(proc.address, timeout=10) as client:
+        status = client.ipc_status()
+    assert status["cut_off_clients"] == 1 and status["limits"]["penalized"] == 1, status
+    still_serves(proc)
+
+
+@needs_root
+def test_a_client_cut_off_for_not_reading_is_penalized(public_dir: Path) -> None:
+    """Item 21: a DEALER that never reads is disconnected at --max-client-reply-bytes, and reconnects
+    by itself to send the same flood again; its user is penalized (connections refused a while)."""
+    import zmq
+
+    from edge_server.ipc import protocol
+
+    proc = start_daemon(
+        public_dir, build_repository(public_dir), "n.sock", "--max-client-reply-bytes", str(2 << 20)
+    )
+    os.chmod(proc.address.removeprefix("ipc://"), 0o666)
+
+    def flood() -> list[Any]:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)  # its own process takes (almost) nothing off the wire
+        sock.setsockopt(zmq.RCVBUF, 4096)  # (so it does not see its connection close either)
+        sock.setsockopt(zmq.SNDTIMEO, 2000)  # cut off and penalized: its reconnections are refused
+        payload = np.ones(1 << 16, np.float32).tobytes()
+        tensor = {"name": "INPUT0", "datatype": "FP32", "shape": [1 << 16], "frame": 0}
+        sock.connect(proc.address)
+        for rid in range(200):  # 50 MiB of replies
+            head = {"v": protocol.PROTOCOL_VERSION, "id": rid, "op": "infer", "model": "identity"}
+            try:
+                sock.send_multipart([protocol.pack({**head, "inputs": [tensor]}), payload])
+            except zmq.Again:
+                break
+        return [ctx, sock]  # held open, unread, until the test closes the child
+
+    try:
+        attacker = OtherUser(flood)
+        try:
+            with Client(proc.address, timeout=10) as client:
+                wait_for(lambda: client.ipc_status()["slow_clients"] >= 1, timeout=60, what="the cut-off")
+                status = client.ipc_status()
+            assert status["limits"]["penalized"] >= 1, status
+            still_serves(proc)
+        finally:
+            attacker.close()
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()

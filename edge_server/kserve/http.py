@@ -10,7 +10,10 @@ add more.  Routing is a dict lookup on the path's fixed shape; every handler ret
 
 Bodies are bounded before they are read (``Content-Length`` against ``max_body_bytes``; a chunked body
 is counted as it arrives), compressed bodies are inflated with the same bound, and an inference response is
-compressed when the client's ``Accept-Encoding`` asks for gzip or deflate (as tritonclient does).
+compressed when the client's ``Accept-Encoding`` asks for gzip or deflate (as tritonclient does).  A user
+whose inflated body is then refused as malformed or too large (a gzip bomb: 8 KiB inflating to 8 MiB of
+``[],``) is penalized (:meth:`~edge_server.limits.Limits.penalize`): inflating is the costly part, and
+its next compressed bodies are answered 503 without it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ _MODEL_PATH = re.compile(
     r"/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/config|/stats|/infer|/trace/setting)?"
 )
 _REPO_PATH = re.compile(r"/v2/repository/models/([^/]+)/(load|unload)")
+_INFLATED = "edge_server.inflated"  # scope key: the request's body was inflated (see _body)
 _SHM_PATH = re.compile(r"/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)")
 
 Scope = dict[str, Any]
@@ -103,6 +107,10 @@ class KServeHttpApp:
             return
         except Exception as exc:  # noqa: BLE001 - every error becomes a reply; the server never dies
             status, _code, message = error_status(exc)
+            if scope.get(_INFLATED) and isinstance(exc, (MalformedMessage, MessageTooLarge)):
+                # it cost a whole inflation to find out: the next such body is refused unread
+                why = f"sent a compressed request body refused after inflating ({exc.code})"
+                scope[BUDGET_KEY].penalize(why)
             close = [(b"connection", b"close")] if isinstance(exc, (MessageTooLarge, ProtocolError)) else []
             await _send(send, status, json.dumps({"error": message}).encode(), _JSON + close)
             return
@@ -188,7 +196,7 @@ class KServeHttpApp:
         if method == "GET":
             return _json(settings.log_settings() if logging_path else settings.trace_settings())
         self.service.authorize_control(_peer(scope), f"POST {'/v2/logging' if logging_path else path}")
-        changes = await self._json_body(receive, headers)
+        changes = await self._json_body(receive, headers, scope)
         return _json(settings.update_log(changes) if logging_path else settings.update_trace(changes))
 
     async def _infer(
@@ -244,16 +252,9 @@ class KServeHttpApp:
         self, receive: Receive, headers: dict[bytes, bytes], scope: Scope | None = None
     ) -> dict[str, Any]:
         body = await self._body(receive, headers, scope)
-        if not body.strip():
-            return {}
-        check_json_objects(body, shapes=False)
-        try:
-            value = json.loads(body)
-        except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
-            raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise MalformedMessage("the request body must be a JSON object")
-        return value
+        if len(body) < OFF_LOOP_BYTES:
+            return _json_object(body)
+        return await asyncio.to_thread(_json_object, body)  # counting and parsing megabytes take a while
 
     async def _body(self, receive: Receive, headers: dict[bytes, bytes], scope: Scope | None = None) -> bytes:
         """The whole body, refused before it is read when its declared length is over the limit.
@@ -290,6 +291,12 @@ class KServeHttpApp:
         if encoding not in (b"gzip", b"deflate"):
             raise Unsupported(f"Content-Encoding {encoding.decode(errors='replace')!r}; use gzip or deflate")
         budget: BodyBudget | None = scope.get(BUDGET_KEY) if scope is not None else None
+        if budget is not None:
+            penalty = budget.penalty()
+            if penalty is not None:
+                raise Unavailable(penalty)
+            assert scope is not None
+            scope[_INFLATED] = True
         room = limit if budget is None else min(limit, budget.room())
         if len(body) < OFF_LOOP_BYTES // 1032:  # inflates to at most ~1 MiB (zlib's ratio is at most 1032)
             plain = _inflate(body, encoding, room)
@@ -307,6 +314,20 @@ class KServeHttpApp:
             if refusal is not None:
                 raise Unavailable(refusal)
         return plain
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A control request's JSON body ({} when empty), its objects counted before it is parsed."""
+    if not body.strip():
+        return {}
+    check_json_objects(body, shapes=False)
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
+        raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise MalformedMessage("the request body must be a JSON object")
+    return value
 
 
 def _inflate(body: bytes, encoding: bytes, limit: int) -> bytes | None:

@@ -11,7 +11,8 @@ that stops one byte short, and counts neither descriptors nor body bytes.  Here 
 * counts its body's bytes against its user's and the daemon's body budget as they arrive, and is
   answered 503 and closed when one is spent; they are given back when the response is sent.  A
   compressed body is inflated no further than that budget's room, and counted too
-  (:class:`BodyBudget`, in the request's scope).
+  (:class:`BodyBudget`, in the request's scope); a user whose inflated body was refused is penalized
+  there (:meth:`~edge_server.limits.Limits.penalize`).
 
 Its responses leave in one write (see :class:`_OneWriteTransport`).
 """
@@ -97,6 +98,13 @@ class BodyBudget:
         if refusal is None:
             self.held += nbytes
         return refusal
+
+    def penalty(self) -> str | None:
+        """Why this connection's user may not have compressed bodies inflated now (see Limits.penalize)."""
+        return self._limits.penalty(self._connection.uid)
+
+    def penalize(self, why: str) -> None:
+        self._limits.penalize(self._connection.uid, why)
 
     def give_back(self) -> None:
         if self.held:
