@@ -37,7 +37,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from edge_server.config import ModelConfig
-from edge_server.errors import EdgeServerError, ModelNotFound, ModelNotReady, ServerShuttingDown, shorten
+from edge_server.errors import (
+    EdgeServerError,
+    ModelNotFound,
+    ModelNotReady,
+    ServerShuttingDown,
+    UnknownModel,
+    shorten,
+    unknown_model,
+)
 from edge_server.load_guard import load_abandonable
 from edge_server.loader import (
     LoadedVersion,
@@ -118,7 +126,10 @@ class ModelManager:
             if source is None:
                 if name in self._routing.serving():
                     self._unload(name)
-                raise ModelNotFound(f"no model directory {shorten(name)} in {self.repository}")
+                raise ModelNotFound(
+                    f"failed to load {shorten(name)}, failed to poll from model repository "
+                    f"(no model directory {shorten(name)} in {self.repository})"
+                )
             previous = self._overrides.pop(name, None)
             if config_override is not None:
                 self._overrides[name] = config_override
@@ -157,10 +168,11 @@ class ModelManager:
 
     def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
-        check_model_name(name)
+        if name not in self._routing.serving() and not self._index.of(name):
+            raise UnknownModel(unknown_model(name))  # no name check first: Triton's unload never has one
         with self._changing(name):
             if name not in self._routing.serving() and not self._index.of(name):
-                raise ModelNotFound(f"unknown model {shorten(name)}")
+                raise UnknownModel(unknown_model(name))
             self._unload(name)
             self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
             self._index.publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])

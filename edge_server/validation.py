@@ -182,6 +182,8 @@ class RequestValidator:
 
     def _check_names(self, inputs: Mapping[str, object]) -> None:
         by_name = self._by_name
+        if not len(self._required) <= len(inputs) <= len(by_name):
+            raise InvalidArgument(self._count_text(inputs))
         for name in inputs:
             if name in self._server_inputs:
                 raise InvalidArgument(
@@ -191,11 +193,24 @@ class RequestValidator:
                 )
             if name not in by_name:
                 raise InvalidArgument(
-                    f"model {self.model!r} has no input {shorten(name)}; its inputs are {sorted(by_name)}"
+                    f"unexpected inference input {shorten(name)} for model {self.model!r} "
+                    f"(its inputs are {sorted(by_name)})"
                 )
-        for name in self._required:
-            if name not in inputs:
-                raise InvalidArgument(f"model {self.model!r}: missing input {shorten(name)}")
+        if any(name not in inputs for name in self._required):
+            raise InvalidArgument(self._count_text(inputs))
+
+    def _count_text(self, inputs: Mapping[str, object]) -> str:
+        """Triton's text for a request without all required inputs (or with too many): its QA matches it."""
+        total, required = len(self._by_name), len(self._required)
+        expected = (
+            f"{total} inputs" if total == required else f"number of inputs between {required} and {total}"
+        )
+        got = ",".join(shorten(name) for name in list(inputs)[:16])
+        missing = ",".join(repr(name) for name in self._required if name not in inputs)
+        return (
+            f"expected {expected} but got {len(inputs)} inputs for model {self.model!r}. Got input(s) "
+            f"[{got}], but missing required input(s) [{missing}]. Please provide all required input(s)."
+        )
 
     def _check(self, rule: _InputRule, array: object) -> np.ndarray:
         """``array`` as a C-contiguous ndarray of the rule's dtype and shape, or InvalidArgument."""

@@ -75,7 +75,7 @@ def decode(
         if ref is not None:
             if budget is None:
                 budget = service.input_budget()
-            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget)
+            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget, request.model_name)
         elif tensor.HasField("contents"):
             inputs[name] = _from_contents(tensor.contents, datatype, shape, name)
         else:

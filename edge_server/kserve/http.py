@@ -39,7 +39,7 @@ from edge_server.errors import (
 from edge_server.kserve import rest
 from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget, http_protocol
 from edge_server.kserve.json_bounds import check_json_objects
-from edge_server.kserve.service import KServeService, error_status
+from edge_server.kserve.service import KServeService, error_code, error_status
 from edge_server.kserve.shm import Peer
 from edge_server.limits import Limits
 
@@ -104,7 +104,8 @@ class KServeHttpApp:
         except Exception as exc:  # noqa: BLE001 - every error becomes a reply; the server never dies
             status, _code, message = error_status(exc)
             close = [(b"connection", b"close")] if isinstance(exc, (MessageTooLarge, ProtocolError)) else []
-            await _send(send, status, json.dumps({"error": message}).encode(), _JSON + close)
+            body = json.dumps({"error": message, "code": error_code(exc)}).encode()
+            await _send(send, status, body, _JSON + close)
             return
         encoding = _response_encoding(headers.get(b"accept-encoding", b""))
         if encoding and len(body) > 0 and _is_infer(scope["path"]):  # Triton compresses only these

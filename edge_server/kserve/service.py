@@ -21,7 +21,16 @@ import numpy as np
 import edge_server
 from edge_server import classification
 from edge_server.authorization import ControlPolicy
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported, shorten
+from edge_server.errors import (
+    ConfigError,
+    EdgeServerError,
+    InvalidArgument,
+    ModelNotReady,
+    UnknownModel,
+    Unsupported,
+    shorten,
+    unknown_model,
+)
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
@@ -70,12 +79,22 @@ _GRPC_CODES = {
 
 
 def error_status(exc: BaseException) -> tuple[int, str, str]:
-    """(HTTP status, gRPC status code name, message) for any exception a handler let through."""
+    """(HTTP status, gRPC status code name, message) for any exception a handler let through.
+
+    The message is the error's own text with nothing before it, as Triton sends it: Triton's clients
+    and tools match its texts with ``startswith`` and ``==``.  Our stable code travels beside it
+    (:func:`error_code`: the HTTP body's ``code``), not inside it.
+    """
     if isinstance(exc, EdgeServerError):
         grpc_code = exc.grpc_status or _GRPC_CODES.get(exc.http_status, "INTERNAL")
-        return exc.http_status, grpc_code, f"{exc.code}: {exc.message}"
+        return exc.http_status, grpc_code, exc.message
     log.exception("unexpected error in a KServe handler", exc_info=exc)
-    return 500, "INTERNAL", f"INTERNAL: {type(exc).__name__}: {exc}"
+    return 500, "INTERNAL", f"{type(exc).__name__}: {exc}"
+
+
+def error_code(exc: BaseException) -> str:
+    """The stable edge-server code of an error (errors.py), the one IPC sends: INTERNAL when unplanned."""
+    return exc.code if isinstance(exc, EdgeServerError) else "INTERNAL"
 
 
 @dataclass(slots=True)
@@ -191,12 +210,16 @@ class KServeService:
         config = parameters.get("config")
         if config is not None and not isinstance(config, str):
             raise InvalidArgument("parameter 'config' must be the model config as a JSON string")
-        self.server.load_model(name, config_override=config or None)
+        try:
+            self.server.load_model(name, config_override=config or None)
+        except (ConfigError, ModelNotReady) as exc:  # the model's own failure, not the request's
+            failed = type(exc)(f"load failed for model {shorten(name)}: {exc.message}")
+            raise failed from exc
 
     def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
         """Drain and unload every version of ``name`` (blocks until done)."""
         if not any(s.name == name for s in self.server.models()):
-            raise ModelNotFound(f"unknown model {shorten(name)}")
+            raise UnknownModel(unknown_model(name))
         self.server.unload_model(name)
 
     # -- inference ------------------------------------------------------------------------------
@@ -285,11 +308,13 @@ class KServeService:
         name: str,
         peer: Peer,
         budget: InputBudget | None = None,
+        model: str = "",
     ) -> np.ndarray:
         """An input from shared memory; ``budget``: what the request's inputs may still read."""
         region, offset, byte_size = ref
         want = codec.wire_size(datatype, shape)  # compared before a byte is read; None: strings
-        data = self.registry().read(region, offset, byte_size, want, peer, f"input {shorten(name)}", budget)
+        where = f"input {shorten(name)}" + (f" for model {shorten(model)}" if model else "")
+        data = self.registry().read(region, offset, byte_size, want, peer, where, budget)
         return codec.from_raw(data, datatype, shape, name)
 
     def input_budget(self) -> InputBudget | None:

@@ -261,7 +261,8 @@ class SystemSharedMemory:
         offset, byte_size = _span(offset, byte_size, where)
         if want is not None and byte_size != want:
             raise TensorSizeMismatch(
-                f"{where}: the tensor needs {want} bytes, its shared-memory reference holds {byte_size}"
+                f"input byte size mismatch for {where}. Expected {want}, got {byte_size} (the bytes its "
+                "datatype and shape need, and the bytes its shared-memory reference holds)"
             )
         (budget or self.budget()).take(byte_size, where)
         region = self.registry.use(self.owner(peer), name, where)

@@ -65,9 +65,14 @@ def check_span(offset: int, byte_size: int, size: int, what: str, where: str = "
     (its regions and ring slots).  ``where`` names the tensor, for the message.
     """
     if offset < 0 or byte_size < 0 or offset + byte_size > size:
-        prefix = f"{where}: " if where else ""
+        # Triton's texts first (its clients and QA match them), then which bytes and where.
+        kind, _, name = what.partition(" ")
+        triton = "Invalid offset" if offset < 0 or offset >= size else "Invalid offset + byte size"
+        if offset + byte_size >= 2**64:
+            triton = f"Integer overflow detected: byte_size ({byte_size}) + offset ({offset}) exceeds maximum"
+        detail = f"bytes {offset}..{offset + byte_size} lie outside {what} ({size} bytes)"
         raise ShmOutOfBounds(
-            f"{prefix}bytes {offset}..{offset + byte_size} lie outside {what} ({size} bytes)"
+            f"{triton} for shared memory {kind}: {name} ({where + ': ' if where else ''}{detail})"
         )
 
 
