@@ -296,6 +296,15 @@ class ShmUnavailable(SharedMemoryError):
     code = "SHM_UNAVAILABLE"
 
 
+class ShmCannotOpen(ShmUnavailable):
+    """The segment a key names cannot be opened (there is none, or no permission).
+
+    gRPC INTERNAL, as Triton answers ("Unable to open shared memory region"); its QA checks the status.
+    """
+
+    grpc_status = "INTERNAL"
+
+
 class ShmAlreadyRegistered(SharedMemoryError):
     """The client already registered a region under that name."""
 

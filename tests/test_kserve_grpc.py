@@ -156,9 +156,12 @@ def test_stream_requests_overlap(client: grpcclient.InferenceServerClient, kserv
 
 
 def test_cuda_shared_memory_is_unimplemented(client: grpcclient.InferenceServerClient) -> None:
+    """Registering is refused; none is ever registered, so the status is empty and unregistering a no-op."""
     with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported") as info:
-        client.get_cuda_shared_memory_status()
+        client.register_cuda_shared_memory("x", b"aGFuZGxl", 0, 16)  # the client decodes it: base64
     assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert not client.get_cuda_shared_memory_status().regions
+    client.unregister_cuda_shared_memory()
 
 
 def test_log_settings_update_and_refusal(client: grpcclient.InferenceServerClient) -> None:

@@ -357,8 +357,10 @@ def test_trace_settings_same_on_both_and_changes_refused(
 
 def test_cuda_shared_memory_is_not_supported(client: httpclient.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported") as info:
-        client.get_cuda_shared_memory_status()
+        client.register_cuda_shared_memory("x", b"handle", 0, 16)
     assert info.value.status() == "501"
+    assert client.get_cuda_shared_memory_status() == []  # none is ever registered
+    client.unregister_cuda_shared_memory()
 
 
 # -- what stock clients never send ------------------------------------------------------------------

@@ -31,7 +31,7 @@ from edge_server.errors import AddressInUse, EdgeServerError, TooManyRequests, U
 from edge_server.kserve import grpc_codec
 from edge_server.kserve.grpc_stream import StreamCall
 from edge_server.kserve.grpc_wire import WireRequest, parse_infer_request
-from edge_server.kserve.service import KServeService, OutputWant, error_status
+from edge_server.kserve.service import NO_CUDA_SHM, KServeService, OutputWant, error_status
 from edge_server.kserve.shm import Peer, peer_uid
 from edge_server.limits import Limits
 from edge_server.request import InferRequest, ResponseSink
@@ -333,15 +333,18 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return self._call(context, work)
 
-    def _no_cuda(self, request: Any, context: Any) -> Any:
+    def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         def work() -> Any:
-            raise Unsupported("CUDA shared memory is not supported by edge-server; use system shared memory")
+            raise Unsupported(NO_CUDA_SHM)
 
         return self._call(context, work)
 
-    CudaSharedMemoryStatus = _no_cuda
-    CudaSharedMemoryRegister = _no_cuda
-    CudaSharedMemoryUnregister = _no_cuda
+    # none is ever registered: its status is empty and unregistering is a no-op (as Triton's with none)
+    def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
 
     # -- settings (edge_server.kserve.settings: the same answers as HTTP's) -----------------------
 

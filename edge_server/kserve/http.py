@@ -39,7 +39,7 @@ from edge_server.errors import (
 from edge_server.kserve import rest
 from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget, http_protocol
 from edge_server.kserve.json_bounds import check_json_objects
-from edge_server.kserve.service import KServeService, error_code, error_status
+from edge_server.kserve.service import NO_CUDA_SHM, KServeService, error_code, error_status
 from edge_server.kserve.shm import Peer
 from edge_server.limits import Limits
 
@@ -224,8 +224,12 @@ class KServeHttpApp:
         self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], match: re.Match[str]
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         kind, region, action = match.group(1), match.group(2) or "", match.group(3)
-        if kind == "cuda":
-            raise Unsupported("CUDA shared memory is not supported by edge-server; use system shared memory")
+        if kind == "cuda":  # none is ever registered: its status is empty and unregistering is a no-op
+            if action == "status":
+                return _json([])
+            if action == "unregister":
+                return 200, b"", []
+            raise Unsupported(NO_CUDA_SHM)
         if action == "status":
             return _json(self.service.shm_status(region, _peer(scope)))
         registry = self.service.registry()

@@ -62,6 +62,7 @@ _RESERVED = (
     "sequence_end",
     "binary_data_output",
 )
+NO_CUDA_SHM = "CUDA shared memory is not supported by edge-server; use system shared memory"
 _SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 # HTTP status -> gRPC status code name; the one mapping for both transports.
 _GRPC_CODES = {

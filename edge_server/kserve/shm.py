@@ -35,6 +35,7 @@ from typing import Any
 from edge_server.errors import (
     InvalidArgument,
     MessageTooLarge,
+    ShmCannotOpen,
     ShmNameRejected,
     ShmOutOfBounds,
     ShmUnavailable,
@@ -216,7 +217,7 @@ class SystemSharedMemory:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
-            raise ShmUnavailable(f"cannot open shared-memory key {key!r}: {exc.strerror}") from None
+            raise ShmCannotOpen(f"Unable to open shared memory region: {key!r} ({exc.strerror})") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
