@@ -322,11 +322,11 @@ class PythonBackend(Backend):
                     _stream(item).put(None, refused, final=True)  # refused where already finished
                 return [{} for _ in batch]
             return [self._decoupled_result(r, item) for r, item in zip(requests, batch, strict=True)]
-        answers = pb_single.sent(requests)  # sent through a sender: they answer (a returned one is dropped)
-        if responses is None and any(answers):  # Triton takes None for "nothing returned"
-            responses = [None] * len(batch)
-        if any(answers) and isinstance(responses, list | tuple) and len(responses) == len(batch):
-            responses = [a if a is not None else r for a, r in zip(answers, responses, strict=True)]
+        flags = [request.release_flags() for request in requests]
+        records = pb_single.singles(requests)
+        del requests  # a sender the model dropped unused is noticed when it is collected
+        # sent through a sender: they answer (a returned one is dropped); maybe still to come
+        responses = pb_single.answers(self._config.name, records, responses)
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
             raise ModelExecutionError(
@@ -334,10 +334,12 @@ class PythonBackend(Backend):
                 f"({len(batch)}), returned {got}"
             )
         return [
-            self._convert(response, item)
-            if request.release_flags() != pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
+            response
+            if isinstance(response, EdgeServerError)
+            else self._convert(response, item)
+            if flag != pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
             else self._rescheduled(response)
-            for response, item, request in zip(responses, batch, requests, strict=True)
+            for response, item, flag in zip(responses, batch, flags, strict=True)
         ]
 
     # -- request rescheduling (Triton >= 23.11) ---------------------------------------------------
