@@ -221,3 +221,29 @@ def test_load_and_unload_names_get_tritons_texts(ports: tuple[int, int]) -> None
     ):
         client.load_model("model123")
     client.close()
+
+
+def test_request_parameters_named_triton_underscore_are_refused(ports: tuple[int, int]) -> None:
+    """Triton keeps ``triton_*`` request parameters for itself (L0_parameters); others reach the model."""
+    body = {
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],
+        "parameters": {"triton_final_response": True},
+    }
+    status, answer = _post(ports[0], body)
+    assert status == 400
+    assert (
+        "parameter keys starting with 'triton_' are reserved for Triton usage" in json.loads(answer)["error"]
+    )
+    body["parameters"] = {"mine": "ok"}
+    assert _post(ports[0], body)[0] == 200
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name="affine")  # tritonclient refuses it client-side
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    request.parameters["triton_injected_via_header"].string_param = "x"
+    with grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError, match="reserved for Triton usage"):
+            stub.ModelInfer(request)

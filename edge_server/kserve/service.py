@@ -63,6 +63,8 @@ _RESERVED = (
     "binary_data_output",
 )
 NO_CUDA_SHM = "CUDA shared memory is not supported by edge-server; use system shared memory"
+# The one ``triton_`` request parameter a client may send (gRPC streams); the rest are Triton's own.
+_TRITON_ALLOWED = ("triton_enable_empty_final_response",)
 _SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 # HTTP status -> gRPC status code name; the one mapping for both transports.
 _GRPC_CODES = {
@@ -249,6 +251,12 @@ class KServeService:
                 request_id=request_id,
                 classification=classification_of(outputs),
             )
+        for key in parameters:
+            if key.startswith("triton_") and key not in _TRITON_ALLOWED:
+                raise InvalidArgument(
+                    "parameter keys starting with 'triton_' are reserved for Triton usage and should not "
+                    f"be specified (got {shorten(key)})"
+                )
         user = {k: v for k, v in parameters.items() if k not in _RESERVED}
         priority = _int_param(parameters, "priority", 0)
         timeout = _int_param(parameters, "timeout", 0)
