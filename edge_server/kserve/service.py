@@ -220,10 +220,30 @@ class KServeService:
             raise failed from exc
 
     def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
-        """Drain and unload every version of ``name`` (blocks until done)."""
+        """Drain and unload every version of ``name`` (blocks until done).
+
+        Triton's ``unload_dependents``: an ensemble's members go too (and theirs, for nested ones).
+        """
         if not any(s.name == name for s in self.server.models()):
             raise UnknownModel(unknown_model(name))
+        dependents = self._members(name) if parameters.get("unload_dependents") is True else []
         self.server.unload_model(name)
+        serving = self.server.routing.serving()
+        for member in dependents:
+            if member in serving:
+                self.server.unload_model(member)
+
+    def _members(self, name: str) -> list[str]:
+        """The models ensemble ``name`` reaches, directly or through nested ensembles, each once."""
+        found: dict[str, None] = {}
+        todo = [name]
+        while todo:
+            for loaded in self.server.routing.serving().get(todo.pop(), {}).values():
+                for member, _version in loaded.members:
+                    if member != name and member not in found:
+                        found[member] = None
+                        todo.append(member)
+        return list(found)
 
     # -- inference ------------------------------------------------------------------------------
 
