@@ -247,3 +247,25 @@ def test_request_parameters_named_triton_underscore_are_refused(ports: tuple[int
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         with pytest.raises(grpc.RpcError, match="reserved for Triton usage"):
             stub.ModelInfer(request)
+
+
+def test_a_body_over_the_limit_is_refused_with_tritons_text(ports: tuple[int, int]) -> None:
+    """Refused on its Content-Length, before a byte of it is read (L0_http's oversized load)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", ports[0]), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v2/repository/models/affine/load HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 2863311617\r\n\r\n{"
+        )
+        reply = b""
+        while b"}" not in reply.rpartition(b"\r\n\r\n")[2]:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    body = json.loads(reply.partition(b"\r\n\r\n")[2])
+    assert reply.startswith(b"HTTP/1.1 413")
+    assert body["error"].startswith(
+        "request JSON size of 2863311617 bytes exceeds the maximum allowed input size of"
+    )

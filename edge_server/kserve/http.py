@@ -272,8 +272,9 @@ class KServeHttpApp:
             if not declared.isdigit():
                 raise MalformedMessage("Content-Length must be a non-negative integer")
             if int(declared) > limit:
-                raise MessageTooLarge(
-                    f"the request body has {int(declared)} bytes; this server takes at most {limit}"
+                raise MessageTooLarge(  # Triton's text first: its clients and QA match it
+                    f"request JSON size of {int(declared)} bytes exceeds the maximum allowed input size of "
+                    f"{limit} bytes (the request body; --max-message-bytes sets the limit)"
                 )
         chunks = []
         total = 0
