@@ -34,11 +34,12 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from edge_server.config import ModelConfig
 from edge_server.errors import (
     EdgeServerError,
+    InvalidArgument,
     ModelNotFound,
     ModelNotReady,
     ServerShuttingDown,
@@ -46,6 +47,7 @@ from edge_server.errors import (
     shorten,
     unknown_model,
 )
+from edge_server.load_files import StagedFiles
 from edge_server.load_guard import load_abandonable
 from edge_server.loader import (
     LoadedVersion,
@@ -104,25 +106,41 @@ class ModelManager:
         self._failed: dict[tuple[str, int], tuple[str, str]] = {}  # (name, version) -> (hash, reason)
         self._unloaded: set[str] = set()  # unloaded through the API: rescans leave them alone
         self._overrides: dict[str, str] = {}  # configs given at load time, until loaded without one
+        self._staged = StagedFiles()  # files given at load time (Triton's file:), likewise
+        self._file_roots: dict[str, Path] = {}  # model -> the staged root it loads from
         self._closed = False
         self._heap_changed = False  # versions were loaded or freed since the heap was last settled
         self._loading_members: set[str] = set()  # members an explicit ensemble load is bringing up
 
     # -- control --------------------------------------------------------------------------------
 
-    def load(self, name: str, *, config_override: str | None = None) -> list[VersionStatus]:
+    def load(
+        self,
+        name: str,
+        *,
+        config_override: str | None = None,
+        files: Mapping[PurePosixPath, bytes] | None = None,
+    ) -> list[VersionStatus]:
         """Load or reload ``name`` from the repository; raises if nothing of it can serve afterwards.
 
         Versions whose files did not change stay as they are; versions that failed before are tried
         again even if their files are the same (the failure may have been transient).
         ``config_override`` (JSON, Triton's load-time ``config``) replaces config.pbtxt until the model
-        is loaded again without one; a load that fails keeps the previous choice.
+        is loaded again without one; a load that fails keeps the previous choice.  ``files`` (Triton's
+        load-time ``file:`` overrides, with a config) are the model's whole directory, staged outside
+        the repository (:mod:`edge_server.load_files`), likewise until it is loaded without them.
         """
         check_model_name(name)
+        if files and config_override is None:
+            raise InvalidArgument("file overrides need the model's config too (the 'config' parameter)")
         with self._changing(name):
             self._check_open()
             self._unloaded.discard(name)
-            source = scan_model(self.repository, name)
+            if files:
+                self._file_roots[name] = self._staged.stage(name, files)
+            elif self._file_roots.pop(name, None) is not None:
+                self._staged.drop(name)
+            source = self._staged_source(name) or scan_model(self.repository, name)
             if source is None:
                 if name in self._routing.serving():
                     self._unload(name)
@@ -144,7 +162,12 @@ class ModelManager:
                 raise
         return [s for s in self._routing.index() if s.name == name]
 
+    def _staged_source(self, name: str) -> ModelSource | None:
+        root = self._file_roots.get(name)
+        return None if root is None else scan_model(root, name)
+
     def _overridden(self, source: ModelSource) -> ModelSource:
+        source = self._staged_source(source.name) or source
         override = self._overrides.get(source.name)
         return source if override is None else dataclasses.replace(source, config_override=override)
 
@@ -174,6 +197,8 @@ class ModelManager:
             if name not in self._routing.serving() and not self._index.of(name):
                 raise UnknownModel(unknown_model(name))
             self._unload(name)
+            if self._file_roots.pop(name, None) is not None:
+                self._staged.drop(name)
             self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
             self._index.publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
 
@@ -194,6 +219,8 @@ class ModelManager:
             else:
                 wanted = set(names)
                 on_disk = {name: scan_model(self.repository, name) for name in wanted}
+            for name in self._file_roots.keys() & wanted:  # loaded from files given at load time
+                on_disk[name] = self._staged_source(name)
             # Ensembles after the models they call, so that their steps validate against them.
             ordered = sorted(wanted - set(self._unloaded), key=lambda n: (is_ensemble(on_disk.get(n)), n))
             failed_ensembles: list[ModelSource] = []
@@ -298,6 +325,7 @@ class ModelManager:
             retiring = [loaded for versions in serving.values() for loaded in versions.values()]
             self._routing.switch({})
         self._retire(retiring, deadline=deadline)
+        self._staged.close()
 
     def _model_lock(self, name: str) -> threading.RLock:
         with self._locks_lock:

@@ -200,9 +200,20 @@ def _instance_count(config: ModelConfig) -> int:
     )
 
 
+# Triton's python_backend refuses these in a model's name (its stub's name); its QA checks the text.
+_STUB_NAME_CHARS = frozenset(";|&$`<>()[]{}\\\"'*?~#!")
+
+
+def check_stub_name(name: str) -> None:
+    """Triton's rule for a Python model's name: none of :data:`_STUB_NAME_CHARS` (ConfigError)."""
+    if not _STUB_NAME_CHARS.isdisjoint(name):
+        raise ConfigError(f"Invalid stub name: contains invalid characters (model name {name!r})")
+
+
 class PythonBackend(Backend):
     @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
+        check_stub_name(config.name)
         if isolation_mode(config) == "process":  # model.py is not even imported by the daemon
             from edge_server.backends.python_process import complete_in_process
 

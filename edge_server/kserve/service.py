@@ -34,6 +34,7 @@ from edge_server.errors import (
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
+from edge_server.load_files import file_overrides
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.shm import Lease
 from edge_server.status_index import ModelState
@@ -200,21 +201,17 @@ class KServeService:
         return rows
 
     def load(self, name: str, parameters: Mapping[str, Any]) -> None:
-        """Load or reload ``name`` (blocks for the load), with Triton's ``config`` override (JSON).
+        """Load or reload ``name`` (blocks for the load), with Triton's load-time overrides.
 
-        File overrides (``file:<path>`` parameters) are refused: drop files into the repository.
+        ``config`` (JSON) and ``file:<path>`` (the model's files, staged outside the repository:
+        edge_server.load_files).
         """
-        for key in parameters:
-            if key.startswith("file:"):
-                raise Unsupported(
-                    f"loading with a file override ({key!r}) is not supported; put the file into the "
-                    "repository and load again"
-                )
+        files = file_overrides(name, parameters)
         config = parameters.get("config")
         if config is not None and not isinstance(config, str):
             raise InvalidArgument("parameter 'config' must be the model config as a JSON string")
         try:
-            self.server.load_model(name, config_override=config or None)
+            self.server.load_model(name, config_override=config or None, files=files or None)
         except (ConfigError, ModelNotReady) as exc:  # the model's own failure, not the request's
             failed = type(exc)(f"load failed for model {shorten(name)}: {exc.message}")
             raise failed from exc
