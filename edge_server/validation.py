@@ -7,6 +7,7 @@ every request, and a bad request must fail alone, before it reaches a batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ def _rule(model: str, spec: TensorSpec) -> _InputRule:
 
 
 def check_parameters(parameters: object) -> Parameters:
-    """``parameters`` if it is a small map of str to bool, int or str (KServe v2's parameter types)."""
+    """``parameters`` if it is a small map of str to bool, int, float or str (Triton's parameter types)."""
     if not isinstance(parameters, Mapping):
         raise InvalidArgument(f"parameters must be a map of name to value, got {type(parameters).__name__}")
     if len(parameters) > MAX_PARAMETERS:
@@ -75,9 +76,12 @@ def check_parameters(parameters: object) -> Parameters:
         elif isinstance(value, int):  # bool is an int
             if not -(2**63) <= value < 2**64:
                 raise InvalidArgument(f"parameter {key!r} is outside the 64-bit integer range")
+        elif isinstance(value, float):  # Triton's double_param (JSON numbers with a fraction)
+            if not math.isfinite(value):
+                raise InvalidArgument(f"parameter {key!r} must be a finite number, got {value!r}")
         else:
             raise InvalidArgument(
-                f"parameter {key!r} must be a bool, an integer or a string, got {type(value).__name__}"
+                f"parameter {key!r} must be a bool, a number or a string, got {type(value).__name__}"
             )
     return parameters
 

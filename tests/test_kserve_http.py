@@ -213,8 +213,11 @@ def test_request_parameters_reach_the_model_and_are_checked(client: httpclient.I
     binary = client.infer("params", [tensor], outputs=[httpclient.InferRequestedOutput("PARAMS", True)])
     assert binary.get_response()["parameters"] == {**echoed, "seen": 0}
     assert binary.get_response()["outputs"][0]["parameters"]["binary_data_size"] > 0
-    with pytest.raises(InferenceServerException, match="must be a bool, an integer or a string"):
-        client.infer("params", [tensor], parameters={"ratio": 0.5})
+    # a number with a fraction is Triton's double_param: it reaches the model too (L0_parameters)
+    ratio = client.infer("params", [tensor], parameters={"ratio": 0.5}).as_numpy("PARAMS")
+    assert json.loads(ratio[0])["parameters"] == {"ratio": 0.5}
+    with pytest.raises(InferenceServerException, match="must be a bool, a number or a string"):
+        client.infer("params", [tensor], parameters={"nested": [1, 2]})
 
 
 def _log_count(kserve: KServeDaemon, text: str) -> int:

@@ -234,6 +234,8 @@ def test_request_parameters_named_triton_underscore_are_refused(ports: tuple[int
     assert (
         "parameter keys starting with 'triton_' are reserved for Triton usage" in json.loads(answer)["error"]
     )
+    body["parameters"] = {"triton_enable_empty_final_response": True}  # gRPC's only, as in Triton
+    assert _post(ports[0], body)[0] == 400
     body["parameters"] = {"mine": "ok"}
     assert _post(ports[0], body)[0] == 200
     import grpc

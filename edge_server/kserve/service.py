@@ -64,8 +64,8 @@ _RESERVED = (
     "binary_data_output",
 )
 NO_CUDA_SHM = "CUDA shared memory is not supported by edge-server; use system shared memory"
-# The one ``triton_`` request parameter a client may send (gRPC streams); the rest are Triton's own.
-_TRITON_ALLOWED = ("triton_enable_empty_final_response",)
+# The one ``triton_`` request parameter a client may send, over gRPC (streams); the rest are Triton's.
+TRITON_GRPC_PARAMETERS = ("triton_enable_empty_final_response",)
 _SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 # HTTP status -> gRPC status code name; the one mapping for both transports.
 _GRPC_CODES = {
@@ -254,10 +254,12 @@ class KServeService:
         outputs: list[OutputWant] | None,
         parameters: Mapping[str, Any],
         peer: Peer | None = None,
+        triton_allowed: tuple[str, ...] = (),
     ) -> InferRequest:
         """The data plane's request; reserved parameters become its fields, the others reach the model.
 
         A sequence's request carries the ``peer``'s uid as its owner (see scheduler.sequence).
+        Parameters named ``triton_*`` are refused, as Triton does, but those in ``triton_allowed``.
         """
         if not parameters:
             return InferRequest(
@@ -269,7 +271,7 @@ class KServeService:
                 classification=classification_of(outputs),
             )
         for key in parameters:
-            if key.startswith("triton_") and key not in _TRITON_ALLOWED:
+            if key.startswith("triton_") and key not in triton_allowed:
                 raise InvalidArgument(
                     "parameter keys starting with 'triton_' are reserved for Triton usage and should not "
                     f"be specified (got {shorten(key)})"
