@@ -130,6 +130,11 @@ class ModelManager:
         load-time ``file:`` overrides, with a config) are the model's whole directory, staged outside
         the repository (:mod:`edge_server.load_files`), likewise until it is loaded without them.
         """
+        if name.startswith(".") and "/" not in name and name.strip() != "..":  # hidden: never a model
+            raise ModelNotFound(
+                f"failed to load {shorten(name)}, failed to poll from model repository (a name "
+                "starting with '.' is hidden, never a model)"
+            )
         check_model_name(name)
         if files and config_override is None:
             raise InvalidArgument("file overrides need the model's config too (the 'config' parameter)")

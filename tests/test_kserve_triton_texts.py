@@ -220,6 +220,9 @@ def test_load_and_unload_names_get_tritons_texts(ports: tuple[int, int]) -> None
         InferenceServerException, match="failed to load 'model123', failed to poll from model repo"
     ):
         client.load_model("model123")
+    for name in ("...", "..my_model"):  # Triton's valid names: not found here (hidden, never a model)
+        with pytest.raises(InferenceServerException, match="failed to poll from model repository"):
+            client.load_model(name)
     client.close()
 
 
