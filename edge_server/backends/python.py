@@ -97,12 +97,18 @@ _ERRORS_BY_TRITON_CODE: dict[int, type[EdgeServerError]] = {
 }
 
 
-def model_error(model: str, error: object) -> EdgeServerError:
-    """The error a client sees for a ``TritonError`` (or anything else) a model returned or raised."""
+def model_error(instance: str, error: object) -> EdgeServerError:
+    """The error a client sees for a ``TritonError`` (or anything else) a model returned or raised.
+
+    Triton's texts, which its clients and QA match: a ``TritonError``'s message as the model wrote
+    it; for any other exception, "Failed to process the request(s) for model '<instance>', message:
+    <type>: <text>".
+    """
     if isinstance(error, pb_utils.TritonError):
         cls = _ERRORS_BY_TRITON_CODE.get(error.code(), ModelExecutionError)
-        return cls(f"model {model!r}: {error.message()}")
-    return ModelExecutionError(f"model {model!r}: {error}")
+        return cls(error.message())
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    return ModelExecutionError(f"Failed to process the request(s) for model {instance!r}, message: {text}")
 
 
 def _tensor_from_dict(spec: dict[str, Any]) -> TensorSpec:
@@ -307,11 +313,9 @@ class PythonBackend(Backend):
             finally:
                 pb_context.mark(previous)
         except Exception as exc:
-            if isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
-                error = model_error(self._config.name, exc)
-            else:
+            if not isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
                 log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
-                error = ModelExecutionError(f"model {self._config.name!r} raised {exc!r}")
+            error = model_error(self._name, exc)
             if not self._config.decoupled:
                 answers = pb_single.sent(requests)
                 if not any(answers):
@@ -469,7 +473,7 @@ class PythonBackend(Backend):
         elif future.exception() is not None:
             exc = future.exception()
             log.warning("%s: execute() raised: %r", self._name, exc)
-            error = model_error(self._config.name, exc)
+            error = model_error(self._name, exc)
         elif future.result() is not None:
             error = self._must_return_none()
         else:
