@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 _KEY = re.compile(r"/?([A-Za-z0-9._-]{1,200})")
 _NAME_MAX = 256
+#: Triton refuses keys with this prefix (its Python backend's own segments); so do we, with its text
+_RESERVED_KEY_PREFIX = "triton_python_backend_shm_region_"
 
 
 @dataclass(slots=True)
@@ -197,11 +199,16 @@ class SystemSharedMemory:
     def register(self, name: object, key: object, offset: object, byte_size: object, peer: Peer) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= _NAME_MAX:
             raise InvalidArgument(f"a region name must be a string of 1-{_NAME_MAX} characters")
+        if isinstance(key, str) and key.lstrip("/").startswith(_RESERVED_KEY_PREFIX):
+            raise ShmNameRejected(  # Triton keeps these for its Python backend's own regions
+                f"cannot register shared memory region {name[:60]!r} with key {key[:120]!r} as the key "
+                f"contains the reserved prefix '{_RESERVED_KEY_PREFIX}'"
+            )
         match = _KEY.fullmatch(key) if isinstance(key, str) else None
         if match is None or match.group(1) in (".", ".."):
-            raise ShmNameRejected(
-                f"shared-memory key {str(key)[:60]!r} is not allowed: use '/' and 1-200 characters "
-                "from [A-Za-z0-9._-]"
+            raise ShmNameRejected(  # Triton's text first, then ours
+                f"cannot register shared memory region {name[:60]!r} - invalid shm key {str(key)[:60]!r} "
+                "(use '/' and 1-200 characters from [A-Za-z0-9._-])"
             )
         for field, value in (("offset", offset), ("byte_size", byte_size)):
             if type(value) is not int or value < 0:
