@@ -67,6 +67,22 @@ class ModelNotFound(EdgeServerError):
     http_status = 404
 
 
+class UnknownModel(ModelNotFound):
+    """No model of that name at all (Triton: "Request for unknown model: 'X' is not found").
+
+    The same stable code as :class:`ModelNotFound` (IPC clients see no difference); over HTTP and gRPC
+    Triton's statuses for it, 400 and INVALID_ARGUMENT, which its clients and tools expect.
+    """
+
+    http_status = 400
+    grpc_status = "INVALID_ARGUMENT"
+
+
+def unknown_model(name: object, detail: str = "is not found") -> str:
+    """Triton's text for a request naming a model (or version) it cannot serve; its tools match it."""
+    return f"Request for unknown model: {shorten(name)} {detail}"
+
+
 class ModelNotReady(EdgeServerError):
     """The model exists but cannot take requests now (loading, unloading, failed)."""
 
@@ -278,6 +294,15 @@ class ShmUnavailable(SharedMemoryError):
     """The segment does not exist, is not a regular shared-memory file, or cannot be mapped."""
 
     code = "SHM_UNAVAILABLE"
+
+
+class ShmCannotOpen(ShmUnavailable):
+    """The segment a key names cannot be opened (there is none, or no permission).
+
+    gRPC INTERNAL, as Triton answers ("Unable to open shared memory region"); its QA checks the status.
+    """
+
+    grpc_status = "INTERNAL"
 
 
 class ShmAlreadyRegistered(SharedMemoryError):

@@ -52,10 +52,14 @@ def check_model_name(name: object) -> str:
     name is joined to the repository path: no separators, no ``.``/``..``, no NUL, no hidden names,
     at most 255 bytes.  So no request can make the daemon load a directory outside the repository.
     """
+    if isinstance(name, str) and not name.strip():
+        raise InvalidArgument("Model name cannot be empty. Please enter a valid name to deploy.")
+    if isinstance(name, str) and ("/" in name or name.strip() == ".."):
+        raise InvalidArgument(
+            f"invalid model name {shorten(name)}, model name must not contain path traversal characters"
+        )
     if (
         not isinstance(name, str)
-        or not name
-        or "/" in name
         or "\\" in name
         or "\0" in name
         or name.startswith(".")

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from edge_server.errors import ModelNotFound, ModelNotReady, shorten
+from edge_server.errors import ModelNotFound, ModelNotReady, UnknownModel, unknown_model
 from edge_server.loader import LoadedVersion
 from edge_server.pipeline.ensemble import EnsembleScheduler
 from edge_server.repository import check_model_name
@@ -74,19 +74,20 @@ class Routing:
         check_model_name(name)
         known = self._index.of(name)
         if not known and not versions:
-            raise ModelNotFound(f"unknown model {shorten(name)}")
+            raise UnknownModel(unknown_model(name))
         status = known.get((name, version)) if version is not None else None
         if status is not None:
             raise ModelNotReady(
-                f"model {shorten(name)} version {version} is {status.state.value}: {status.reason}"
+                unknown_model(name, f"version {version} is not at ready state")
+                + f" ({status.state.value}: {status.reason})"
             )
         if version is not None:
             available = sorted(versions or {})
             raise ModelNotFound(
-                f"model {shorten(name)} has no version {version}; serving versions: {available}"
+                unknown_model(name, f"version {version} is not found") + f" (serving versions: {available})"
             )
         reasons = "; ".join(f"v{s.version}: {s.state.value} {s.reason}".strip() for s in known.values())
-        raise ModelNotReady(f"model {shorten(name)} is not ready ({reasons})")
+        raise ModelNotReady(unknown_model(name, f"has no available versions ({reasons})"))
 
     def sequence_holder(
         self, name: str, correlation_id: int | str, owner: int | None = None

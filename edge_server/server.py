@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -281,14 +281,21 @@ class Server:
             "models": model_report(self._routing),
         }
 
-    def load_model(self, model: str, *, config_override: str | None = None) -> list[VersionStatus]:
+    def load_model(
+        self,
+        model: str,
+        *,
+        config_override: str | None = None,
+        files: Mapping[PurePosixPath, bytes] | None = None,
+    ) -> list[VersionStatus]:
         """Load or reload ``model`` from the repositories (explicit and poll modes).
 
         ``config_override``: the model's config as JSON (Triton's load-time ``config``), used instead of
-        its config.pbtxt until it is loaded again without one.
+        its config.pbtxt until it is loaded again without one; ``files`` (with a config): the model's
+        files, instead of its directory (Triton's ``file:`` overrides; see edge_server.load_files).
         """
         self._check_control()
-        return self._manager.load(model, config_override=config_override)
+        return self._manager.load(model, config_override=config_override, files=files)
 
     def unload_model(self, model: str) -> None:
         """Drain and unload every version of ``model`` (explicit and poll modes)."""

@@ -7,6 +7,7 @@ every request, and a bad request must fail alone, before it reaches a batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ def _rule(model: str, spec: TensorSpec) -> _InputRule:
 
 
 def check_parameters(parameters: object) -> Parameters:
-    """``parameters`` if it is a small map of str to bool, int or str (KServe v2's parameter types)."""
+    """``parameters`` if it is a small map of str to bool, int, float or str (Triton's parameter types)."""
     if not isinstance(parameters, Mapping):
         raise InvalidArgument(f"parameters must be a map of name to value, got {type(parameters).__name__}")
     if len(parameters) > MAX_PARAMETERS:
@@ -75,9 +76,12 @@ def check_parameters(parameters: object) -> Parameters:
         elif isinstance(value, int):  # bool is an int
             if not -(2**63) <= value < 2**64:
                 raise InvalidArgument(f"parameter {key!r} is outside the 64-bit integer range")
+        elif isinstance(value, float):  # Triton's double_param (JSON numbers with a fraction)
+            if not math.isfinite(value):
+                raise InvalidArgument(f"parameter {key!r} must be a finite number, got {value!r}")
         else:
             raise InvalidArgument(
-                f"parameter {key!r} must be a bool, an integer or a string, got {type(value).__name__}"
+                f"parameter {key!r} must be a bool, a number or a string, got {type(value).__name__}"
             )
     return parameters
 
@@ -182,6 +186,8 @@ class RequestValidator:
 
     def _check_names(self, inputs: Mapping[str, object]) -> None:
         by_name = self._by_name
+        if not len(self._required) <= len(inputs) <= len(by_name):
+            raise InvalidArgument(self._count_text(inputs))
         for name in inputs:
             if name in self._server_inputs:
                 raise InvalidArgument(
@@ -191,11 +197,24 @@ class RequestValidator:
                 )
             if name not in by_name:
                 raise InvalidArgument(
-                    f"model {self.model!r} has no input {shorten(name)}; its inputs are {sorted(by_name)}"
+                    f"unexpected inference input {shorten(name)} for model {self.model!r} "
+                    f"(its inputs are {sorted(by_name)})"
                 )
-        for name in self._required:
-            if name not in inputs:
-                raise InvalidArgument(f"model {self.model!r}: missing input {shorten(name)}")
+        if any(name not in inputs for name in self._required):
+            raise InvalidArgument(self._count_text(inputs))
+
+    def _count_text(self, inputs: Mapping[str, object]) -> str:
+        """Triton's text for a request without all required inputs (or with too many): its QA matches it."""
+        total, required = len(self._by_name), len(self._required)
+        expected = (
+            f"{total} inputs" if total == required else f"number of inputs between {required} and {total}"
+        )
+        got = ",".join(shorten(name) for name in list(inputs)[:16])
+        missing = ",".join(repr(name) for name in self._required if name not in inputs)
+        return (
+            f"expected {expected} but got {len(inputs)} inputs for model {self.model!r}. Got input(s) "
+            f"[{got}], but missing required input(s) [{missing}]. Please provide all required input(s)."
+        )
 
     def _check(self, rule: _InputRule, array: object) -> np.ndarray:
         """``array`` as a C-contiguous ndarray of the rule's dtype and shape, or InvalidArgument."""

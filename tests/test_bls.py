@@ -66,7 +66,8 @@ def test_bls_from_a_thread_the_model_started(repo: Path) -> None:
 
 def test_a_failed_call_is_an_error_response_with_the_callee_error_code(repo: Path) -> None:
     with Server(repo) as server:
-        with pytest.raises(NotFound, match=r"\[MODEL_NOT_FOUND\] unknown model 'nope'"):
+        text = r"\[MODEL_NOT_FOUND\] Request for unknown model: 'nope' is not found"
+        with pytest.raises(NotFound, match=text):
             server.infer("caller", {"INPUT0": x()}, parameters={"target": "nope"})
         # the callee validates the call like any request: affine's input has 4 columns, not 3
         with pytest.raises(InvalidArgument, match="INVALID_ARGUMENT"):

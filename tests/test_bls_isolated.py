@@ -56,7 +56,7 @@ def test_a_streamed_bls_call_from_a_process(tmp_path: Path) -> None:
 def test_a_refused_bls_call_from_a_process_is_the_callees_error(repo: Path) -> None:  # noqa: F811
     add_isolated(repo, "chain", CHAIN_CONFIG % {"name": "chain"}, CHAIN_MODEL.replace('"scale"', '"nope"'))
     with Server(repo) as server:
-        with pytest.raises(EdgeServerError, match="unknown model 'nope'"):
+        with pytest.raises(EdgeServerError, match="Request for unknown model: 'nope' is not found"):
             server.infer("chain", {"IN": x(1)})
         np.testing.assert_allclose(server.infer("pipe", {"IN": x(1)})["OUT"], 2 * x(1) + 3)
 

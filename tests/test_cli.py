@@ -65,7 +65,7 @@ def test_infer_bad_input_is_a_clear_error(example_repository: Path, tmp_path: Pa
     assert "error [INVALID_ARGUMENT]: model 'identity' input 'INPUT0': expected TYPE_FP32" in result.stderr
     result = cli("infer", "nope", "--input", "x=y.npy", "--model-repository", str(example_repository))
     assert result.returncode == 1
-    assert "error [MODEL_NOT_FOUND]: unknown model 'nope'" in result.stderr
+    assert "error [MODEL_NOT_FOUND]: Request for unknown model: 'nope' is not found" in result.stderr
 
 
 def test_models_and_infer_through_a_running_daemon(daemon: Daemon, example_repository: Path) -> None:

@@ -190,7 +190,7 @@ MALFORMED = {
     "unknown model": (
         [step("nope", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"})],
         {},
-        "step 0 (model 'nope'): unknown model 'nope'",
+        "step 0 (model 'nope'): Request for unknown model: 'nope' is not found",
     ),
     "consumed, never produced": (
         [
@@ -308,7 +308,10 @@ def test_an_ensemble_waiting_for_a_member_loads_when_the_member_arrives(tmp_path
     add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
     with Server(repo, model_control_mode="poll", watch_quiet_s=0.1) as server:
         (row,) = [s for s in server.models() if s.name == "pipe"]
-        assert row.state is ModelState.UNAVAILABLE and "unknown model 'shift'" in row.reason
+        assert (
+            row.state is ModelState.UNAVAILABLE
+            and "Request for unknown model: 'shift' is not found" in row.reason
+        )
         staging = tmp_path / "staging"
         add_member(staging, "shift", scale=1.0, offset=3.0)
         (staging / "shift").rename(repo / "shift")  # the OTA way: built elsewhere, renamed into place

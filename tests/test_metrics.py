@@ -20,6 +20,7 @@ from edge_server.client import Client
 from edge_server.errors import EdgeServerError
 from edge_server.metrics.device import DeviceCollector
 from edge_server.metrics.endpoint import exposition, registry_with
+from edge_server.scheduler.stats import ModelStats
 from tests.daemon import ROOT, Daemon, free_port, start_pyzmq_gc
 
 SYSFS = Path(__file__).parent / "data" / "jetson_sysfs"
@@ -117,7 +118,9 @@ def test_triton_counters_match_the_statistics_api_and_move_with_traffic(
         for model in ("identity", "counted"):
             s, lab = stats[model]["inference_stats"], {"model": model, "version": "1"}
             assert value(after, "nv_inference_request_success_total", **lab) == s["success"]["count"]
-            assert value(after, "nv_inference_request_failure_total", **lab) == s["fail"]["count"]
+            reasons = ("REJECTED", "CANCELED", "BACKEND", "OTHER")  # Triton's reason label, every one
+            failed = sum(value(after, "nv_inference_request_failure_total", **lab, reason=r) for r in reasons)
+            assert failed == s["fail"]["count"]
             assert value(after, "nv_inference_count_total", **lab) == stats[model]["inference_count"]
             assert value(after, "nv_inference_exec_count_total", **lab) == stats[model]["execution_count"]
             queue_us = (
@@ -129,7 +132,9 @@ def test_triton_counters_match_the_statistics_api_and_move_with_traffic(
             request_us = (s["success"]["ns"] + s["fail"]["ns"]) / 1e3
             assert value(after, "nv_inference_request_duration_us_total", **lab) == pytest.approx(request_us)
             assert value(after, "nv_inference_pending_request_count", **lab) == 0
-        assert value(after, "nv_inference_request_failure_total", model="counted", version="1") == 1
+        counted = {"model": "counted", "version": "1"}
+        assert value(after, "nv_inference_request_failure_total", **counted, reason="BACKEND") == 1
+        assert 'nv_inference_request_failure{model="counted",reason="BACKEND",version="1"} 1.0' in text
         # Triton's exact names in the text: no _total on its counters.
         assert "# TYPE nv_inference_request_success counter\n" in text
         assert 'nv_inference_request_success{model="identity",version="1"}' in text
@@ -216,3 +221,14 @@ def test_device_metrics_from_recorded_sysfs(device: str) -> None:
 
 def test_device_metrics_absent_off_jetson(tmp_path: Path) -> None:
     assert list(DeviceCollector(tmp_path).collect()) == []
+
+
+def test_failures_are_counted_by_tritons_reason() -> None:
+    """A queue-policy timeout is REJECTED, a cancel CANCELED, anything else that did not run OTHER."""
+    stats = ModelStats("m", 1)
+    stats.record_failure(5, 5, "REJECTED")
+    stats.record_failure(5, 5, "CANCELED")
+    stats.record_failure(5, 5)
+    stats.record_failure(5, 5, "no such reason")
+    assert stats.failure_reasons() == {"REJECTED": 1, "CANCELED": 1, "BACKEND": 0, "OTHER": 2}
+    assert stats.as_dict()["inference_stats"]["fail"]["count"] == 4

@@ -288,6 +288,9 @@ input [ { name: "MODE", data_type: TYPE_INT32, dims: [ 1 ] } ]
 output [ { name: "Y", data_type: TYPE_INT32, dims: [ 1 ] } ]
 """,
     """
+import threading
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -313,10 +316,21 @@ class TritonPythonModel:
             elif mode == 2:  # a second response raises; the first one stays the answer
                 sender.send(answer(20), flags=FINAL)
                 sender.send(answer(21))
-            else:  # sent and returned: the sent one answers
+            elif mode == 3:  # sent and returned: the sent one answers
                 sender.send(answer(30), flags=FINAL)
                 returned.append(answer(31))
+            elif mode == 4:  # answered after execute returned, from a thread of the model
+                threading.Thread(target=later, args=(sender,)).start()
+                returned.append(None)
+            else:  # a sender taken and dropped unused: an error, not a request waiting forever
+                returned.append(None)
         return returned
+
+
+def later(sender):
+    time.sleep(0.2)
+    sender.send(answer(40))
+    sender.send(flags=FINAL)  # the final flag after the answer is fine, also after execute returned
 """,
 )
 
@@ -404,6 +418,9 @@ def test_a_non_decoupled_model_may_answer_through_its_sender(server: Server) -> 
         answer(1)
     assert answer(2) == [20]
     assert answer(3) == [30]
+    assert answer(4) == [40]  # Triton's response_sender QA: a response sent after execute returned
+    with pytest.raises(EdgeServerError, match="the request's response sender sent no response"):
+        answer(5)
 
 
 def test_bls_responses_carry_the_called_models_parameters(server: Server) -> None:

@@ -188,15 +188,27 @@ def test_python_model_errors_are_per_request(server: Server) -> None:
 @pytest.mark.parametrize(
     ("model", "inputs", "kwargs", "error", "message"),
     [
-        ("nope", {"INPUT0": np.zeros((1, 4), np.float32)}, {}, ModelNotFound, "unknown model 'nope'"),
-        ("adder", {"INPUT0": np.zeros((1, 4), np.float32)}, {"version": 1}, ModelNotFound, "no version 1"),
-        ("adder", {}, {}, InvalidArgument, "missing input 'INPUT0'"),
+        (
+            "nope",
+            {"INPUT0": np.zeros((1, 4), np.float32)},
+            {},
+            ModelNotFound,
+            "Request for unknown model: 'nope' is not found",
+        ),
+        (
+            "adder",
+            {"INPUT0": np.zeros((1, 4), np.float32)},
+            {"version": 1},
+            ModelNotFound,
+            "'adder' version 1 is not found",
+        ),
+        ("adder", {}, {}, InvalidArgument, r"missing required input\(s\) \['INPUT0'\]"),
         (
             "adder",
             {"INPUT0": np.zeros((1, 4), np.float32), "EXTRA": np.zeros(1)},
             {},
             InvalidArgument,
-            "has no input 'EXTRA'",
+            r"expected 1 inputs but got 2 inputs for model 'adder'\. Got input\(s\) \['INPUT0','EXTRA'\]",
         ),
         ("adder", {"INPUT0": np.zeros((1, 4), np.float64)}, {}, InvalidArgument, "expected TYPE_FP32"),
         ("adder", {"INPUT0": np.zeros(4, np.float32)}, {}, InvalidArgument, r"expected shape \[batch, 4\]"),

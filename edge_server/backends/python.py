@@ -97,12 +97,18 @@ _ERRORS_BY_TRITON_CODE: dict[int, type[EdgeServerError]] = {
 }
 
 
-def model_error(model: str, error: object) -> EdgeServerError:
-    """The error a client sees for a ``TritonError`` (or anything else) a model returned or raised."""
+def model_error(instance: str, error: object) -> EdgeServerError:
+    """The error a client sees for a ``TritonError`` (or anything else) a model returned or raised.
+
+    Triton's texts, which its clients and QA match: a ``TritonError``'s message as the model wrote
+    it; for any other exception, "Failed to process the request(s) for model '<instance>', message:
+    <type>: <text>".
+    """
     if isinstance(error, pb_utils.TritonError):
         cls = _ERRORS_BY_TRITON_CODE.get(error.code(), ModelExecutionError)
-        return cls(f"model {model!r}: {error.message()}")
-    return ModelExecutionError(f"model {model!r}: {error}")
+        return cls(error.message())
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    return ModelExecutionError(f"Failed to process the request(s) for model {instance!r}, message: {text}")
 
 
 def _tensor_from_dict(spec: dict[str, Any]) -> TensorSpec:
@@ -200,9 +206,20 @@ def _instance_count(config: ModelConfig) -> int:
     )
 
 
+# Triton's python_backend refuses these in a model's name (its stub's name); its QA checks the text.
+_STUB_NAME_CHARS = frozenset(";|&$`<>()[]{}\\\"'*?~#!")
+
+
+def check_stub_name(name: str) -> None:
+    """Triton's rule for a Python model's name: none of :data:`_STUB_NAME_CHARS` (ConfigError)."""
+    if not _STUB_NAME_CHARS.isdisjoint(name):
+        raise ConfigError(f"Invalid stub name: contains invalid characters (model name {name!r})")
+
+
 class PythonBackend(Backend):
     @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
+        check_stub_name(config.name)
         if isolation_mode(config) == "process":  # model.py is not even imported by the daemon
             from edge_server.backends.python_process import complete_in_process
 
@@ -296,11 +313,9 @@ class PythonBackend(Backend):
             finally:
                 pb_context.mark(previous)
         except Exception as exc:
-            if isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
-                error = model_error(self._config.name, exc)
-            else:
+            if not isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
                 log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
-                error = ModelExecutionError(f"model {self._config.name!r} raised {exc!r}")
+            error = model_error(self._name, exc)
             if not self._config.decoupled:
                 answers = pb_single.sent(requests)
                 if not any(answers):
@@ -322,11 +337,11 @@ class PythonBackend(Backend):
                     _stream(item).put(None, refused, final=True)  # refused where already finished
                 return [{} for _ in batch]
             return [self._decoupled_result(r, item) for r, item in zip(requests, batch, strict=True)]
-        answers = pb_single.sent(requests)  # sent through a sender: they answer (a returned one is dropped)
-        if responses is None and any(answers):  # Triton takes None for "nothing returned"
-            responses = [None] * len(batch)
-        if any(answers) and isinstance(responses, list | tuple) and len(responses) == len(batch):
-            responses = [a if a is not None else r for a, r in zip(answers, responses, strict=True)]
+        flags = [request.release_flags() for request in requests]
+        records = pb_single.singles(requests)
+        del requests  # a sender the model dropped unused is noticed when it is collected
+        # sent through a sender: they answer (a returned one is dropped); maybe still to come
+        responses = pb_single.answers(self._config.name, records, responses)
         if not isinstance(responses, list | tuple) or len(responses) != len(batch):
             got = len(responses) if isinstance(responses, list | tuple) else type(responses).__name__
             raise ModelExecutionError(
@@ -334,10 +349,12 @@ class PythonBackend(Backend):
                 f"({len(batch)}), returned {got}"
             )
         return [
-            self._convert(response, item)
-            if request.release_flags() != pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
+            response
+            if isinstance(response, EdgeServerError)
+            else self._convert(response, item)
+            if flag != pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
             else self._rescheduled(response)
-            for response, item, request in zip(responses, batch, requests, strict=True)
+            for response, item, flag in zip(responses, batch, flags, strict=True)
         ]
 
     # -- request rescheduling (Triton >= 23.11) ---------------------------------------------------
@@ -456,7 +473,7 @@ class PythonBackend(Backend):
         elif future.exception() is not None:
             exc = future.exception()
             log.warning("%s: execute() raised: %r", self._name, exc)
-            error = model_error(self._config.name, exc)
+            error = model_error(self._name, exc)
         elif future.result() is not None:
             error = self._must_return_none()
         else:

@@ -48,6 +48,10 @@ _LE = {name: dtype.newbyteorder("<") for name, dtype in NUMPY.items() if name no
 _JSON_KINDS = {"BOOL": "b", "FP16": "iuf", "FP32": "iuf", "FP64": "iuf", "BF16": "iuf"}
 _LENGTH = struct.Struct("<I")
 MAX_DIMS = 16
+#: Triton's limit on a JSON request's nesting, and so on a tensor's ``data`` inside its four levels
+#: (the body, ``inputs``, the tensor, ``data``): the data is flattened, however it nests.
+MAX_JSON_DEPTH = 100
+MAX_DATA_DEPTH = MAX_JSON_DEPTH - 4
 MAX_DIM = 2**63 - 1  # Triton's int64 dims
 MAX_ELEMENTS = 2**59  # elements of any shape, zero dims counted as 1: fits numpy with 16-byte items
 
@@ -220,8 +224,10 @@ def from_json(data: object, datatype: str, shape: tuple[int, ...], name: str) ->
         return items.reshape(shape)
     try:
         array = np.asarray(data)
-    except ValueError:  # ragged nesting
-        raise InvalidArgument(f"tensor {shorten(name)}: data is a ragged nested list") from None
+    except ValueError:  # ragged, or nested past numpy's 64 dimensions: the values in row-major order
+        array = np.asarray(_flatten(data, name))
+        if array.dtype.kind == "O":
+            raise InvalidArgument(f"tensor {shorten(name)}: data holds a value that is no number") from None
     if array.size == 0 and count == 0:  # an empty list is an empty tensor of any type (numpy: float64)
         return np.empty(shape, dtype=NUMPY[datatype])
     allowed = _JSON_KINDS.get(datatype, "iu")
@@ -276,8 +282,11 @@ def _flatten(data: list[Any], name: str, limit: int = -1) -> list[Any]:
     while stack:
         for value in stack[-1]:
             if isinstance(value, list):
-                if len(stack) > MAX_DIMS:
-                    raise InvalidArgument(f"tensor {shorten(name)}: data is nested deeper than {MAX_DIMS}")
+                if len(stack) >= MAX_DATA_DEPTH:
+                    raise InvalidArgument(
+                        f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH}): "
+                        f"tensor {shorten(name)}'s data is nested deeper than {MAX_DATA_DEPTH}"
+                    )
                 stack.append(iter(value))
                 break
             flat.append(value)

@@ -18,7 +18,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from edge_server.errors import InvalidArgument, TensorSizeMismatch, shorten
 from edge_server.kserve import codec
-from edge_server.kserve.service import KServeService, OutputWant, shm_reference
+from edge_server.kserve.service import TRITON_GRPC_PARAMETERS, KServeService, OutputWant, shm_reference
 from edge_server.kserve.shm import InputBudget, Peer
 from edge_server.request import InferRequest, response_parameters
 
@@ -75,7 +75,7 @@ def decode(
         if ref is not None:
             if budget is None:
                 budget = service.input_budget()
-            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget)
+            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget, request.model_name)
         elif tensor.HasField("contents"):
             inputs[name] = _from_contents(tensor.contents, datatype, shape, name)
         else:
@@ -112,6 +112,7 @@ def decode(
         outputs=wants,
         parameters=parameters(request.parameters),
         peer=peer,
+        triton_allowed=TRITON_GRPC_PARAMETERS,
     )
     for want in wants or ():
         service.check_output(want, peer)

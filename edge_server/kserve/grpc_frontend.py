@@ -29,9 +29,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edge_server.errors import AddressInUse, EdgeServerError, TooManyRequests, Unsupported
 from edge_server.kserve import grpc_codec
-from edge_server.kserve.grpc_stream import StreamCall
+from edge_server.kserve.grpc_stream import GRPC_ERROR_HEADER, StreamCall, StreamError
 from edge_server.kserve.grpc_wire import WireRequest, parse_infer_request
-from edge_server.kserve.service import KServeService, OutputWant, error_status
+from edge_server.kserve.service import NO_CUDA_SHM, KServeService, OutputWant, error_status
 from edge_server.kserve.shm import Peer, peer_uid
 from edge_server.limits import Limits
 from edge_server.request import InferRequest, ResponseSink
@@ -60,8 +60,15 @@ def _peer(context: grpc.ServicerContext, server_port: int) -> Peer:
     return Peer(host.strip("[]"), int(port), server_port, "")
 
 
-def _stream_error(request: Any, exc: BaseException) -> Any:
-    _http, _code, message = error_status(exc)
+def _grpc_error_mode(context: Any) -> bool:
+    """Triton's ``triton_grpc_error: true`` stream header: an error ends the stream with its status."""
+    return any(k == GRPC_ERROR_HEADER and v == "true" for k, v in context.invocation_metadata() or ())
+
+
+def _stream_error(request: Any, exc: BaseException, ends_stream: bool = False) -> Any:
+    _http, code, message = error_status(exc)
+    if ends_stream:
+        return StreamError(code, message)
     return service_pb2.ModelStreamInferResponse(
         error_message=message,
         infer_response=service_pb2.ModelInferResponse(
@@ -87,6 +94,7 @@ class _StreamSink(ResponseSink):
         peer: Peer,
         empty_final: bool,
         finished: Callable[[_StreamSink], None],
+        ends_stream: bool = False,
     ) -> None:
         super().__init__()
         self._service = service
@@ -96,6 +104,7 @@ class _StreamSink(ResponseSink):
         self._peer = peer
         self._empty_final = empty_final
         self._finished = finished
+        self._ends_stream = ends_stream  # triton_grpc_error mode: an error ends the whole stream
 
     def deliver(
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
@@ -113,7 +122,12 @@ class _StreamSink(ResponseSink):
                 response.parameters[FINAL_FLAG].bool_param = final  # on every streamed one, as Triton
                 response = service_pb2.ModelStreamInferResponse(infer_response=response)
         except Exception as exc:  # noqa: BLE001 - one response's error is sent; the stream goes on
-            _http, _code, message = error_status(exc)
+            _http, code, message = error_status(exc)
+            if self._ends_stream:
+                self._call.put(StreamError(code, message), ends_request=final)
+                if final:
+                    self._finished(self)
+                return
             response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
             response.parameters[FINAL_FLAG].bool_param = final
             response = service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
@@ -248,6 +262,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         lock = threading.Lock()
         open_sinks: set[_StreamSink] = set()
         reading = [True]
+        ends_stream = _grpc_error_mode(context)
 
         def finished(sink: _StreamSink) -> None:
             with lock:
@@ -261,7 +276,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 infer, wants = grpc_codec.decode(self.service, request, peer, wire.raw)
                 empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
-                sink = _StreamSink(self.service, call, infer, wants, peer, empty_final, finished)
+                sink = _StreamSink(self.service, call, infer, wants, peer, empty_final, finished, ends_stream)
                 with lock:
                     open_sinks.add(sink)
                 try:
@@ -271,7 +286,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         open_sinks.discard(sink)
                     raise
             except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
-                call.put(_stream_error(request, exc), ends_request=True)
+                call.put(_stream_error(request, exc, ends_stream), ends_request=True)
 
         def read() -> None:
             try:
@@ -333,15 +348,18 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return self._call(context, work)
 
-    def _no_cuda(self, request: Any, context: Any) -> Any:
+    def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         def work() -> Any:
-            raise Unsupported("CUDA shared memory is not supported by edge-server; use system shared memory")
+            raise Unsupported(NO_CUDA_SHM)
 
         return self._call(context, work)
 
-    CudaSharedMemoryStatus = _no_cuda
-    CudaSharedMemoryRegister = _no_cuda
-    CudaSharedMemoryUnregister = _no_cuda
+    # none is ever registered: its status is empty and unregistering is a no-op (as Triton's with none)
+    def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
 
     # -- settings (edge_server.kserve.settings: the same answers as HTTP's) -----------------------
 

@@ -16,7 +16,10 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
+
+import grpc
 
 from edge_server.limits import Limits
 from edge_server.memory import trim_heap
@@ -25,6 +28,19 @@ log = logging.getLogger(__name__)
 
 #: An item of the response queue: (response or None, its bytes, whether it ends a request)
 Item = tuple[Any, int, bool]
+#: Triton's stream mode: with this header set to "true", a request's error ends the whole stream
+GRPC_ERROR_HEADER = "triton_grpc_error"
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """An error that ends the stream with its gRPC status (``triton_grpc_error`` mode), queued in order."""
+
+    code: str  # a grpc.StatusCode name
+    message: str
+
+    def ByteSize(self) -> int:  # noqa: N802 - counted like a response
+        return len(self.message)
 
 
 class StreamCall:
@@ -75,6 +91,8 @@ class StreamCall:
                 self._pending -= nbytes
             if ends_request:
                 self._slots.release()
+            if isinstance(response, StreamError):  # raises: the call ends with this status
+                self._context.abort(grpc.StatusCode[response.code], response.message)
             if response is not None:
                 yield response
 

@@ -42,7 +42,7 @@ from edge_server.errors import (
 from edge_server.kserve import rest
 from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget, http_protocol
 from edge_server.kserve.json_bounds import check_json_objects
-from edge_server.kserve.service import KServeService, error_status
+from edge_server.kserve.service import NO_CUDA_SHM, KServeService, error_code, error_status
 from edge_server.kserve.shm import Peer
 from edge_server.limits import Limits
 
@@ -112,7 +112,8 @@ class KServeHttpApp:
                 why = f"sent a compressed request body refused after inflating ({exc.code})"
                 scope[BUDGET_KEY].penalize(why)
             close = [(b"connection", b"close")] if isinstance(exc, (MessageTooLarge, ProtocolError)) else []
-            await _send(send, status, json.dumps({"error": message}).encode(), _JSON + close)
+            body = json.dumps({"error": message, "code": error_code(exc)}).encode()
+            await _send(send, status, body, _JSON + close)
             return
         encoding = _response_encoding(headers.get(b"accept-encoding", b""))
         if encoding and len(body) > 0 and _is_infer(scope["path"]):  # Triton compresses only these
@@ -231,8 +232,12 @@ class KServeHttpApp:
         self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], match: re.Match[str]
     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         kind, region, action = match.group(1), match.group(2) or "", match.group(3)
-        if kind == "cuda":
-            raise Unsupported("CUDA shared memory is not supported by edge-server; use system shared memory")
+        if kind == "cuda":  # none is ever registered: its status is empty and unregistering is a no-op
+            if action == "status":
+                return _json([])
+            if action == "unregister":
+                return 200, b"", []
+            raise Unsupported(NO_CUDA_SHM)
         if action == "status":
             return _json(self.service.shm_status(region, _peer(scope)))
         registry = self.service.registry()
@@ -268,8 +273,9 @@ class KServeHttpApp:
             if not declared.isdigit():
                 raise MalformedMessage("Content-Length must be a non-negative integer")
             if int(declared) > limit:
-                raise MessageTooLarge(
-                    f"the request body has {int(declared)} bytes; this server takes at most {limit}"
+                raise MessageTooLarge(  # Triton's text first: its clients and QA match it
+                    f"request JSON size of {int(declared)} bytes exceeds the maximum allowed input size of "
+                    f"{limit} bytes (the request body; --max-message-bytes sets the limit)"
                 )
         chunks = []
         total = 0

@@ -66,7 +66,7 @@ def decode(
         if ref is not None:
             if budget is None:
                 budget = service.input_budget()
-            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget)
+            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget, model)
         elif "binary_data_size" in params:
             chunk = reader.take(params["binary_data_size"], name)
             inputs[name] = codec.from_raw(chunk, datatype, shape, name)

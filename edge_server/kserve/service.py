@@ -20,10 +20,20 @@ import numpy as np
 import edge_server
 from edge_server import classification
 from edge_server.authorization import ControlPolicy
-from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotFound, Unsupported, shorten
+from edge_server.errors import (
+    ConfigError,
+    EdgeServerError,
+    InvalidArgument,
+    ModelNotReady,
+    UnknownModel,
+    Unsupported,
+    shorten,
+    unknown_model,
+)
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
+from edge_server.load_files import file_overrides
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.scheduler import inline
 from edge_server.shm import Lease
@@ -53,6 +63,9 @@ _RESERVED = (
     "sequence_end",
     "binary_data_output",
 )
+NO_CUDA_SHM = "CUDA shared memory is not supported by edge-server; use system shared memory"
+# The one ``triton_`` request parameter a client may send, over gRPC (streams); the rest are Triton's.
+TRITON_GRPC_PARAMETERS = ("triton_enable_empty_final_response",)
 _SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 # HTTP status -> gRPC status code name; the one mapping for both transports.
 _GRPC_CODES = {
@@ -70,12 +83,22 @@ _GRPC_CODES = {
 
 
 def error_status(exc: BaseException) -> tuple[int, str, str]:
-    """(HTTP status, gRPC status code name, message) for any exception a handler let through."""
+    """(HTTP status, gRPC status code name, message) for any exception a handler let through.
+
+    The message is the error's own text with nothing before it, as Triton sends it: Triton's clients
+    and tools match its texts with ``startswith`` and ``==``.  Our stable code travels beside it
+    (:func:`error_code`: the HTTP body's ``code``), not inside it.
+    """
     if isinstance(exc, EdgeServerError):
         grpc_code = exc.grpc_status or _GRPC_CODES.get(exc.http_status, "INTERNAL")
-        return exc.http_status, grpc_code, f"{exc.code}: {exc.message}"
+        return exc.http_status, grpc_code, exc.message
     log.exception("unexpected error in a KServe handler", exc_info=exc)
-    return 500, "INTERNAL", f"INTERNAL: {type(exc).__name__}: {exc}"
+    return 500, "INTERNAL", f"{type(exc).__name__}: {exc}"
+
+
+def error_code(exc: BaseException) -> str:
+    """The stable edge-server code of an error (errors.py), the one IPC sends: INTERNAL when unplanned."""
+    return exc.code if isinstance(exc, EdgeServerError) else "INTERNAL"
 
 
 @dataclass(slots=True)
@@ -178,26 +201,46 @@ class KServeService:
         return rows
 
     def load(self, name: str, parameters: Mapping[str, Any]) -> None:
-        """Load or reload ``name`` (blocks for the load), with Triton's ``config`` override (JSON).
+        """Load or reload ``name`` (blocks for the load), with Triton's load-time overrides.
 
-        File overrides (``file:<path>`` parameters) are refused: drop files into the repository.
+        ``config`` (JSON) and ``file:<path>`` (the model's files, staged outside the repository:
+        edge_server.load_files).
         """
-        for key in parameters:
-            if key.startswith("file:"):
-                raise Unsupported(
-                    f"loading with a file override ({key!r}) is not supported; put the file into the "
-                    "repository and load again"
-                )
+        files = file_overrides(name, parameters)
         config = parameters.get("config")
         if config is not None and not isinstance(config, str):
             raise InvalidArgument("parameter 'config' must be the model config as a JSON string")
-        self.server.load_model(name, config_override=config or None)
+        try:
+            self.server.load_model(name, config_override=config or None, files=files or None)
+        except (ConfigError, ModelNotReady) as exc:  # the model's own failure, not the request's
+            failed = type(exc)(f"load failed for model {shorten(name)}: {exc.message}")
+            raise failed from exc
 
     def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
-        """Drain and unload every version of ``name`` (blocks until done)."""
+        """Drain and unload every version of ``name`` (blocks until done).
+
+        Triton's ``unload_dependents``: an ensemble's members go too (and theirs, for nested ones).
+        """
         if not any(s.name == name for s in self.server.models()):
-            raise ModelNotFound(f"unknown model {shorten(name)}")
+            raise UnknownModel(unknown_model(name))
+        dependents = self._members(name) if parameters.get("unload_dependents") is True else []
         self.server.unload_model(name)
+        serving = self.server.routing.serving()
+        for member in dependents:
+            if member in serving:
+                self.server.unload_model(member)
+
+    def _members(self, name: str) -> list[str]:
+        """The models ensemble ``name`` reaches, directly or through nested ensembles, each once."""
+        found: dict[str, None] = {}
+        todo = [name]
+        while todo:
+            for loaded in self.server.routing.serving().get(todo.pop(), {}).values():
+                for member, _version in loaded.members:
+                    if member != name and member not in found:
+                        found[member] = None
+                        todo.append(member)
+        return list(found)
 
     # -- inference ------------------------------------------------------------------------------
 
@@ -211,10 +254,12 @@ class KServeService:
         outputs: list[OutputWant] | None,
         parameters: Mapping[str, Any],
         peer: Peer | None = None,
+        triton_allowed: tuple[str, ...] = (),
     ) -> InferRequest:
         """The data plane's request; reserved parameters become its fields, the others reach the model.
 
         A sequence's request carries the ``peer``'s uid as its owner (see scheduler.sequence).
+        Parameters named ``triton_*`` are refused, as Triton does, but those in ``triton_allowed``.
         """
         if not parameters:
             return InferRequest(
@@ -225,6 +270,12 @@ class KServeService:
                 request_id=request_id,
                 classification=classification_of(outputs),
             )
+        for key in parameters:
+            if key.startswith("triton_") and key not in triton_allowed:
+                raise InvalidArgument(
+                    "parameter keys starting with 'triton_' are reserved for Triton usage and should not "
+                    f"be specified (got {shorten(key)})"
+                )
         user = {k: v for k, v in parameters.items() if k not in _RESERVED}
         priority = _int_param(parameters, "priority", 0)
         timeout = _int_param(parameters, "timeout", 0)
@@ -282,11 +333,13 @@ class KServeService:
         name: str,
         peer: Peer,
         budget: InputBudget | None = None,
+        model: str = "",
     ) -> np.ndarray:
         """An input from shared memory; ``budget``: what the request's inputs may still read."""
         region, offset, byte_size = ref
         want = codec.wire_size(datatype, shape)  # compared before a byte is read; None: strings
-        data = self.registry().read(region, offset, byte_size, want, peer, f"input {shorten(name)}", budget)
+        where = f"input {shorten(name)}" + (f" for model {shorten(model)}" if model else "")
+        data = self.registry().read(region, offset, byte_size, want, peer, where, budget)
         return codec.from_raw(data, datatype, shape, name)
 
     def input_budget(self) -> InputBudget | None:

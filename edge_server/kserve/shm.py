@@ -35,6 +35,7 @@ from typing import Any
 from edge_server.errors import (
     InvalidArgument,
     MessageTooLarge,
+    ShmCannotOpen,
     ShmNameRejected,
     ShmOutOfBounds,
     ShmUnavailable,
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 _KEY = re.compile(r"/?([A-Za-z0-9._-]{1,200})")
 _NAME_MAX = 256
+#: Triton refuses keys with this prefix (its Python backend's own segments); so do we, with its text
+_RESERVED_KEY_PREFIX = "triton_python_backend_shm_region_"
 
 
 @dataclass(slots=True)
@@ -196,11 +199,16 @@ class SystemSharedMemory:
     def register(self, name: object, key: object, offset: object, byte_size: object, peer: Peer) -> None:
         if not isinstance(name, str) or not 0 < len(name) <= _NAME_MAX:
             raise InvalidArgument(f"a region name must be a string of 1-{_NAME_MAX} characters")
+        if isinstance(key, str) and key.lstrip("/").startswith(_RESERVED_KEY_PREFIX):
+            raise ShmNameRejected(  # Triton keeps these for its Python backend's own regions
+                f"cannot register shared memory region {name[:60]!r} with key {key[:120]!r} as the key "
+                f"contains the reserved prefix '{_RESERVED_KEY_PREFIX}'"
+            )
         match = _KEY.fullmatch(key) if isinstance(key, str) else None
         if match is None or match.group(1) in (".", ".."):
-            raise ShmNameRejected(
-                f"shared-memory key {str(key)[:60]!r} is not allowed: use '/' and 1-200 characters "
-                "from [A-Za-z0-9._-]"
+            raise ShmNameRejected(  # Triton's text first, then ours
+                f"cannot register shared memory region {name[:60]!r} - invalid shm key {str(key)[:60]!r} "
+                "(use '/' and 1-200 characters from [A-Za-z0-9._-])"
             )
         for field, value in (("offset", offset), ("byte_size", byte_size)):
             if type(value) is not int or value < 0:
@@ -216,7 +224,7 @@ class SystemSharedMemory:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
-            raise ShmUnavailable(f"cannot open shared-memory key {key!r}: {exc.strerror}") from None
+            raise ShmCannotOpen(f"Unable to open shared memory region: {key!r} ({exc.strerror})") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -261,7 +269,8 @@ class SystemSharedMemory:
         offset, byte_size = _span(offset, byte_size, where)
         if want is not None and byte_size != want:
             raise TensorSizeMismatch(
-                f"{where}: the tensor needs {want} bytes, its shared-memory reference holds {byte_size}"
+                f"input byte size mismatch for {where}. Expected {want}, got {byte_size} (the bytes its "
+                "datatype and shape need, and the bytes its shared-memory reference holds)"
             )
         (budget or self.budget()).take(byte_size, where)
         region = self.registry.use(self.owner(peer), name, where)

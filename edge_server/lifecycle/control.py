@@ -19,11 +19,20 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path, PurePosixPath
 
-from edge_server.errors import EdgeServerError, ModelNotFound, shorten
+from edge_server.errors import (
+    EdgeServerError,
+    InvalidArgument,
+    ModelNotFound,
+    UnknownModel,
+    shorten,
+    unknown_model,
+)
 from edge_server.lifecycle.drain import ServingTable
 from edge_server.lifecycle.sync import ModelSync
+from edge_server.load_files import StagedFiles
 from edge_server.loader import (
     LoadEnvironment,
     ensemble_members,
@@ -32,7 +41,7 @@ from edge_server.loader import (
     read_config,
 )
 from edge_server.pipeline.graph import parse_steps
-from edge_server.repository import DuplicateModel, ModelSource, Repositories, check_model_name
+from edge_server.repository import DuplicateModel, ModelSource, Repositories, check_model_name, scan_model
 from edge_server.routing import Routing
 from edge_server.status_index import ModelState, StatusIndex, VersionStatus
 
@@ -77,29 +86,53 @@ class ModelManager:
         self._model_locks: dict[str, threading.RLock] = {}
         self._unloaded: set[str] = set()  # unloaded through the API: rescans leave them alone
         self._overrides: dict[str, str] = {}  # configs given at load time, until loaded without one
+        self._staged = StagedFiles()  # files given at load time (Triton's file:), likewise
+        self._file_roots: dict[str, Path] = {}  # model -> the staged root it loads from
         self._loading_members: set[str] = set()  # members an explicit ensemble load is bringing up
 
-    def load(self, name: str, *, config_override: str | None = None) -> list[VersionStatus]:
+    def load(
+        self,
+        name: str,
+        *,
+        config_override: str | None = None,
+        files: Mapping[PurePosixPath, bytes] | None = None,
+    ) -> list[VersionStatus]:
         """Load or reload ``name`` from the repositories; raises if nothing of it can serve afterwards.
 
         Versions whose files did not change stay as they are; versions that failed before are tried
         again even if their files are the same (the failure may have been transient).
         ``config_override`` (JSON, Triton's load-time ``config``) replaces config.pbtxt until the model
-        is loaded again without one; a load that fails keeps the previous choice.  A name in two
-        repositories is refused (whatever of it serves keeps serving).
+        is loaded again without one; a load that fails keeps the previous choice.  ``files`` (Triton's
+        load-time ``file:`` overrides, with a config) are the model's whole directory, staged outside
+        the repositories (:mod:`edge_server.load_files`), likewise until it is loaded without them.
+        A name in two repositories is refused (whatever of it serves keeps serving).
         """
+        if name.startswith(".") and "/" not in name and name.strip() != "..":  # hidden: never a model
+            raise ModelNotFound(
+                f"failed to load {shorten(name)}, failed to poll from model repository (a name "
+                "starting with '.' is hidden, never a model)"
+            )
         check_model_name(name)
+        if files and config_override is None:
+            raise InvalidArgument("file overrides need the model's config too (the 'config' parameter)")
         with self._changing(name):
             self._table.check_open()
             self._unloaded.discard(name)
-            source = self.repositories.locate(name)
+            if files:
+                self._file_roots[name] = self._staged.stage(name, files)
+            elif self._file_roots.pop(name, None) is not None:
+                self._staged.drop(name)
+            source = self._staged_source(name) or self.repositories.locate(name)
             if isinstance(source, DuplicateModel):
                 self._sync.fail_model(name, source)
                 raise source
             if source is None:
                 if name in self._routing.serving():
                     self._table.remove(name)
-                raise ModelNotFound(f"no model directory {shorten(name)} in {self.repositories}")
+                raise ModelNotFound(
+                    f"failed to load {shorten(name)}, failed to poll from model repository "
+                    f"(no model directory {shorten(name)} in {self.repositories})"
+                )
             previous = self._overrides.pop(name, None)
             if config_override is not None:
                 self._overrides[name] = config_override
@@ -114,7 +147,12 @@ class ModelManager:
                 raise
         return [s for s in self._routing.index() if s.name == name]
 
+    def _staged_source(self, name: str) -> ModelSource | None:
+        root = self._file_roots.get(name)
+        return None if root is None else scan_model(root, name)
+
     def _overridden(self, source: ModelSource) -> ModelSource:
+        source = self._staged_source(source.name) or source
         override = self._overrides.get(source.name)
         return source if override is None else dataclasses.replace(source, config_override=override)
 
@@ -138,11 +176,14 @@ class ModelManager:
 
     def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
-        check_model_name(name)
+        if name not in self._routing.serving() and not self._index.of(name):
+            raise UnknownModel(unknown_model(name))  # no name check first: Triton's unload never has one
         with self._changing(name):
             if name not in self._routing.serving() and not self._index.of(name):
-                raise ModelNotFound(f"unknown model {shorten(name)}")
+                raise UnknownModel(unknown_model(name))
             self._table.remove(name)
+            if self._file_roots.pop(name, None) is not None:
+                self._staged.drop(name)
             self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
             self._index.publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
 
@@ -163,6 +204,8 @@ class ModelManager:
             else:
                 wanted = set(names)
                 on_disk = {name: self.repositories.locate(name) for name in wanted}
+            for name in self._file_roots.keys() & wanted:  # loaded from files given at load time
+                on_disk[name] = self._staged_source(name)
             # Ensembles after the models they call, so that their steps validate against them.
             ordered = sorted(wanted - set(self._unloaded), key=lambda n: (_ensemble(on_disk.get(n)), n))
             failed_ensembles: list[ModelSource] = []
@@ -270,6 +313,7 @@ class ModelManager:
             deadline = time.monotonic() + self._table.drain_timeout
         self._closing.set()
         self._table.close(deadline)
+        self._staged.close()
 
     def thread_rule_now(self) -> tuple[str, int, int]:
         """The ONNX Runtime thread rule's inputs as they stand now: policy, CPU sessions, cores."""

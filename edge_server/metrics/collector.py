@@ -29,11 +29,6 @@ TRITON_COUNTERS: dict[str, tuple[str, tuple[str, ...], float]] = {
         ("inference_stats", "success", "count"),
         1,
     ),
-    "nv_inference_request_failure": (
-        "Number of failed inference requests, all batch sizes",
-        ("inference_stats", "fail", "count"),
-        1,
-    ),
     "nv_inference_count": ("Number of inferences performed (batch items)", ("inference_count",), 1),
     "nv_inference_exec_count": ("Number of model executions performed", ("execution_count",), 1),
     "nv_inference_queue_duration_us": (
@@ -58,6 +53,7 @@ TRITON_COUNTERS: dict[str, tuple[str, tuple[str, ...], float]] = {
     ),
 }
 REQUEST_DURATION = "nv_inference_request_duration_us"
+FAILURE = "nv_inference_request_failure"  # Triton's, with its reason label (REJECTED, CANCELED, ...)
 LABELS = ("model", "version")
 # Triton's latency summaries (``--metrics-config summary_latencies=true``), by duration kind.
 TRITON_SUMMARIES: dict[str, tuple[str, str]] = {
@@ -159,6 +155,7 @@ class ServerCollector:
 
     def _inference(self) -> Iterator[Metric]:
         counters = {name: _counter(name, doc) for name, (doc, _, _) in TRITON_COUNTERS.items()}
+        failure = _counter(FAILURE, "Number of failed inference requests, all batch sizes")
         duration = _counter(REQUEST_DURATION, "Cumulative inference request duration in microseconds")
         pending = _gauge("nv_inference_pending_request_count", "Instantaneous number of pending requests")
         batches = _counter(
@@ -180,6 +177,8 @@ class ServerCollector:
                     for key in path:
                         value = value[key]
                     counters[metric_name].add_sample(metric_name, labels, value * scale)
+                for reason, count in loaded.stats.failure_reasons().items():
+                    failure.add_sample(failure.name, {**labels, "reason": reason}, count)
                 inference = stats["inference_stats"]
                 request_ns = inference["success"]["ns"] + inference["fail"]["ns"]
                 duration.add_sample(REQUEST_DURATION, labels, request_ns / 1e3)
@@ -204,6 +203,7 @@ class ServerCollector:
                     )
                 _add_summaries(summaries, labels, loaded.stats.summaries())
         yield from counters.values()
+        yield failure
         yield from (duration, pending, batches, busy, active, backlog, occupied)
         yield from (m for m in summaries.values() if m.samples)
 

@@ -25,14 +25,14 @@ from edge_server.backends.python_metrics import REGISTRY as MODEL_METRICS
 from edge_server.errors import AddressInUse
 from edge_server.kserve.shm import Peer, peer_uid
 from edge_server.limits import METRICS_CONNECTIONS, Connection, Limits
-from edge_server.metrics.collector import REQUEST_DURATION, TRITON_COUNTERS
+from edge_server.metrics.collector import FAILURE, REQUEST_DURATION, TRITON_COUNTERS
 from edge_server.metrics.device import DeviceCollector
 
 log = logging.getLogger(__name__)
 
 _RENAMES = [
     (f"# {kind} {name}_total ".encode(), f"# {kind} {name} ".encode())
-    for name in (*TRITON_COUNTERS, REQUEST_DURATION)
+    for name in (*TRITON_COUNTERS, FAILURE, REQUEST_DURATION)
     for kind in ("HELP", "TYPE")
 ]
 

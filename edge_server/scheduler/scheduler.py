@@ -310,7 +310,7 @@ class ModelScheduler:
         """Fail requests that timed out in the queue (REJECT); called without the lock."""
         now = expired.now_ns
         for request in expired.requests:
-            self._stats.record_failure(now - request.enqueue_ns, now - request.enqueue_ns)
+            self._stats.record_failure(now - request.enqueue_ns, now - request.enqueue_ns, "REJECTED")
             if request.future.set_running_or_notify_cancel():
                 request.future.set_exception(timed_out(request, now))
 

@@ -40,6 +40,10 @@ _FOLD_EVERY = 256
 _Inline = tuple[int, int, int, bool, int, int, int, int]
 
 
+#: Triton's reasons for a failed request, the ``reason`` label of ``nv_inference_request_failure``.
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+
 class ModelStats:
     """Counters updated by the instances; read by frontends and metrics.  One lock, short sections."""
 
@@ -52,6 +56,8 @@ class ModelStats:
         self._execution_count = 0
         self._success = _Duration()
         self._fail = _Duration()
+        # Triton's ``reason`` label of nv_inference_request_failure: how many failed for each reason
+        self._fail_reasons = dict.fromkeys(FAILURE_REASONS, 0)
         self._queue = _Duration()
         self._compute_input = _Duration()
         self._compute_infer = _Duration()
@@ -81,6 +87,7 @@ class ModelStats:
             for q, total, ok in zip(queue_ns, request_ns, succeeded, strict=True):
                 (self._success if ok else self._fail).add(total)
                 self._queue.add(q)
+            self._fail_reasons["BACKEND"] += n - sum(succeeded)
             # Triton charges each request the full compute time of its batch.
             self._compute_input.add(timing.compute_input_ns * n, n)
             self._compute_infer.add(timing.compute_infer_ns * n, n)
@@ -140,6 +147,7 @@ class ModelStats:
         else:
             for total, ok in zip(request_ns, succeeded, strict=True):
                 (self._success if ok else self._fail).add(total)
+            self._fail_reasons["BACKEND"] += n - sum(succeeded)
         # Each request is a batch of its own: it is charged its own compute time.
         self._compute_input.add(sum(cin), n)
         self._compute_infer.add(sum(cinf), n)
@@ -167,11 +175,21 @@ class ModelStats:
                     [[column[i] for i in ok] for column in (request_ns, queue_ns, cin, cinf, cout)]
                 )
 
-    def record_failure(self, queue_ns: int, request_ns: int) -> None:
-        """A request that failed without running (timeout, cancelled on shutdown)."""
+    def record_failure(self, queue_ns: int, request_ns: int, reason: str = "OTHER") -> None:
+        """A request that failed without running: ``reason`` one of :data:`FAILURE_REASONS`.
+
+        REJECTED: the queue policy refused it (its timeout passed); CANCELED: its caller cancelled it.
+        """
         with self._lock:
             self._fail.add(request_ns)
+            self._fail_reasons[reason if reason in self._fail_reasons else "OTHER"] += 1
             self._queue.add(queue_ns)
+
+    def failure_reasons(self) -> dict[str, int]:
+        """Failed requests by Triton's reason (REJECTED, CANCELED, BACKEND: the model failed, OTHER)."""
+        with self._lock:
+            self._fold()
+            return dict(self._fail_reasons)
 
     def enable_summaries(self, options: SummaryOptions) -> None:
         """Keep latency quantiles from now on (set at load, before the version takes traffic)."""

@@ -65,9 +65,16 @@ def check_span(offset: int, byte_size: int, size: int, what: str, where: str = "
     (its regions and ring slots).  ``where`` names the tensor, for the message.
     """
     if offset < 0 or byte_size < 0 or offset + byte_size > size:
-        prefix = f"{where}: " if where else ""
+        # Triton's texts first (its clients and QA match them), then which bytes and where.
+        kind, _, name = what.partition(" ")
+        triton = "Invalid offset + byte size"
+        if offset < 0 or offset >= size:  # checked first, as Triton does
+            triton = "Invalid offset"
+        elif offset + byte_size >= 2**64:
+            triton = f"Integer overflow detected: byte_size ({byte_size}) + offset ({offset}) exceeds maximum"
+        detail = f"bytes {offset}..{offset + byte_size} lie outside {what} ({size} bytes)"
         raise ShmOutOfBounds(
-            f"{prefix}bytes {offset}..{offset + byte_size} lie outside {what} ({size} bytes)"
+            f"{triton} for shared memory {kind}: {name} ({where + ': ' if where else ''}{detail})"
         )
 
 
@@ -249,9 +256,9 @@ def open_region(name: str, segment: Segment, byte_size: int | None, base: int = 
     if byte_size is None:
         byte_size = segment.size - base
     if byte_size <= 0 or base < 0 or base + byte_size > segment.size:
-        raise ShmOutOfBounds(
-            f"cannot register bytes {base}..{base + byte_size} of segment {segment.key or name!r}: "
-            f"it has {segment.size} bytes"
+        raise ShmOutOfBounds(  # Triton's text first, then which bytes
+            f"failed to register shared memory region {name!r}: invalid args (cannot register bytes "
+            f"{base}..{base + byte_size} of segment {segment.key or name!r}: it has {segment.size} bytes)"
         )
     if not segment.sealed or base:
         return CopyRegion(name, byte_size, segment, base)

@@ -124,7 +124,8 @@ class Registry:
         mine = self._owned.get(owner, {})
         if name in mine:
             raise ShmAlreadyRegistered(
-                f"region {name!r} is already registered by this client; unregister it first"
+                f"shared memory region {name!r} already in manager (this client registered it; unregister "
+                "it first)"
             )
         if self.max_per_client is not None and len(mine) >= self.max_per_client:
             raise InvalidArgument(f"a client may register at most {self.max_per_client} regions")
@@ -162,7 +163,7 @@ class Registry:
             elif missing_ok:
                 names = []
             else:
-                raise ShmNotRegistered(f"region {name[:60]!r} is not registered by this client")
+                raise ShmNotRegistered(_not_found(name, "shared memory"))
             gone = []
             for key in names:
                 region = mine[key]
@@ -197,7 +198,7 @@ class Registry:
         region = self.use(owner, name, where, write=True)
         with self._lock:
             if region.retired:  # unregistered between the lookup and now
-                raise ShmNotRegistered(f"{where}: region {region.name!r} is not registered by this client")
+                raise ShmNotRegistered(f"{where}: {_not_found(region.name, 'shared memory')}")
             region.holds += 1
         return Lease(self, region)
 
@@ -219,7 +220,7 @@ class Registry:
         if name is None:
             return list(mine.values())
         if name not in mine:
-            raise ShmNotRegistered(f"region {name[:60]!r} is not registered by this client")
+            raise ShmNotRegistered(_not_found(name, "system shared memory"))
         return [mine[name]]
 
     def use(self, owner: Owner, name: object, where: str, *, write: bool = False) -> Region:
@@ -236,9 +237,7 @@ class Registry:
             if region is None or region.retired:  # the names for the message, only when it is needed
                 known = sorted(k for k, r in mine.items() if not r.retired)[:20]
         if region is None or region.retired:
-            raise ShmNotRegistered(
-                f"{where}: region {name[:60]!r} is not registered by this client (registered: {known})"
-            )
+            raise ShmNotRegistered(f"{where}: {_not_found(name, 'shared memory')} (registered: {known})")
         if not may_use(owner, region, write=write):
             key = region.segment.key or region.name
             raise ShmUnavailable(
@@ -325,3 +324,8 @@ class ClientRegions:
 
     def close(self) -> None:
         self.unregister(None)
+
+
+def _not_found(name: str, kind: str) -> str:
+    """Triton's text for a region name this client has not registered (its clients match it)."""
+    return f"Unable to find {kind} region: {name[:60]!r} (not registered by this client)"
