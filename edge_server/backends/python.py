@@ -294,7 +294,7 @@ class PythonBackend(Backend):
         if inspect.iscoroutinefunction(execute):
             self._loop.start()
         # A model.py may call models (BLS): never run it on a worker that holds an instance of its own
-        # (a scheduler worker delivering a finished batch; see scheduler._pipeline_caller).
+        # (a scheduler worker delivering a finished batch: scheduler.inline.delivering).
         self.calls_models = True
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
