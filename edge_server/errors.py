@@ -52,6 +52,13 @@ class EdgeServerError(Exception):
         super().__init__(message)
         self.message = message
 
+    def restated(self, message: str) -> EdgeServerError:
+        """The same error (class, code, attributes) with ``message``; subclasses' constructors differ."""
+        error = type(self).__new__(type(self))
+        error.__dict__.update(self.__dict__)
+        EdgeServerError.__init__(error, message)
+        return error
+
 
 class InvalidArgument(EdgeServerError):
     """The request is malformed: wrong tensor name, dtype, shape, batch size or option."""

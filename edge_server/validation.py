@@ -186,15 +186,16 @@ class RequestValidator:
 
     def _check_names(self, inputs: Mapping[str, object]) -> None:
         by_name = self._by_name
-        if not len(self._required) <= len(inputs) <= len(by_name):
-            raise InvalidArgument(self._count_text(inputs))
-        for name in inputs:
-            if name in self._server_inputs:
+        for name in self._server_inputs:  # before the count: the precise reason for a count one too many
+            if name in inputs:
                 raise InvalidArgument(
                     f"model {self.model!r}: input {shorten(name)} is a sequence control or state input, "
                     "which the "
                     "server fills; do not send it (use sequence_id, sequence_start and sequence_end)"
                 )
+        if not len(self._required) <= len(inputs) <= len(by_name):
+            raise InvalidArgument(self._count_text(inputs))
+        for name in inputs:
             if name not in by_name:
                 raise InvalidArgument(
                     f"unexpected inference input {shorten(name)} for model {self.model!r} "

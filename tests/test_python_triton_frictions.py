@@ -387,7 +387,9 @@ def test_a_bls_stream_can_be_cancelled(server: Server, model: str) -> None:
     inputs = {"MAX_SUM": np.array([5], np.int32), "TARGET": np.array([b"until_cancelled"], dtype=np.object_)}
     out = server.infer(model, {**inputs, "IGNORE_CANCEL": np.array([False])})
     assert out["IS_CANCELLED"].tolist() == [True]  # the called model saw the cancellation
-    assert out["SUM"].tolist() == [5]  # and sent nothing after it but its CANCELLED final
+    # and stopped before its 20: how many it sent before the cancel reached it depends on the machine's
+    # load (the model sleeps 20 ms between responses; an isolated model's cancel crosses a process)
+    assert 5 <= out["SUM"][0] < 20
     out = server.infer(model, {**inputs, "IGNORE_CANCEL": np.array([True])})
     assert out["IS_CANCELLED"].tolist() == [False]  # a model that ignores it: everything still comes
     assert out["SUM"].tolist() == [20]

@@ -213,8 +213,7 @@ class KServeService:
         try:
             self.server.load_model(name, config_override=config or None, files=files or None)
         except (ConfigError, ModelNotReady) as exc:  # the model's own failure, not the request's
-            failed = type(exc)(f"load failed for model {shorten(name)}: {exc.message}")
-            raise failed from exc
+            raise exc.restated(f"load failed for model {shorten(name)}: {exc.message}") from exc
 
     def unload(self, name: str, parameters: Mapping[str, Any]) -> None:
         """Drain and unload every version of ``name`` (blocks until done).
