@@ -1,8 +1,11 @@
 """One ``ModelStreamInfer`` call: requests read on a thread of their own, responses yielded in order.
 
-A stream keeps many requests in flight, and a client that sends and never reads would otherwise make
-the daemon hold every response for it (400 x 1 MiB pinned +406 MiB, kept after cancel).  So, as over
-IPC:
+Many requests are in flight on one stream through ``DataPlane.stream``: an ordinary model's request gets
+one response, a decoupled model's request as many as the model sends; each is written as it comes (an
+error as ``error_message``, the stream staying open).
+
+A client that sends and never reads would otherwise make the daemon hold every response for it
+(400 x 1 MiB pinned +406 MiB, kept after cancel).  So, as over IPC:
 
 * at most ``max_client_requests`` requests of one stream are in flight, and a request's slot is given
   back when its last response has been handed to grpc (sent), not when the model produced it;
@@ -15,16 +18,30 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+from edge_server.errors import EdgeServerError
+from edge_server.kserve import grpc_codec
+from edge_server.kserve.grpc_wire import WireRequest
+from edge_server.kserve.service import KServeService, OutputWant, error_status
+from edge_server.kserve.shm import Peer
 from edge_server.limits import Limits
 from edge_server.memory import trim_heap
+from edge_server.request import InferRequest, ResponseSink
+
+if TYPE_CHECKING:
+    from edge_server.kserve.grpc_frontend import GrpcFrontend
 
 log = logging.getLogger(__name__)
 
 #: An item of the response queue: (response or None, its bytes, whether it ends a request)
 Item = tuple[Any, int, bool]
+EMPTY_FINAL = "triton_enable_empty_final_response"  # Triton's request parameter
+FINAL_FLAG = "triton_final_response"  # and the response parameter it enables
 
 
 class StreamCall:
@@ -104,3 +121,130 @@ class StreamCall:
         timer.daemon = True
         timer.start()
         log.debug("dropped %d responses of a cut-off stream", dropped)
+
+
+def _stream_error(request: Any, exc: BaseException) -> Any:
+    _http, _code, message = error_status(exc)
+    return service_pb2.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=service_pb2.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        ),
+    )
+
+
+class StreamSink(ResponseSink):
+    """One streamed request's responses, encoded on the model's thread and queued for the stream.
+
+    Every response carries ``triton_final_response`` (as Triton's do); with Triton's
+    ``triton_enable_empty_final_response`` request parameter a final without outputs is sent as an
+    empty response too, so that the client knows when a decoupled request is complete.
+    """
+
+    def __init__(
+        self,
+        service: KServeService,
+        call: StreamCall,
+        request: InferRequest,
+        wants: list[OutputWant] | None,
+        peer: Peer,
+        empty_final: bool,
+        finished: Callable[[StreamSink], None],
+    ) -> None:
+        super().__init__()
+        self._service = service
+        self._call = call
+        self._request = request
+        self._wants = wants
+        self._peer = peer
+        self._empty_final = empty_final
+        self._finished = finished
+
+    def deliver(
+        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
+    ) -> None:
+        request = self._request
+        response: Any = None
+        try:
+            if error is not None:
+                raise error
+            if outputs is not None:
+                response = grpc_codec.encode(self._service, request, self._wants, outputs, self._peer)
+            elif self._empty_final and final:
+                response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
+            if response is not None:
+                response.parameters[FINAL_FLAG].bool_param = final  # on every streamed one, as Triton
+                response = service_pb2.ModelStreamInferResponse(infer_response=response)
+        except Exception as exc:  # noqa: BLE001 - one response's error is sent; the stream goes on
+            _http, _code, message = error_status(exc)
+            response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
+            response.parameters[FINAL_FLAG].bool_param = final
+            response = service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
+        # A final without a response still ends the request: its slot is freed when that is taken.
+        if response is not None or final:
+            self._call.put(response, ends_request=final)
+        if final:
+            self._finished(self)
+
+
+def serve_stream(
+    service: KServeService, frontend: GrpcFrontend, requests: Iterator[WireRequest], context: Any, peer: Peer
+) -> Iterator[Any]:
+    """One ``ModelStreamInfer`` call: requests read on a thread of their own, responses yielded in order."""
+    call = StreamCall(context, frontend.limits)
+    lock = threading.Lock()
+    open_sinks: set[StreamSink] = set()
+    reading = [True]
+
+    def finished(sink: StreamSink) -> None:
+        with lock:
+            open_sinks.discard(sink)
+            done = not reading[0] and not open_sinks
+        if done:
+            call.end()
+
+    def start(wire: WireRequest) -> None:
+        request = wire.message
+        try:
+            infer, wants = grpc_codec.decode(service, request, peer, wire.raw)
+            empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
+            sink = StreamSink(service, call, infer, wants, peer, empty_final, finished)
+            with lock:
+                open_sinks.add(sink)
+            try:
+                service.dataplane.stream(infer, sink)
+            except BaseException:
+                with lock:
+                    open_sinks.discard(sink)
+                raise
+        except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
+            call.put(_stream_error(request, exc), ends_request=True)
+
+    def read() -> None:
+        try:
+            for request in requests:
+                call.acquire()
+                if call.cut_off:
+                    break
+                start(request)
+        except Exception as exc:  # noqa: BLE001 - the client went away or broke the stream
+            log.debug("stream reader stopped: %s", exc)
+        finally:
+            with lock:
+                reading[0] = False
+                done = not open_sinks
+            if done:
+                call.end()
+
+    context.add_callback(call.end)  # the call ended (cancelled, deadline)
+    reader = threading.Thread(target=read, name="edge-grpc-stream", daemon=True)
+    reader.start()
+    frontend.stream_opened(+1)
+    try:
+        yield from call.responses()
+    finally:
+        frontend.stream_opened(-1)
+        with lock:
+            left = list(open_sinks)
+        for sink in left:
+            sink.cancel()
