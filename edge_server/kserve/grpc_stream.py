@@ -5,16 +5,16 @@ one response, a decoupled model's request as many as the model sends; each is wr
 error as ``error_message``, the stream staying open).
 
 A client that sends and never reads would otherwise make the daemon hold every response for it
-(400 x 1 MiB pinned +406 MiB, kept after cancel).  So, as over IPC:
+(400 x 1 MiB pinned +406 MiB, kept after cancel), and queue all its requests ahead of every other client
+of the same model (their p99 6x idle).  So:
 
-* at most ``max_client_requests`` requests of one stream are in flight, and a request's slot is given
-  back when its last response has been handed to grpc (sent), not when the model produced it;
-* the bytes of responses produced and not yet handed to grpc are counted, and past
-  ``max_client_reply_bytes`` the stream is cancelled, what waited for it dropped, and the heap trimmed;
-* at most :data:`RUNNING_PER_STREAM` of a stream's requests are in the data plane at once (queued or
-  running in the model; a decoupled one until its final response): the reader stops reading past that,
-  and grpc's flow control then holds the client.  One stream of 400 x 1 MiB requests no longer queues
-  all 400 ahead of every other client of the same model (good clients' p99 was 6x their idle one).
+* at most :data:`RUNNING_PER_STREAM` (or ``max_client_requests``, if fewer) requests of one stream are in
+  flight, and a request's slot is given back when its last response has been sent (grpc's sync server
+  resumes the response generator only once a send has completed), not when the model produced it: a
+  stream that does not read stops being read after that many, and grpc's flow control holds the client;
+* the bytes of responses produced and not yet sent are counted, and past ``max_client_reply_bytes``
+  (as over IPC; a decoupled model can send many responses to one request) the stream is cancelled, what
+  waited for it dropped, and the heap trimmed.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 Item = tuple[Any, int, bool]
 EMPTY_FINAL = "triton_enable_empty_final_response"  # Triton's request parameter
 FINAL_FLAG = "triton_final_response"  # and the response parameter it enables
-#: A stream's requests in the data plane at once: enough to keep a model's batches full, few enough that
-#: a stream's backlog never stands long ahead of other clients of the same model.
+#: A stream's requests in flight at once: enough to keep a model's batches full, few enough that one
+#: stream's backlog never stands long ahead of other clients of the same model.
 RUNNING_PER_STREAM = 16
 
 
@@ -59,28 +59,22 @@ class StreamCall:
         self._limits = limits
         max_requests, max_reply_bytes = limits.max_client_requests, limits.max_client_reply_bytes
         self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
-        self._slots = threading.BoundedSemaphore(max_requests)
-        self._running = threading.Semaphore(RUNNING_PER_STREAM)
+        self._slots = threading.BoundedSemaphore(min(max_requests, RUNNING_PER_STREAM))
         self._ended = False
         self._max_reply_bytes = max_reply_bytes
         self._lock = threading.Lock()
-        self._pending = 0  # bytes of responses queued, not yet handed to grpc
+        self._pending = 0  # bytes of responses queued or being sent
         self.cut_off = False
 
     def acquire(self) -> bool:
-        """Wait for a slot and room in the data plane before the next request (the reader's back-pressure).
+        """Wait for a free slot before starting the next request (the reader thread's back-pressure).
 
         False: the call ended or was cut off meanwhile.
         """
-        self._slots.acquire()
-        while not self._running.acquire(timeout=0.5):
+        while not self._slots.acquire(timeout=0.5):
             if self._ended or self.cut_off:
                 return False
         return not self.cut_off
-
-    def ran(self) -> None:
-        """One request of this stream left the data plane (its final response came, or it never entered)."""
-        self._running.release()
 
     def put(self, response: Any, *, ends_request: bool) -> None:
         """Queue ``response`` (None: nothing to send, only the request's end); counts its bytes."""
@@ -104,17 +98,19 @@ class StreamCall:
         self._queue.put(None)
 
     def responses(self) -> Iterator[Any]:
-        """The responses to yield to grpc, in order; a slot is freed once a request's last one is taken."""
+        """The responses to yield to grpc, in order; a slot is freed once a request's last one is sent."""
         while (item := self._queue.get()) is not None:
             response, nbytes, ends_request = item
+            if self.cut_off:
+                break
+            if response is not None:
+                yield response  # resumes once grpc has sent it
             with self._lock:
                 if self.cut_off:
                     break
                 self._pending -= nbytes
             if ends_request:
                 self._slots.release()
-            if response is not None:
-                yield response
 
     def _cut_off(self) -> None:
         log.warning(
@@ -186,8 +182,6 @@ class StreamSink(ResponseSink):
     ) -> None:
         request = self._request
         response: Any = None
-        if final:
-            self._call.ran()
         try:
             if error is not None:
                 raise error
@@ -241,7 +235,6 @@ def serve_stream(
                     open_sinks.discard(sink)
                 raise
         except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
-            call.ran()  # refused before it entered the data plane
             call.put(_stream_error(request, exc), ends_request=True)
 
     def read() -> None:
