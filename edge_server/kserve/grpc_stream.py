@@ -1,13 +1,20 @@
 """One ``ModelStreamInfer`` call: requests read on a thread of their own, responses yielded in order.
 
-A stream keeps many requests in flight, and a client that sends and never reads would otherwise make
-the daemon hold every response for it (400 x 1 MiB pinned +406 MiB, kept after cancel).  So, as over
-IPC:
+Many requests are in flight on one stream through ``DataPlane.stream``: an ordinary model's request gets
+one response, a decoupled model's request as many as the model sends; each is written as it comes (an
+error as ``error_message``, the stream staying open).
 
-* at most ``max_client_requests`` requests of one stream are in flight, and a request's slot is given
-  back when its last response has been handed to grpc (sent), not when the model produced it;
-* the bytes of responses produced and not yet handed to grpc are counted, and past
-  ``max_client_reply_bytes`` the stream is cancelled, what waited for it dropped, and the heap trimmed.
+A client that sends and never reads would otherwise make the daemon hold every response for it
+(400 x 1 MiB pinned +406 MiB, kept after cancel), and queue all its requests ahead of every other client
+of the same model (their p99 6x idle).  So:
+
+* at most :data:`RUNNING_PER_STREAM` (or ``max_client_requests``, if fewer) requests of one stream are in
+  flight, and a request's slot is given back when its last response has been sent (grpc's sync server
+  resumes the response generator only once a send has completed), not when the model produced it: a
+  stream that does not read stops being read after that many, and grpc's flow control holds the client;
+* the bytes of responses produced and not yet sent are counted, and past ``max_client_reply_bytes``
+  (as over IPC; a decoupled model can send many responses to one request) the stream is cancelled, what
+  waited for it dropped, and the heap trimmed.
 """
 
 from __future__ import annotations
@@ -15,21 +22,37 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2
 
+from edge_server.errors import EdgeServerError
+from edge_server.kserve import grpc_codec
+from edge_server.kserve.grpc_wire import WireRequest
+from edge_server.kserve.service import KServeService, OutputWant, error_status
+from edge_server.kserve.shm import Peer
 from edge_server.limits import Limits
 from edge_server.memory import trim_heap
+from edge_server.request import InferRequest, ResponseSink
+
+if TYPE_CHECKING:
+    from edge_server.kserve.grpc_frontend import GrpcFrontend
 
 log = logging.getLogger(__name__)
 
 #: An item of the response queue: (response or None, its bytes, whether it ends a request)
 Item = tuple[Any, int, bool]
+EMPTY_FINAL = "triton_enable_empty_final_response"  # Triton's request parameter
+FINAL_FLAG = "triton_final_response"  # and the response parameter it enables
 #: Triton's stream mode: with this header set to "true", a request's error ends the whole stream
 GRPC_ERROR_HEADER = "triton_grpc_error"
+#: A stream's requests in flight at once: enough to keep a model's batches full, few enough that one
+#: stream's backlog never stands long ahead of other clients of the same model.
+RUNNING_PER_STREAM = 16
 
 
 @dataclass(frozen=True)
@@ -51,15 +74,22 @@ class StreamCall:
         self._limits = limits
         max_requests, max_reply_bytes = limits.max_client_requests, limits.max_client_reply_bytes
         self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
-        self._slots = threading.BoundedSemaphore(max_requests)
+        self._slots = threading.BoundedSemaphore(min(max_requests, RUNNING_PER_STREAM))
+        self._ended = False
         self._max_reply_bytes = max_reply_bytes
         self._lock = threading.Lock()
-        self._pending = 0  # bytes of responses queued, not yet handed to grpc
+        self._pending = 0  # bytes of responses queued or being sent
         self.cut_off = False
 
-    def acquire(self) -> None:
-        """Wait for a free slot before starting the next request (the reader thread's back-pressure)."""
-        self._slots.acquire()
+    def acquire(self) -> bool:
+        """Wait for a free slot before starting the next request (the reader thread's back-pressure).
+
+        False: the call ended or was cut off meanwhile.
+        """
+        while not self._slots.acquire(timeout=0.5):
+            if self._ended or self.cut_off:
+                return False
+        return not self.cut_off
 
     def put(self, response: Any, *, ends_request: bool) -> None:
         """Queue ``response`` (None: nothing to send, only the request's end); counts its bytes."""
@@ -79,22 +109,25 @@ class StreamCall:
 
     def end(self) -> None:
         """No more responses: the reader is done and every request answered, or the call ended."""
+        self._ended = True
         self._queue.put(None)
 
     def responses(self) -> Iterator[Any]:
-        """The responses to yield to grpc, in order; a slot is freed once a request's last one is taken."""
+        """The responses to yield to grpc, in order; a slot is freed once a request's last one is sent."""
         while (item := self._queue.get()) is not None:
             response, nbytes, ends_request = item
+            if self.cut_off:
+                break
+            if isinstance(response, StreamError):  # raises: the call ends with this status
+                self._context.abort(grpc.StatusCode[response.code], response.message)
+            if response is not None:
+                yield response  # resumes once grpc has sent it
             with self._lock:
                 if self.cut_off:
                     break
                 self._pending -= nbytes
             if ends_request:
                 self._slots.release()
-            if isinstance(response, StreamError):  # raises: the call ends with this status
-                self._context.abort(grpc.StatusCode[response.code], response.message)
-            if response is not None:
-                yield response
 
     def _cut_off(self) -> None:
         log.warning(
@@ -122,3 +155,144 @@ class StreamCall:
         timer.daemon = True
         timer.start()
         log.debug("dropped %d responses of a cut-off stream", dropped)
+
+
+def _grpc_error_mode(context: Any) -> bool:
+    """Triton's ``triton_grpc_error: true`` stream header: an error ends the stream with its status."""
+    return any(k == GRPC_ERROR_HEADER and v == "true" for k, v in context.invocation_metadata() or ())
+
+
+def _stream_error(request: Any, exc: BaseException, ends_stream: bool = False) -> Any:
+    _http, code, message = error_status(exc)
+    if ends_stream:
+        return StreamError(code, message)
+    return service_pb2.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=service_pb2.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        ),
+    )
+
+
+class StreamSink(ResponseSink):
+    """One streamed request's responses, encoded on the model's thread and queued for the stream.
+
+    Every response carries ``triton_final_response`` (as Triton's do); with Triton's
+    ``triton_enable_empty_final_response`` request parameter a final without outputs is sent as an
+    empty response too, so that the client knows when a decoupled request is complete.
+    """
+
+    def __init__(
+        self,
+        service: KServeService,
+        call: StreamCall,
+        request: InferRequest,
+        wants: list[OutputWant] | None,
+        peer: Peer,
+        empty_final: bool,
+        finished: Callable[[StreamSink], None],
+        ends_stream: bool = False,
+    ) -> None:
+        super().__init__()
+        self._service = service
+        self._call = call
+        self._request = request
+        self._wants = wants
+        self._peer = peer
+        self._empty_final = empty_final
+        self._finished = finished
+        self._ends_stream = ends_stream  # triton_grpc_error mode: an error ends the whole stream
+
+    def deliver(
+        self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
+    ) -> None:
+        request = self._request
+        response: Any = None
+        try:
+            if error is not None:
+                raise error
+            if outputs is not None:
+                response = grpc_codec.encode(self._service, request, self._wants, outputs, self._peer)
+            elif self._empty_final and final:
+                response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
+            if response is not None:
+                response.parameters[FINAL_FLAG].bool_param = final  # on every streamed one, as Triton
+                response = service_pb2.ModelStreamInferResponse(infer_response=response)
+        except Exception as exc:  # noqa: BLE001 - one response's error is sent; the stream goes on
+            _http, code, message = error_status(exc)
+            if self._ends_stream:
+                self._call.put(StreamError(code, message), ends_request=final)
+                if final:
+                    self._finished(self)
+                return
+            response = service_pb2.ModelInferResponse(model_name=request.model, id=request.request_id)
+            response.parameters[FINAL_FLAG].bool_param = final
+            response = service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
+        # A final without a response still ends the request: its slot is freed when that is taken.
+        if response is not None or final:
+            self._call.put(response, ends_request=final)
+        if final:
+            self._finished(self)
+
+
+def serve_stream(
+    service: KServeService, frontend: GrpcFrontend, requests: Iterator[WireRequest], context: Any, peer: Peer
+) -> Iterator[Any]:
+    """One ``ModelStreamInfer`` call: requests read on a thread of their own, responses yielded in order."""
+    call = StreamCall(context, frontend.limits)
+    lock = threading.Lock()
+    open_sinks: set[StreamSink] = set()
+    reading = [True]
+    ends_stream = _grpc_error_mode(context)
+
+    def finished(sink: StreamSink) -> None:
+        with lock:
+            open_sinks.discard(sink)
+            done = not reading[0] and not open_sinks
+        if done:
+            call.end()
+
+    def start(wire: WireRequest) -> None:
+        request = wire.message
+        try:
+            infer, wants = grpc_codec.decode(service, request, peer, wire.raw)
+            empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
+            sink = StreamSink(service, call, infer, wants, peer, empty_final, finished, ends_stream)
+            with lock:
+                open_sinks.add(sink)
+            try:
+                service.dataplane.stream(infer, sink)
+            except BaseException:
+                with lock:
+                    open_sinks.discard(sink)
+                raise
+        except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
+            call.put(_stream_error(request, exc, ends_stream), ends_request=True)
+
+    def read() -> None:
+        try:
+            for request in requests:
+                if not call.acquire():
+                    break
+                start(request)
+        except Exception as exc:  # noqa: BLE001 - the client went away or broke the stream
+            log.debug("stream reader stopped: %s", exc)
+        finally:
+            with lock:
+                reading[0] = False
+                done = not open_sinks
+            if done:
+                call.end()
+
+    context.add_callback(call.end)  # the call ended (cancelled, deadline)
+    reader = threading.Thread(target=read, name="edge-grpc-stream", daemon=True)
+    reader.start()
+    frontend.stream_opened(+1)
+    try:
+        yield from call.responses()
+    finally:
+        frontend.stream_opened(-1)
+        with lock:
+            left = list(open_sinks)
+        for sink in left:
+            sink.cancel()
