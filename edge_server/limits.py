@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from edge_server import flag_types
 from edge_server.memory import DeferredTrim
 
 #: Descriptors kept free for everything but connections and regions: models, files, hand-offs, and
@@ -349,76 +350,56 @@ class Limits:
             }
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of :class:`LimitOptions`: every listener's budget, in one place."""
     group = parser.add_argument_group("limits of every listener (IPC, HTTP, gRPC, metrics)")
     group.add_argument(
         "--max-connections",
-        type=_positive,
+        type=flag_types.positive,
         default=None,
         help="connections of every listener together (default: as many as the descriptor budget allows, "
         f"at most {MAX_CONNECTIONS})",
     )
     group.add_argument(
         "--max-client-connections",
-        type=_positive,
+        type=flag_types.positive,
         default=None,
         help="connections one user (uid) may hold over every listener (default: a quarter of the total, "
         "at least 64)",
     )
     group.add_argument(
         "--header-timeout-secs",
-        type=_seconds,
+        type=flag_types.seconds,
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="HTTP and metrics: a connection that has not sent its request headers by then is closed",
     )
     group.add_argument(
         "--body-timeout-secs",
-        type=_seconds,
+        type=flag_types.seconds,
         default=DEFAULT_BODY_TIMEOUT_S,
         help="HTTP: a request whose body has not arrived whole by then is closed",
     )
     group.add_argument(
         "--idle-timeout-secs",
-        type=_seconds,
+        type=flag_types.seconds,
         default=DEFAULT_IDLE_TIMEOUT_S,
         help="HTTP, gRPC and metrics: a connection idle that long between requests is closed",
     )
     group.add_argument(
         "--max-body-bytes-in-flight",
-        type=_positive,
+        type=flag_types.positive,
         default=DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
         help="HTTP: bytes of request bodies arriving from all clients together; more are refused (503)",
     )
     group.add_argument(
         "--max-client-body-bytes",
-        type=_positive,
+        type=flag_types.positive,
         default=DEFAULT_MAX_CLIENT_BODY_BYTES,
         help="HTTP: bytes of request bodies arriving from one user (uid); more are refused (503)",
     )
     group.add_argument(
         "--max-client-streams",
-        type=_positive,
+        type=flag_types.positive,
         default=DEFAULT_MAX_CLIENT_STREAMS,
         help="gRPC: ModelStreamInfer streams one user (uid) may hold open; more are refused",
     )

@@ -5,30 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from edge_server.flag_types import boolean, positive
+
+__all__ = ["RepeatedFlag", "UsageError", "boolean", "positive"]
+
 
 class UsageError(Exception):
     """A command line that cannot work as given: printed with the usage line, exit status 2."""
-
-
-def boolean(text: str) -> bool:
-    """Triton's boolean flag values: ``--exit-on-error false``."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def positive(text: str) -> int:
-    """A limit: a whole number of at least 1 (0 would refuse everything)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
-    return value
 
 
 class RepeatedFlag(argparse._AppendAction):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from edge_server.authorization import ControlPolicy
+from edge_server.flag_types import boolean
 from edge_server.kserve.probes import GrpcProbe, LoopProbe, loopback
 from edge_server.kserve.service import KServeService
 from edge_server.kserve.settings import RuntimeSettings
@@ -37,25 +38,16 @@ class KServeOptions:
     log_format: str = "default"
 
 
-def _flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def add_kserve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KServe v2 (HTTP and gRPC)")
     group.add_argument(
-        "--allow-http", type=_flag, default=True, metavar="BOOL", help="serve HTTP (default true)"
+        "--allow-http", type=boolean, default=True, metavar="BOOL", help="serve HTTP (default true)"
     )
     group.add_argument("--http-address", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
     group.add_argument("--http-port", type=int, default=8000)
     group.add_argument(
         "--allow-grpc",
-        type=_flag,
+        type=boolean,
         default=None,
         metavar="BOOL",
         help="serve gRPC (default: true where the grpc extra is installed; true makes it required)",
@@ -64,7 +56,7 @@ def add_kserve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grpc-port", type=int, default=8001)
     group.add_argument(
         "--allow-client-shm",
-        type=_flag,
+        type=boolean,
         default=False,
         metavar="BOOL",
         help="let HTTP/gRPC clients on this host use system shared memory (default false)",
