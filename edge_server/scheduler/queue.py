@@ -1,4 +1,4 @@
-"""The per-model request queue: priority levels, queue size limits and timeouts (Triton's queue policy).
+"""The per-model request queue: priority levels, clients' turns, Triton's queue policy (limits, timeouts).
 
 Not thread-safe on its own: the scheduler calls it under its condition lock.  Nothing here completes a
 future: a future's done-callbacks may submit more work (a pipeline's next step), and running them under
