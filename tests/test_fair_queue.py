@@ -107,7 +107,7 @@ def _block(daemon: Daemon, flooder: Client, model: str, batched: bool) -> Future
     """One request of ``flooder`` held in the model, so that what comes next waits in the queue."""
     assert daemon.gate is not None
     blocker = flooder.submit(model, {"X": _x(-1, batched)})
-    daemon.gate.wait_started(1)
+    daemon.gate.wait_started(1, timeout=60)  # a bound for a loaded machine, not a timing
     return blocker
 
 
@@ -124,13 +124,13 @@ def test_a_burst_from_one_client_waits_its_turn(server: KServeDaemon) -> None:
     with Client(daemon.address, timeout=60) as flooder, Client(daemon.address, timeout=60) as other:
         blocker = _block(daemon, flooder, "turns", batched=False)
         burst = [flooder.submit("turns", {"X": _x(i, False)}) for i in range(12)]
-        wait_for(lambda: _queued(other, "turns") == 12, what="the burst to be queued")
+        wait_for(lambda: _queued(other, "turns") == 12, 60, what="the burst to be queued")
         lone = other.submit("turns", {"X": _x(100, False)})
-        wait_for(lambda: _queued(other, "turns") == 13, what="the other client's request to be queued")
+        wait_for(lambda: _queued(other, "turns") == 13, 60, what="the other client's request to be queued")
         x = httpclient.InferInput("X", [1], "FP32")
         x.set_data_from_numpy(_x(200, False))
         over_http = http.async_infer("turns", [x])
-        wait_for(lambda: _queued(other, "turns") == 14, what="the HTTP request to be queued")
+        wait_for(lambda: _queued(other, "turns") == 14, 60, what="the HTTP request to be queued")
         daemon.gate.release(15)
         _answer(blocker)
         burst_calls = [int(_answer(f)["CALL"][0]) for f in burst]
@@ -153,9 +153,9 @@ def test_batches_still_take_every_clients_requests(server: KServeDaemon) -> None
     with Client(daemon.address, timeout=60) as flooder, Client(daemon.address, timeout=60) as other:
         blocker = _block(daemon, flooder, model, batched=True)
         burst = [flooder.submit(model, {"X": _x(i, True)}) for i in range(8)]
-        wait_for(lambda: _queued(other, model) == 8, what="the burst to be queued")
+        wait_for(lambda: _queued(other, model) == 8, 60, what="the burst to be queued")
         mine = [other.submit(model, {"X": _x(100 + i, True)}) for i in range(4)]
-        wait_for(lambda: _queued(other, model) == 12, what="the other client's requests to be queued")
+        wait_for(lambda: _queued(other, model) == 12, 60, what="the other client's requests to be queued")
         daemon.gate.release(4)
         _answer(blocker)
         burst_out = [_answer(f) for f in burst]
