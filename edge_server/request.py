@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypedDict
@@ -55,6 +55,19 @@ class _NoParameters(Mapping[str, ParamValue]):
 
 NO_PARAMETERS: Parameters = _NoParameters()
 
+#: Who sent a request, for the dynamic batcher's turns (:mod:`edge_server.scheduler.queue`): (user,
+#: connection).  Requests of one connection keep their order; users take turns, and so do one user's
+#: connections.  None: the in-process API (one client).
+ClientKey = tuple[Hashable, Hashable]
+
+
+def client_key(uid: int | None, connection: Hashable) -> ClientKey:
+    """The key of a frontend's client: its uid from the kernel where known, else the connection alone.
+
+    A connection whose uid is unknown (a remote TCP client, a gRPC call) is a user of its own.
+    """
+    return (uid if uid is not None and uid >= 0 else connection, connection)
+
 
 @dataclass(slots=True, kw_only=True)
 class InferRequest:
@@ -83,6 +96,9 @@ class InferRequest:
     #: set by frontends: the uid of the client, from the kernel (-1: not known, e.g. not on this host;
     #: None: the in-process API).  A sequence belongs to the owner of its start (see scheduler.sequence)
     owner: int | None = None
+    #: set by frontends: who sent it (:func:`client_key`), so that one client's burst cannot make the
+    #: others wait for all of it (the dynamic batcher serves clients in turns)
+    client: ClientKey | None = None
     #: set by the data plane: the version that took the request (a response names it, even when a
     #: reload swapped the serving version while it ran)
     routed_version: int | None = None
@@ -126,6 +142,7 @@ class BatchItem:
     #: outputs the client wants in its shared memory (from ``InferRequest.output_buffers``)
     destinations: Mapping[str, OutputBuffer] | None = None
     owner: int | None = None  # InferRequest.owner, for a sequence's requests
+    client: ClientKey | None = None  # InferRequest.client: whose turn it waits for in the queue
 
 
 class OutputBuffer:

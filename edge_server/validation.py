@@ -146,6 +146,7 @@ class RequestValidator:
             self._requested_outputs(requested) if requested else self._outputs,
             request.request_id,
         )
+        item.client = request.client
         if request.parameters:
             item.parameters = check_parameters(request.parameters)
         if request.correlation_id or request.sequence_start or request.sequence_end:

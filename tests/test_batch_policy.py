@@ -10,7 +10,7 @@ import pytest
 
 from edge_server.config.model import QueuePolicy
 from edge_server.errors import QueueFull, RequestTimeout
-from edge_server.request import BatchItem
+from edge_server.request import BatchItem, ClientKey
 from edge_server.scheduler.policy import BatchSettings, Decision, next_batch
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue, timed_out
 
@@ -65,8 +65,10 @@ def test_preferred_size_is_sent_at_once_largest_first() -> None:
     assert next_batch([R(3), R(3)], 0, settings) == Decision(0, 10**9)  # 6 is not preferred: wait
 
 
-def _request(level: int, enqueue: int, deadline: int = 0, action: str = "REJECT") -> QueuedRequest:
-    item = BatchItem(inputs={"x": np.zeros(1)}, batch_size=1, requested_outputs=())
+def _request(
+    level: int, enqueue: int, deadline: int = 0, action: str = "REJECT", client: ClientKey | None = None
+) -> QueuedRequest:
+    item = BatchItem(inputs={"x": np.zeros(1)}, batch_size=1, requested_outputs=(), client=client)
     return QueuedRequest(
         item=item,
         shape_key=(),
@@ -140,3 +142,54 @@ def test_delayed_requests_stay_within_their_priority_level() -> None:
     assert queue.head(10) == [high_fresh, high_late, low]  # Triton: behind its level, ahead of level 2
     with pytest.raises(QueueFull):  # the delayed request still counts against max_queue_size
         queue.push(_request(1, 3))
+
+
+def test_clients_take_turns_and_keep_their_own_order() -> None:
+    queue = RequestQueue(1, {1: QueuePolicy()})
+    a, b = ("a", 1), ("b", 2)
+    flood = [_request(1, i, client=a) for i in range(5)]
+    for r in flood:
+        queue.push(r)
+    lone = _request(1, 9, client=b)
+    queue.push(lone)
+    assert queue.head(3) == [flood[0], lone, flood[1]]  # one of the burst, then the newcomer
+    assert queue.pop(3) == [flood[0], lone, flood[1]]
+    assert queue.pop(10) == flood[2:]  # the burst's own order is kept
+    assert len(queue) == 0
+
+
+def test_head_is_what_pop_takes_whatever_the_rotation() -> None:
+    queue = RequestQueue(1, {1: QueuePolicy()})
+    clients = [(0, "c1"), (0, "c2"), (1, "d1"), (None, None)]
+    for i in range(40):
+        queue.push(_request(1, i, client=clients[(i * 7) % 4] if i % 3 else clients[0]))
+        if i % 5 == 4:
+            head = queue.head(3)
+            assert queue.pop(3) == head
+    while len(queue):
+        head = queue.head(4)
+        assert queue.pop(4) == head
+
+
+def test_one_users_connections_share_its_turn() -> None:
+    """Opening more connections buys a user no more turns: user 0's two connections alternate in its turn."""
+    queue = RequestQueue(1, {1: QueuePolicy()})
+    c1 = [_request(1, i, client=(0, "c1")) for i in range(3)]
+    c2 = [_request(1, 10 + i, client=(0, "c2")) for i in range(3)]
+    other = [_request(1, 20 + i, client=(1, "d")) for i in range(3)]
+    for r in (*c1, *c2, *other):
+        queue.push(r)
+    assert queue.head(6) == [c1[0], other[0], c2[0], other[1], c1[1], other[2]]
+
+
+def test_priority_comes_before_turns_and_timeouts_keep_the_client() -> None:
+    queue = RequestQueue(2, {1: QueuePolicy(), 2: QueuePolicy()})
+    low = _request(2, 0, client=("b", 1))
+    late = _request(1, 1, deadline=100, action="DELAY", client=("a", 1))
+    gone = _request(1, 2, deadline=100, client=("a", 1))
+    high = _request(1, 3, client=("b", 1))
+    for r in (low, late, gone, high):
+        queue.push(r)
+    assert queue.expire(200) == [gone]
+    assert queue.head(10) == [high, late, low]
+    assert late.item.client == ("a", 1)

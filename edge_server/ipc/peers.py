@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from edge_server.ipc import protocol
-from edge_server.request import ResponseSink
+from edge_server.request import ClientKey, ResponseSink, client_key
 from edge_server.shm import ClientRegions, Owner, Registry
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ class Peer:
     connection: tuple[int, int] | None = None
     #: the client's uid (SO_PEERCRED), asked with ``connection``; -1 where there is none (tcp://)
     uid: int = -1
+    #: who its requests come from, for the scheduler's turns (``request.client_key``)
+    client: ClientKey | None = None
 
     @property
     def holds_state(self) -> bool:
@@ -158,6 +160,7 @@ class PeerTable:
                 last_seen=now,
                 connection=connection,
                 uid=uid,
+                client=client_key(uid, identity),
             )
             self._peers[identity] = peer
         else:

@@ -31,7 +31,7 @@ from edge_server.ipc import handlers, protocol
 from edge_server.ipc.handoff import FdHandoff
 from edge_server.ipc.peers import Peer, PeerTable
 from edge_server.ipc.replies import Replies
-from edge_server.request import ResponseSink
+from edge_server.request import InferRequest, ResponseSink
 from edge_server.scheduler import inline
 
 if TYPE_CHECKING:
@@ -180,9 +180,7 @@ class RequestHandler:
 
     def _infer(self, sock: zmq.Socket, peer: Peer, identity: bytes, header: dict, frames: list) -> None:
         self._admit(peer)
-        request, ctx = handlers.decode_infer(header, frames, peer.registry)
-        if request.correlation_id:
-            request.owner = peer.uid  # the sequence belongs to this user (scheduler.sequence)
+        request, ctx = _decode(peer, header, frames)
         future = self._dataplane.run_here(request, inline.FRONTEND)
         if future.done():  # it ran on this thread: answer now (its error raises), nothing to track
             self._replies.send(sock, identity, handlers.encode_result(ctx, future.result(), self._pack), peer)
@@ -192,9 +190,7 @@ class RequestHandler:
 
     def _stream(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
         self._admit(peer)
-        request, ctx = handlers.decode_infer(header, frames, peer.registry)
-        if request.correlation_id:
-            request.owner = peer.uid  # the sequence belongs to this user (scheduler.sequence)
+        request, ctx = _decode(peer, header, frames)
         if ctx.shm_outputs:
             raise InvalidArgument("the responses of a stream travel inline; leave out 'shm' in 'outputs'")
         if rid is None or rid in peer.streams:
@@ -214,6 +210,15 @@ class RequestHandler:
         except Exception as exc:
             header = protocol.error_header(rid, as_error(exc))
         self._replies.put(identity, [protocol.pack(header)])
+
+
+def _decode(peer: Peer, header: dict, frames: list) -> tuple[InferRequest, handlers.InferContext]:
+    """The request of an infer or stream message, marked as ``peer``'s (its turn, its sequences)."""
+    request, ctx = handlers.decode_infer(header, frames, peer.registry)
+    request.client = peer.client  # its turn in the queue (scheduler.queue)
+    if request.correlation_id:
+        request.owner = peer.uid  # the sequence belongs to this user (scheduler.sequence)
+    return request, ctx
 
 
 def _reply_frames(ctx: handlers.InferContext, future: Future) -> list[Any]:

@@ -34,7 +34,7 @@ from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
 from edge_server.load_files import file_overrides
-from edge_server.request import NO_PARAMETERS, InferRequest
+from edge_server.request import NO_PARAMETERS, InferRequest, client_key
 from edge_server.scheduler import inline
 from edge_server.shm import Lease
 from edge_server.status_index import ModelState
@@ -257,9 +257,11 @@ class KServeService:
     ) -> InferRequest:
         """The data plane's request; reserved parameters become its fields, the others reach the model.
 
-        A sequence's request carries the ``peer``'s uid as its owner (see scheduler.sequence).
+        A sequence's request carries the ``peer``'s uid as its owner (see scheduler.sequence); every
+        request carries the ``peer`` as its client, for its turn in the queue (scheduler.queue).
         Parameters named ``triton_*`` are refused, as Triton does, but those in ``triton_allowed``.
         """
+        client = None if peer is None else client_key(peer.uid, (peer.host, peer.port))
         if not parameters:
             return InferRequest(
                 model=model,
@@ -268,6 +270,7 @@ class KServeService:
                 outputs=None if outputs is None else [o.name for o in outputs],
                 request_id=request_id,
                 classification=classification_of(outputs),
+                client=client,
             )
         for key in parameters:
             if key.startswith("triton_") and key not in triton_allowed:
@@ -295,6 +298,7 @@ class KServeService:
             sequence_end=_bool_param(parameters, "sequence_end"),
             owner=self._owner(peer) if sequence_id else None,
             classification=classification_of(outputs),
+            client=client,
         )
 
     @staticmethod

@@ -34,4 +34,5 @@ def step_request(
         correlation_id=item.correlation_id,
         sequence_start=bool(item.flags & REQUEST_FLAG_SEQUENCE_START),
         sequence_end=bool(item.flags & REQUEST_FLAG_SEQUENCE_END),
+        client=item.client,  # a step waits its turn as its client's, not as everyone's
     )

@@ -1,4 +1,4 @@
-"""The per-model request queue: priority levels, queue size limits and timeouts (Triton's queue policy).
+"""The per-model request queue: priority levels, clients' turns, Triton's queue policy (limits, timeouts).
 
 Not thread-safe on its own: the scheduler calls it under its condition lock.  Nothing here completes a
 future: a future's done-callbacks may submit more work (a pipeline's next step), and running them under
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -36,19 +36,105 @@ class QueuedRequest:
         return self.item.batch_size
 
 
+class Turns:
+    """One queue whose clients take turns: user after user, and one user's connections in turn.
+
+    Each connection's requests stay in arrival order; a user (or connection) that has a request
+    waiting joins the end of the rotation, and goes back to its end each time one of its requests is
+    taken.  So a client's burst delays another client by one of its requests per turn, not the whole
+    burst, and a user cannot buy more turns by opening more connections.  Requests without a client
+    (the in-process API) are one client: first in, first out, as without turns.
+    """
+
+    def __init__(self) -> None:
+        # user -> connection -> requests; both dicts in rotation order (next to serve first)
+        self._users: dict[Hashable, dict[Hashable, deque[QueuedRequest]]] = {}
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, request: QueuedRequest) -> None:
+        user, connection = request.item.client or _NO_CLIENT
+        lanes = self._users.get(user)
+        if lanes is None:
+            lanes = self._users[user] = {}
+        lane = lanes.get(connection)
+        if lane is None:
+            lane = lanes[connection] = deque()
+        lane.append(request)
+        self.size += 1
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        """Every request in the order :meth:`popleft` would take them (the queue left as it is)."""
+        users = self._users
+        if len(users) == 1:
+            (lanes,) = users.values()
+            if len(lanes) == 1:
+                return iter(next(iter(lanes.values())))  # one client: its own order
+        return _in_turn([_in_turn([iter(lane) for lane in lanes.values()]) for lanes in users.values()])
+
+    def popleft(self) -> QueuedRequest:
+        user, lanes = next(iter(self._users.items()))
+        connection, lane = next(iter(lanes.items()))
+        request = lane.popleft()
+        del lanes[connection]
+        if lane:
+            lanes[connection] = lane  # to the end of its user's rotation
+        del self._users[user]
+        if lanes:
+            self._users[user] = lanes  # to the end of the rotation
+        self.size -= 1
+        return request
+
+    def remove_if(self, expired: Callable[[QueuedRequest], bool]) -> list[QueuedRequest]:
+        """Take out the requests ``expired`` accepts (in turn order by client); the rotation is kept."""
+        taken: list[QueuedRequest] = []
+        for user, lanes in list(self._users.items()):
+            for connection, lane in list(lanes.items()):
+                if not any(expired(r) for r in lane):
+                    continue
+                keep = deque(r for r in lane if not expired(r))
+                taken.extend(r for r in lane if expired(r))
+                if keep:
+                    lanes[connection] = keep
+                else:
+                    del lanes[connection]
+            if not lanes:
+                del self._users[user]
+        self.size -= len(taken)
+        return taken
+
+
+_NO_CLIENT = (None, None)
+
+
+def _in_turn(iterators: list[Iterator[QueuedRequest]]) -> Iterator[QueuedRequest]:
+    """One item from each iterator in turn, dropping the exhausted ones (round robin)."""
+    turn = deque(iterators)
+    while turn:
+        iterator = turn.popleft()
+        for request in iterator:
+            yield request
+            turn.append(iterator)
+            break
+
+
 class RequestQueue:
-    """Requests by priority level (1 is the highest, as in Triton), FIFO within a level.
+    """Requests by priority level (1 is the highest, as in Triton); within a level, clients take turns.
 
     As in Triton's policy queues, every level has a main queue and a delayed queue: a request whose
     timeout expired under the DELAY action moves to its level's delayed queue, served after that
     level's other requests and before the next level; under REJECT it leaves with a timeout error.
-    ``max_queue_size`` counts both queues of a level.
+    ``max_queue_size`` counts both queues of a level.  Beyond Triton (first in, first out within a
+    level), each queue serves its clients in turns (:class:`Turns`): one client's burst never makes
+    the others wait for all of it, and batches still take requests of every client waiting.
     """
 
     def __init__(self, levels: int, policies: dict[int, QueuePolicy]) -> None:
         count = max(levels, 1)
-        self._main = [deque[QueuedRequest]() for _ in range(count)]
-        self._delayed = [deque[QueuedRequest]() for _ in range(count)]
+        self._main = [Turns() for _ in range(count)]
+        self._delayed = [Turns() for _ in range(count)]
         self._policies = policies
         self._with_deadline = 0  # requests in main queues with a deadline: skip expiry scans without
         #: requests queued at every level (a plain attribute: the scheduler asks it twice per request)
@@ -79,42 +165,41 @@ class RequestQueue:
         if not self._with_deadline:
             return []
         rejected: list[QueuedRequest] = []
-        for index, main in enumerate(self._main):
-            if not any(r.deadline_ns and r.deadline_ns <= now_ns for r in main):
-                continue
-            keep: deque[QueuedRequest] = deque()
-            for request in main:
-                if not request.deadline_ns or request.deadline_ns > now_ns:
-                    keep.append(request)
-                    continue
+        for main, delayed in zip(self._main, self._delayed, strict=True):
+            for request in main.remove_if(lambda r: 0 < r.deadline_ns <= now_ns):
                 self._with_deadline -= 1
                 if request.timeout_action == "DELAY":
-                    self._delayed[index].append(request)
-                    continue
-                rejected.append(request)
-            self._main[index] = keep
+                    delayed.append(request)
+                else:
+                    rejected.append(request)
         self.size -= len(rejected)
         return rejected
 
-    def _ordered(self) -> Iterator[deque[QueuedRequest]]:
+    def _ordered(self) -> Iterator[Turns]:
         for main, delayed in zip(self._main, self._delayed, strict=True):
             yield main
             yield delayed
 
     def head(self, limit: int) -> list[QueuedRequest]:
         """The first ``limit`` requests in the order they will be served."""
-        return list(itertools.islice(itertools.chain.from_iterable(self._ordered()), limit))
+        taken: list[QueuedRequest] = []
+        for turns in self._ordered():
+            if turns.size:
+                taken.extend(itertools.islice(turns, limit - len(taken)))
+                if len(taken) == limit:
+                    break
+        return taken
 
     def pop(self, count: int) -> list[QueuedRequest]:
         """Remove the first ``count`` requests (in :meth:`head` order)."""
         taken: list[QueuedRequest] = []
         for main, delayed in zip(self._main, self._delayed, strict=True):
-            while main and len(taken) < count:
+            while main.size and len(taken) < count:
                 request = main.popleft()
                 if request.deadline_ns:
                     self._with_deadline -= 1
                 taken.append(request)
-            while delayed and len(taken) < count:
+            while delayed.size and len(taken) < count:
                 taken.append(delayed.popleft())
             if len(taken) == count:
                 break
