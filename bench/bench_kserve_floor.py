@@ -81,7 +81,7 @@ def serve_grpc(port: int, tuned: bool) -> None:
 def serve_uvicorn(port: int) -> None:
     import uvicorn
 
-    from edge_server.kserve.http import _loop_impl
+    from edge_server.kserve.http_frontend import _loop_impl
     from edge_server.kserve.http_protocol import http_protocol
     from edge_server.limits import Limits
 

@@ -110,7 +110,7 @@ class KServeFrontends:
     def start(self) -> None:
         options = self.options
         if options.allow_http:
-            from edge_server.kserve.http import HttpFrontend
+            from edge_server.kserve.http_frontend import HttpFrontend
 
             self.http = HttpFrontend(
                 self.service,

@@ -1,6 +1,4 @@
-"""The KServe v2 HTTP/REST frontend: a bare ASGI app under uvicorn, on its own thread and event loop.
-
-uvicorn runs with httptools, and uvloop when present.
+"""The KServe v2 HTTP/REST frontend's ASGI app (run under uvicorn by ``kserve/http_frontend.py``).
 
 Why a bare ASGI app on uvicorn: measured against aiohttp's server (bench/bench_http_stacks.py,
 docs/architecture.md) it adds the least per request, and a framework's routing and request objects would
@@ -23,14 +21,11 @@ import gzip
 import json
 import logging
 import re
-import socket
-import threading
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from edge_server.errors import (
-    AddressInUse,
     EdgeServerError,
     InvalidArgument,
     MalformedMessage,
@@ -40,14 +35,13 @@ from edge_server.errors import (
     Unsupported,
 )
 from edge_server.kserve import rest
-from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget, http_protocol
+from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget
 from edge_server.kserve.json_bounds import check_json_objects
 from edge_server.kserve.service import NO_CUDA_SHM, KServeService, error_code, error_status
 from edge_server.kserve.shm import Peer
-from edge_server.limits import Limits
 
 if TYPE_CHECKING:
-    import uvicorn
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -405,113 +399,3 @@ async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes,
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-class HttpFrontend:
-    """Runs :class:`KServeHttpApp` under uvicorn on a thread of its own; ``port`` 0 picks a free one."""
-
-    def __init__(
-        self,
-        service: KServeService,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 8000,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        drain_timeout: float = 5.0,
-        limits: Limits | None = None,
-    ) -> None:
-        self.app = KServeHttpApp(service, max_body_bytes=max_body_bytes)
-        self.limits = limits or Limits()  # the daemon's; alone, one of the frontend's own
-        self.host = host
-        self.port = port
-        self.drain_timeout = drain_timeout
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._failed: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def start(self) -> None:
-        """Bind (errors raise here) and serve; returns once connections are accepted."""
-        import uvicorn
-
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, self.port))
-            sock.listen(1024)
-        except OSError as exc:
-            sock.close()
-            raise AddressInUse(
-                f"the HTTP frontend cannot bind {self.host}:{self.port}: {exc.strerror}"
-            ) from None
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app,
-            http=http_protocol(self.limits, self.app.max_body_bytes),
-            loop=_loop_impl(),
-            lifespan="off",
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=max(1, int(self.drain_timeout)),
-            server_header=False,
-            date_header=False,
-            # The client is the socket's peer, never what a header says (and the middleware costs time).
-            proxy_headers=False,
-            timeout_keep_alive=self.limits.idle_timeout_s,  # type: ignore[arg-type]
-        )
-        server = uvicorn.Server(config)
-        self._server = server
-        started = threading.Event()
-
-        def run() -> None:
-            try:
-                server.run(sockets=[sock])
-            except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
-                self._failed = exc
-                log.exception("the HTTP frontend stopped")
-            finally:
-                sock.close()
-                started.set()
-
-        self._thread = threading.Thread(target=run, name="edge-http-frontend", daemon=True)
-        self._thread.start()
-        while not started.wait(0.01):
-            if server.started:
-                break
-        if self._failed is not None:
-            raise RuntimeError(f"the HTTP frontend did not start: {self._failed}")
-        self._loop = server.servers[0].get_loop()
-        log.info("HTTP frontend (KServe v2) listening on %s:%d", self.host, self.port)
-
-    def call_soon(self, callback: Callable[[], None]) -> bool:
-        """Run ``callback`` on the frontend's event loop (the watchdog's probe); False if the loop is gone."""
-        loop = self._loop
-        if loop is None:
-            return False
-        try:
-            loop.call_soon_threadsafe(callback)
-        except RuntimeError:  # closed
-            return False
-        return True
-
-    def refuse_new(self) -> None:
-        """Close the listening socket; open requests go on (uvicorn's graceful shutdown begins)."""
-        if self._server is not None:
-            self._server.should_exit = True
-
-    def close(self) -> None:
-        """Stop accepting, let open requests finish (up to the drain timeout), stop the loop."""
-        if self._server is None or self._thread is None:
-            return
-        self.refuse_new()
-        self._thread.join(self.drain_timeout + 5)
-        self._server = None
-
-
-def _loop_impl() -> str:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
