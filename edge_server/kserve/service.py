@@ -25,10 +25,8 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelNotReady,
-    UnknownModel,
     Unsupported,
     shorten,
-    unknown_model,
 )
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
@@ -221,7 +219,7 @@ class KServeService:
         Triton's ``unload_dependents``: an ensemble's members go too (and theirs, for nested ones).
         """
         if not any(s.name == name for s in self.server.models()):
-            raise UnknownModel(unknown_model(name))
+            return  # Triton: unloading a model it does not know succeeds and changes nothing
         dependents = self._members(name) if parameters.get("unload_dependents") is True else []
         self.server.unload_model(name)
         serving = self.server.routing.serving()

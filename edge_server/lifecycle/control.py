@@ -26,9 +26,7 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelNotFound,
-    UnknownModel,
     shorten,
-    unknown_model,
 )
 from edge_server.lifecycle.drain import ServingTable
 from edge_server.lifecycle.sync import ModelSync
@@ -175,12 +173,16 @@ class ModelManager:
                 self._loading_members.discard(member)
 
     def unload(self, name: str) -> None:
-        """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
+        """Drain and unload every version of ``name``; its sessions and threads are gone on return.
+
+        A name that is neither serving nor known is a no-op, as in Triton (L0_lifecycle unloads an
+        unknown model and expects success); the name is only looked up, never joined to a path.
+        """
         if name not in self._routing.serving() and not self._index.of(name):
-            raise UnknownModel(unknown_model(name))  # no name check first: Triton's unload never has one
+            return
         with self._changing(name):
             if name not in self._routing.serving() and not self._index.of(name):
-                raise UnknownModel(unknown_model(name))
+                return
             self._table.remove(name)
             if self._file_roots.pop(name, None) is not None:
                 self._staged.drop(name)
