@@ -34,6 +34,10 @@ def ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]
     (repo / "affine").mkdir(parents=True)
     (repo / "affine" / "config.pbtxt").write_text(textwrap.dedent(CONFIG))
     affine_model(repo / "affine" / "1" / "model.onnx")
+    (repo / "zeros").mkdir()
+    (repo / "zeros" / "config.pbtxt").write_text(textwrap.dedent(CONFIG).replace("affine", "zeros"))
+    affine_model(repo / "zeros" / "1" / "model.onnx")
+    affine_model(repo / "zeros" / "003" / "model.onnx")  # not version 3: Triton ignores leading zeros
     root = tmp_path_factory.mktemp("sock")
     http_port, grpc_port = free_port(), free_port()
     flags = [
@@ -42,6 +46,8 @@ def ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]
         "explicit",
         "--load-model",
         "affine",
+        "--load-model",
+        "zeros",
     ]
     daemon = Daemon(repo, f"ipc://{root}/t.sock", root / "t.log", *flags)
     daemon.start()
@@ -82,3 +88,12 @@ def test_unloading_an_unknown_model_succeeds_and_changes_nothing(ports: tuple[in
     inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
     inp.set_data_from_numpy(np.ones((1, 4), np.float32))
     assert http.infer("affine", [inp]).as_numpy("OUTPUT0").shape == (1, 4)
+
+
+def test_a_version_directory_with_leading_zeros_is_ignored(ports: tuple[int, int]) -> None:
+    """Triton: "ignore version directory '003' which contains leading zeros" (L0_lifecycle)."""
+    for client in _clients(ports):
+        assert client.is_model_ready("zeros", "1")
+        assert not client.is_model_ready("zeros", "3")
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
+    assert http.get_model_metadata("zeros")["versions"] == ["1"]
