@@ -32,6 +32,7 @@ from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
 from edge_server.load_files import file_overrides
+from edge_server.repository import DuplicateModel
 from edge_server.request import NO_PARAMETERS, InferRequest
 from edge_server.scheduler import inline
 from edge_server.shm import Lease
@@ -210,6 +211,8 @@ class KServeService:
             raise InvalidArgument("parameter 'config' must be the model config as a JSON string")
         try:
             self.server.load_model(name, config_override=config or None, files=files or None)
+        except DuplicateModel:
+            raise  # already in Triton's words for a name it cannot poll
         except (ConfigError, ModelNotReady) as exc:  # the model's own failure, not the request's
             raise exc.restated(f"load failed for model {shorten(name)}: {exc.message}") from exc
 

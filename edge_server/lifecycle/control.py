@@ -123,7 +123,10 @@ class ModelManager:
             source = self._staged_source(name) or self.repositories.locate(name)
             if isinstance(source, DuplicateModel):
                 self._sync.fail_model(name, source)
-                raise source
+                # Triton's words for a name it cannot poll (its clients match "failed to load 'X'")
+                raise source.restated(
+                    f"failed to load {shorten(name)}, failed to poll from model repository ({source.message})"
+                )
             if source is None:
                 if name in self._routing.serving():
                     self._table.remove(name)
