@@ -26,6 +26,7 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelNotFound,
+    failed_to_poll,
     shorten,
 )
 from edge_server.lifecycle.drain import ServingTable
@@ -106,13 +107,12 @@ class ModelManager:
         A name in two repositories is refused (whatever of it serves keeps serving).
         """
         if name.startswith(".") and "/" not in name and name.strip() != "..":  # hidden: never a model
-            raise ModelNotFound(
-                f"failed to load {shorten(name)}, failed to poll from model repository (a name "
-                "starting with '.' is hidden, never a model)"
-            )
+            raise ModelNotFound(failed_to_poll(name, "a name starting with '.' is hidden, never a model"))
         check_model_name(name)
         if files and config_override is None:
-            raise InvalidArgument("file overrides need the model's config too (the 'config' parameter)")
+            raise InvalidArgument(
+                failed_to_poll(name, "file overrides need the model's config too (the 'config' parameter)")
+            )
         with self._changing(name):
             self._table.check_open()
             self._unloaded.discard(name)
@@ -124,15 +124,12 @@ class ModelManager:
             if isinstance(source, DuplicateModel):
                 self._sync.fail_model(name, source)
                 # Triton's words for a name it cannot poll (its clients match "failed to load 'X'")
-                raise source.restated(
-                    f"failed to load {shorten(name)}, failed to poll from model repository ({source.message})"
-                )
+                raise source.restated(failed_to_poll(name, source.message))
             if source is None:
                 if name in self._routing.serving():
                     self._table.remove(name)
                 raise ModelNotFound(
-                    f"failed to load {shorten(name)}, failed to poll from model repository "
-                    f"(no model directory {shorten(name)} in {self.repositories})"
+                    failed_to_poll(name, f"no model directory {shorten(name)} in {self.repositories}")
                 )
             previous = self._overrides.pop(name, None)
             if config_override is not None:
