@@ -6,7 +6,9 @@ real ``tritonclient``.
 
 from __future__ import annotations
 
+import json
 import textwrap
+import urllib.request
 from collections.abc import Iterator
 
 import numpy as np
@@ -38,6 +40,9 @@ def ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]
     (repo / "zeros" / "config.pbtxt").write_text(textwrap.dedent(CONFIG).replace("affine", "zeros"))
     affine_model(repo / "zeros" / "1" / "model.onnx")
     affine_model(repo / "zeros" / "003" / "model.onnx")  # not version 3: Triton ignores leading zeros
+    (repo / "later").mkdir()  # never loaded
+    (repo / "later" / "config.pbtxt").write_text(textwrap.dedent(CONFIG).replace("affine", "later"))
+    affine_model(repo / "later" / "1" / "model.onnx")
     root = tmp_path_factory.mktemp("sock")
     http_port, grpc_port = free_port(), free_port()
     flags = [
@@ -97,3 +102,18 @@ def test_a_version_directory_with_leading_zeros_is_ignored(ports: tuple[int, int
         assert not client.is_model_ready("zeros", "3")
     http = httpclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
     assert http.get_model_metadata("zeros")["versions"] == ["1"]
+
+
+def test_the_index_lists_models_never_loaded_by_name(ports: tuple[int, int]) -> None:
+    """Triton's index is the repositories' contents: a model not loaded has a row without a state."""
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
+    assert {"name": "later"} in http.get_model_repository_index()
+    ready = urllib.request.Request(
+        f"http://127.0.0.1:{ports[0]}/v2/repository/index", data=json.dumps({"ready": True}).encode()
+    )
+    with urllib.request.urlopen(ready) as response:
+        assert "later" not in {row["name"] for row in json.loads(response.read())}
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
+    rows = [m for m in grpc.get_model_repository_index().models if m.name == "later"]
+    assert [(m.state, m.version) for m in rows] == [("", "")]
+    assert not http.is_model_ready("later")

@@ -187,6 +187,11 @@ class KServeService:
     # -- repository ------------------------------------------------------------------------------
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """Every model the server knows, a row per version, and the repositories' other models.
+
+        As in Triton, models never loaded (explicit mode) are listed by name alone, so that a client
+        can choose what to load.
+        """
         rows = []
         for status in self.server.models():
             if ready_only and status.state is not ModelState.READY:
@@ -197,6 +202,10 @@ class KServeService:
             if status.reason:
                 row["reason"] = status.reason
             rows.append(row)
+        if not ready_only:
+            known = {row["name"] for row in rows}
+            rows += [{"name": name} for name in self.server.repositories.scan() if name not in known]
+            rows.sort(key=lambda row: row["name"])  # stable: a model's versions keep their order
         return rows
 
     def load(self, name: str, parameters: Mapping[str, Any]) -> None:
