@@ -90,6 +90,11 @@ def unknown_model(name: object, detail: str = "is not found") -> str:
     return f"Request for unknown model: {shorten(name)} {detail}"
 
 
+def failed_to_poll(name: object, detail: str) -> str:
+    """Triton's text for a load refused before any version was tried (its clients match the head)."""
+    return f"failed to load {shorten(name)}, failed to poll from model repository ({detail})"
+
+
 class ModelNotReady(EdgeServerError):
     """The model exists but cannot take requests now (loading, unloading, failed)."""
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from edge_server.errors import InvalidArgument, shorten
+from edge_server.errors import InvalidArgument, failed_to_poll, shorten
 
 PREFIX = "file:"
 MAX_FILES = 64
@@ -53,13 +53,15 @@ def _relative_path(model: str, text: str) -> PurePosixPath:
         if len(part.encode("utf-8", "surrogateescape")) > MAX_COMPONENT_BYTES:
             # Triton's text for it (its QA matches it), then which rule
             raise InvalidArgument(
-                f"failed to load {shorten(model)}, failed to poll from model repository (a file "
-                f"override's path component is over {MAX_COMPONENT_BYTES} bytes)"
+                failed_to_poll(model, f"a file override's path component is over {MAX_COMPONENT_BYTES} bytes")
             )
         if not part or part in (".", "..") or part.startswith(".") or "\0" in part or "\\" in part:
             raise InvalidArgument(
-                f"file override {shorten(PREFIX + text)}: the path must be relative to the model's "
-                "directory, of plain names (no '..', empty or hidden components)"
+                failed_to_poll(
+                    model,
+                    f"file override {shorten(PREFIX + text)}: the path must be relative to the model's "
+                    "directory, of plain names (no '..', empty or hidden components)",
+                )
             )
     if len(text.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
         raise InvalidArgument(f"file override {shorten(PREFIX + text)}: the path is too long")

@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 CONFIG_FILENAME = "config.pbtxt"
 #: A model name is one directory entry of the repository: at most NAME_MAX bytes.
 MAX_MODEL_NAME_BYTES = 255
-# Version directories: plain decimal numbers that fit a signed 64-bit integer (Triton's int64 version).
-_VERSION_DIR = re.compile(r"[0-9]{1,18}")
+# Version directories: plain decimal numbers that fit a signed 64-bit integer (Triton's int64 version),
+# without leading zeros: Triton ignores '003' (L0_lifecycle), so that '3' and '003' are never one version.
+_VERSION_DIR = re.compile(r"0|[1-9][0-9]{0,17}")
+_ZERO_PREFIXED = re.compile(r"0[0-9]{1,17}")
 _TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp", "~", ".crdownload", ".dpkg-new", ".rsync-tmp")
 
 #: Files changed this recently are hashed again on every call instead of being cached.
@@ -224,6 +226,12 @@ def scan_model(repository: Path, name: str) -> ModelSource | None:
     for entry in entries:
         if _VERSION_DIR.fullmatch(entry.name) and entry.is_dir() and _inside(repository, entry):
             versions[int(entry.name)] = entry
+        elif _ZERO_PREFIXED.fullmatch(entry.name):
+            log.warning(
+                "model %s: ignore version directory %r which contains leading zeros in its directory name",
+                name,
+                entry.name,
+            )
     return ModelSource(name=name, path=path, versions=versions)
 
 

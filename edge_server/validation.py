@@ -165,9 +165,10 @@ class RequestValidator:
         """A stateful model's request: a correlation id of the right kind, one row per request."""
         corrid = request.correlation_id
         if not corrid:
-            raise InvalidArgument(
-                f"model {self.model!r} is a sequence model (sequence_batching): every request needs a "
-                "correlation id (sequence_id), and the first request of a sequence sequence_start"
+            raise InvalidArgument(  # Triton's text first: its clients match it (L0_sequence_batcher)
+                f"inference request to model {self.model!r} must specify a non-zero or non-empty "
+                "correlation ID (it is a sequence model: every request needs a sequence_id, and the "
+                "first request of a sequence sequence_start)"
             )
         if type(corrid) is bool or not isinstance(corrid, int | str):
             raise InvalidArgument(f"the correlation id must be an integer or a string, got {corrid!r}")
@@ -181,8 +182,9 @@ class RequestValidator:
             raise InvalidArgument(f"model {self.model!r} takes integer correlation ids, got {corrid!r}")
         if self._batched and item.batch_size != 1:
             raise InvalidArgument(
-                f"model {self.model!r}: a request of a sequence carries one row (batch size 1), "
-                f"got {item.batch_size}"
+                f"inference request to model {self.model!r} must specify batch-size 1 due to "
+                f"requirements of sequence batcher (a request of a sequence carries one row, got "
+                f"{item.batch_size})"
             )
 
     def _check_names(self, inputs: Mapping[str, object]) -> None:

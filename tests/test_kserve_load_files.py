@@ -121,12 +121,15 @@ def test_file_paths_are_plain_relative_names(daemon: tuple[Path, int, int], key:
     _, http_port, _ = daemon
     status, body = _load(http_port, "bad", {"config": json.dumps(CONFIG), key: "YQ=="})
     assert status == 400 and text in json.loads(body)["error"], body
+    # Triton's head, which its clients match (L0_lifecycle test_file_override_security)
+    assert json.loads(body)["error"].startswith("failed to load 'bad', failed to poll from model repository")
 
 
 def test_files_need_a_config_and_base64(daemon: tuple[Path, int, int]) -> None:
     _, http_port, _ = daemon
     status, body = _load(http_port, "bad", {"file:1/model.py": "YQ=="})
     assert status == 400 and "need the model's config" in json.loads(body)["error"], body
+    assert json.loads(body)["error"].startswith("failed to load 'bad', failed to poll from model repository")
     status, body = _load(http_port, "bad", {"config": json.dumps(CONFIG), "file:1/model.py": "not base64!"})
     assert status == 400 and "must be base64" in json.loads(body)["error"], body
 

@@ -213,9 +213,7 @@ def test_load_and_unload_names_get_tritons_texts(ports: tuple[int, int]) -> None
             InferenceServerException, match="model name must not contain path traversal characters"
         ):
             client.load_model(name)
-        with pytest.raises(InferenceServerException) as info:  # unload looks the name up; no path
-            client.unload_model(name)
-        assert info.value.message() == f"Request for unknown model: {name!r} is not found"
+        client.unload_model(name)  # looked up, never joined to a path: unknown, so nothing to do
     with pytest.raises(
         InferenceServerException, match="failed to load 'model123', failed to poll from model repo"
     ):

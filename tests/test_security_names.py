@@ -60,8 +60,7 @@ def test_load_cannot_escape_the_repository(layout: tuple[Path, Path, Path]) -> N
         for name in ("../outside/evil", str(outside), "good/../../outside/evil"):
             with pytest.raises(InvalidArgument):
                 server.load_model(name)
-            with pytest.raises(ModelNotFound):  # unload looks names up, never joins them to a path
-                server.unload_model(name)
+            server.unload_model(name)  # looked up, never joined to a path: unknown, a no-op
             with pytest.raises(InvalidArgument):
                 server.infer(name, {"INPUT0": np.ones((1, 4), np.float32)})
         assert not marker.exists()

@@ -88,7 +88,7 @@ def test_another_user_cannot_continue_or_end_a_sequence(server: KServeDaemon) ->
     for flags in ("-", "e"):
         status, body = stranger_step(server, 42, 1000, flags)
         assert status == 400, body
-        assert "sequence 42 is not in progress" in body and "started it" in body
+        assert "sequence 42 to model" in body and "is not in progress" in body and "started it" in body
     # Nor restart it: a stranger's START on the id is a sequence of its own, which waits for a slot
     # (the only one is the owner's) and is refused at its timeout; the owner's sum is not reset.
     status, body = stranger_step(server, 42, 1000, "st")

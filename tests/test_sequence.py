@@ -192,9 +192,13 @@ def test_python_model_sees_control_inputs_correlation_id_and_flags(server: Serve
 @pytest.mark.parametrize(
     ("kwargs", "inputs", "message"),
     [
-        ({}, None, "needs a correlation id"),
-        ({"correlation_id": 77}, None, "sequence 77 is not in progress"),
-        ({"correlation_id": 78, "sequence_end": True}, None, "sequence 78 is not in progress"),
+        ({}, None, "must specify a non-zero or non-empty correlation ID"),
+        (
+            {"correlation_id": 77},
+            None,
+            "inference request for sequence 77 to model 'acc_oldest' must specify the START flag",
+        ),
+        ({"correlation_id": 78, "sequence_end": True}, None, "it is not in progress"),
         (
             {"correlation_id": 79, "sequence_start": True},
             {"ACC_IN": np.zeros((1, 1), np.int32)},
@@ -203,7 +207,7 @@ def test_python_model_sees_control_inputs_correlation_id_and_flags(server: Serve
         (
             {"correlation_id": 80, "sequence_start": True},
             {"INPUT": np.zeros((2, 1), np.int32)},
-            "batch size 1",
+            "must specify batch-size 1 due to requirements of sequence batcher",
         ),
         ({"correlation_id": True, "sequence_start": True}, None, "integer or a string"),
         ({"correlation_id": "x" * 300, "sequence_start": True}, None, "at most"),

@@ -113,7 +113,7 @@ def test_async_client_keeps_each_sequence_in_order(seq_daemon: Daemon) -> None:
 def test_ipc_sequence_errors_are_invalid_argument(seq_daemon: Daemon) -> None:
     with Client(seq_daemon.address) as client:
         x = {"INPUT": np.array([[1]], np.int32)}
-        with pytest.raises(InvalidArgument, match="needs a correlation id"):
+        with pytest.raises(InvalidArgument, match="must specify a non-zero or non-empty correlation ID"):
             client.infer("acc", x)
         with pytest.raises(InvalidArgument, match="not in progress"):
             client.infer("acc", x, sequence_id=4242, sequence_end=True)

@@ -25,15 +25,14 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelNotReady,
-    UnknownModel,
     Unsupported,
     shorten,
-    unknown_model,
 )
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
 from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
 from edge_server.load_files import file_overrides
+from edge_server.repository import DuplicateModel
 from edge_server.request import NO_PARAMETERS, InferRequest, client_key
 from edge_server.scheduler import inline
 from edge_server.shm import Lease
@@ -188,6 +187,11 @@ class KServeService:
     # -- repository ------------------------------------------------------------------------------
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """Every model the server knows, a row per version, and the repositories' other models.
+
+        As in Triton, models never loaded (explicit mode) are listed by name alone, so that a client
+        can choose what to load.
+        """
         rows = []
         for status in self.server.models():
             if ready_only and status.state is not ModelState.READY:
@@ -198,6 +202,10 @@ class KServeService:
             if status.reason:
                 row["reason"] = status.reason
             rows.append(row)
+        if not ready_only:
+            known = {row["name"] for row in rows}
+            rows += [{"name": name} for name in self.server.repositories.scan() if name not in known]
+            rows.sort(key=lambda row: row["name"])  # stable: a model's versions keep their order
         return rows
 
     def load(self, name: str, parameters: Mapping[str, Any]) -> None:
@@ -212,6 +220,8 @@ class KServeService:
             raise InvalidArgument("parameter 'config' must be the model config as a JSON string")
         try:
             self.server.load_model(name, config_override=config or None, files=files or None)
+        except DuplicateModel:
+            raise  # already in Triton's words for a name it cannot poll
         except (ConfigError, ModelNotReady) as exc:  # the model's own failure, not the request's
             raise exc.restated(f"load failed for model {shorten(name)}: {exc.message}") from exc
 
@@ -221,7 +231,7 @@ class KServeService:
         Triton's ``unload_dependents``: an ensemble's members go too (and theirs, for nested ones).
         """
         if not any(s.name == name for s in self.server.models()):
-            raise UnknownModel(unknown_model(name))
+            return  # Triton: unloading a model it does not know succeeds and changes nothing
         dependents = self._members(name) if parameters.get("unload_dependents") is True else []
         self.server.unload_model(name)
         serving = self.server.routing.serving()

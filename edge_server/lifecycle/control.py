@@ -26,9 +26,8 @@ from edge_server.errors import (
     EdgeServerError,
     InvalidArgument,
     ModelNotFound,
-    UnknownModel,
+    failed_to_poll,
     shorten,
-    unknown_model,
 )
 from edge_server.lifecycle.drain import ServingTable
 from edge_server.lifecycle.sync import ModelSync
@@ -108,13 +107,12 @@ class ModelManager:
         A name in two repositories is refused (whatever of it serves keeps serving).
         """
         if name.startswith(".") and "/" not in name and name.strip() != "..":  # hidden: never a model
-            raise ModelNotFound(
-                f"failed to load {shorten(name)}, failed to poll from model repository (a name "
-                "starting with '.' is hidden, never a model)"
-            )
+            raise ModelNotFound(failed_to_poll(name, "a name starting with '.' is hidden, never a model"))
         check_model_name(name)
         if files and config_override is None:
-            raise InvalidArgument("file overrides need the model's config too (the 'config' parameter)")
+            raise InvalidArgument(
+                failed_to_poll(name, "file overrides need the model's config too (the 'config' parameter)")
+            )
         with self._changing(name):
             self._table.check_open()
             self._unloaded.discard(name)
@@ -125,13 +123,13 @@ class ModelManager:
             source = self._staged_source(name) or self.repositories.locate(name)
             if isinstance(source, DuplicateModel):
                 self._sync.fail_model(name, source)
-                raise source
+                # Triton's words for a name it cannot poll (its clients match "failed to load 'X'")
+                raise source.restated(failed_to_poll(name, source.message))
             if source is None:
                 if name in self._routing.serving():
                     self._table.remove(name)
                 raise ModelNotFound(
-                    f"failed to load {shorten(name)}, failed to poll from model repository "
-                    f"(no model directory {shorten(name)} in {self.repositories})"
+                    failed_to_poll(name, f"no model directory {shorten(name)} in {self.repositories}")
                 )
             previous = self._overrides.pop(name, None)
             if config_override is not None:
@@ -175,12 +173,16 @@ class ModelManager:
                 self._loading_members.discard(member)
 
     def unload(self, name: str) -> None:
-        """Drain and unload every version of ``name``; its sessions and threads are gone on return."""
+        """Drain and unload every version of ``name``; its sessions and threads are gone on return.
+
+        A name that is neither serving nor known is a no-op, as in Triton (L0_lifecycle unloads an
+        unknown model and expects success); the name is only looked up, never joined to a path.
+        """
         if name not in self._routing.serving() and not self._index.of(name):
-            raise UnknownModel(unknown_model(name))  # no name check first: Triton's unload never has one
+            return
         with self._changing(name):
             if name not in self._routing.serving() and not self._index.of(name):
-                raise UnknownModel(unknown_model(name))
+                return
             self._table.remove(name)
             if self._file_roots.pop(name, None) is not None:
                 self._staged.drop(name)

@@ -121,16 +121,20 @@ class SequenceTable:
     def unknown(self, key: Key) -> InvalidArgument:
         """The error for a request of a sequence not live here (for this owner)."""
         corrid = key[1]
+        # Triton's text first (its clients match it), the same for every reason: whether another
+        # user's sequence of that id exists is never told.
+        start = (
+            f"inference request for sequence {corrid if isinstance(corrid, int) else shorten(corrid)} "
+            f"to model {self._name!r} must specify the START flag on the first request of the sequence"
+        )
         if key in self._expired:
             return InvalidArgument(
-                f"model {self._name!r}: sequence {corrid!r} was released after being idle for more than "
-                f"{self.idle_ns // 1000} us (max_sequence_idle_microseconds); start it again with "
-                "sequence_start"
+                f"{start} (it was released after being idle for more than {self.idle_ns // 1000} us, "
+                "max_sequence_idle_microseconds)"
             )
         return InvalidArgument(
-            f"model {self._name!r}: sequence {shorten(corrid)} is not in progress (never started, already "
-            "ended, idled out, or refused for want of a slot); the first request of a sequence must set "
-            "sequence_start, and a sequence takes requests only from the user who started it"
+            f"{start} (it is not in progress: never started, already ended, idled out, or refused for "
+            "want of a slot; a sequence takes requests only from the user who started it)"
         )
 
     def stats(self, instance_names: list[str]) -> dict[str, Any]:
