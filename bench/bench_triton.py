@@ -211,6 +211,11 @@ def direct_cases(repo: Path, inputs: dict[str, np.ndarray]) -> dict[tuple[str, s
     return cases
 
 
+#: Before each timed block: idle, then untimed calls of the block's own case (see measure_latency).
+BLOCK_SETTLE_S = 0.2
+BLOCK_UNTIMED_CALLS = 2
+
+
 def measure_latency(
     cases: dict[tuple[str, str, str], Callable[[], Any]], counts: dict[str, int], rounds: int
 ) -> dict[tuple[str, str, str], float]:
@@ -222,6 +227,11 @@ def measure_latency(
     for r in range(rounds):
         for key, call in cases.items():
             per_round = max(1, counts[key[0]] // rounds)
+            # The other server's ONNX Runtime threads spin on for a while after its block, and on two
+            # cores the next block's first calls would pay for it (a CNN call measured 2x for ~60 ms).
+            time.sleep(BLOCK_SETTLE_S)
+            for _ in range(BLOCK_UNTIMED_CALLS):
+                call()
             for _ in range(per_round):
                 t0 = time.perf_counter_ns()
                 call()
