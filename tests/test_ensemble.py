@@ -464,3 +464,36 @@ def test_a_non_batching_ensemble_of_batching_members_loads(tmp_path: Path) -> No
     add_ensemble(repo, "pipe", config)
     with Server(repo) as server:
         np.testing.assert_allclose(server.infer("pipe", {"IN": x(3)})["OUT"], 2 * x(3) + 3)
+
+
+def test_a_non_batching_ensemble_sends_its_tensors_to_batching_members_as_a_batch_of_one(
+    tmp_path: Path,
+) -> None:
+    """Triton's rule: the shapes agree without the batch axis; a member that batches gets [1, ...] and
+    the ensemble's own output drops that axis again (Triton's generated ``*_nobatch_*`` ensembles)."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    add_ensemble(
+        repo, "pipe", ensemble_config("pipe", PIPE).replace("max_batch_size: 8", "max_batch_size: 0")
+    )
+    with Server(repo) as server:
+        out = server.infer("pipe", {"IN": x(1)[0]})["OUT"]
+        assert out.shape == (4,)
+        np.testing.assert_allclose(out, 2 * x(1)[0] + 3)
+
+
+def test_a_batching_ensemble_may_hold_a_non_batching_member_whose_full_shape_agrees(tmp_path: Path) -> None:
+    """Triton: a member with max_batch_size 0 and dims [-1, 4] takes the ensemble's [batch, 4] whole."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    config = (repo / "shift" / "config.pbtxt").read_text()
+    (repo / "shift" / "config.pbtxt").write_text(
+        config.replace("max_batch_size: 8", "max_batch_size: 0").replace("dims: [ 4 ]", "dims: [ -1, 4 ]")
+    )
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    with Server(repo) as server:
+        out = server.infer("pipe", {"IN": x(3)})["OUT"]
+        assert out.shape == (3, 4)
+        np.testing.assert_allclose(out, 2 * x(3) + 3)

@@ -3,18 +3,24 @@
 Every tensor of an ensemble has exactly one producer (an ensemble input or one step's output) and may
 have many consumers (steps, or the ensemble's outputs).  With one producer per tensor, the steps form a
 graph whose edges are tensors; :func:`build_graph` rejects everything that would make a request fail
-or hang later, each error naming the step and the tensor: unknown or unready members, members whose
+or hang later, each error naming the step and the tensor: unknown or unready members, batching members whose
 ``max_batch_size`` is smaller than the ensemble's (Triton's rule), member tensors
 that do not exist, required member inputs left unmapped, tensors consumed but never produced, tensors
 produced twice, ensemble inputs no step uses, cycles, and dtype or shape disagreements between the
 producer and the consumer of a tensor.
+
+Shapes follow Triton's rule: a producer and a consumer agree when their dims agree without the batch
+axis, or when their full shapes (the batch axis first where the model batches) do.  So a
+non-batching ensemble may feed ``[16]`` to a batching member of dims ``[-1]``, and a batching
+ensemble may hold a non-batching member of dims ``[-1, 4]``; ``steps.fit_batch_axis`` adds or drops
+the batch axis on the way, as Triton's ensemble scheduler does.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,14 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Consumer:
+    """Where a tensor goes: the dims the consumer's config states and whether it batches."""
+
+    dims: tuple[int, ...]
+    batches: bool
+
+
+@dataclass(frozen=True)
 class EnsembleGraph:
     """The validated steps, in an order where every step comes after the producers of its inputs."""
 
@@ -49,6 +63,12 @@ class EnsembleGraph:
     #: which steps a path of the walk runs: key None for the request's own path, a decoupled step's
     #: index for the path each of its responses starts (see :func:`decoupled_scopes`)
     scopes: Mapping[int | None, frozenset[int]] | None = None
+    #: ensemble tensor -> whether its producer batches (its first axis is the batch)
+    batched: Mapping[str, bool] = field(default_factory=dict)
+    #: (step index, member input) -> what the member takes there: its dims and whether it batches
+    takes: Mapping[tuple[int, str], Consumer] = field(default_factory=dict)
+    #: ensemble output -> what the ensemble's answer takes there
+    answers: Mapping[str, Consumer] = field(default_factory=dict)
 
     @property
     def members(self) -> tuple[tuple[str, int | None], ...]:
@@ -117,9 +137,9 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         except EdgeServerError as exc:
             raise _fail(config, f"{step.describe()}: {exc.message}") from None
         members[step.index] = member
-        if config.max_batch_size > member.max_batch_size:
-            # Triton's rule and words: a request the ensemble accepts must fit every step's model.
-            # (A non-batching ensemble of batching members is fine: its tensors carry no batch axis.)
+        if 0 < member.max_batch_size < config.max_batch_size:
+            # Triton's rule and words: a request the ensemble accepts must fit every batching step's
+            # model.  (A non-batching member takes the batch whole when its full shape agrees.)
             raise ConfigError(
                 f"{config.source or config.name}: ensemble {config.name} allows maximum batch size "
                 f"{config.max_batch_size}, but it contains model {step.model_name} which only allows "
@@ -147,6 +167,7 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
             produced[tensor] = (step.describe(), output, member.max_batch_size)
 
     consumers: dict[str, list[int]] = {}
+    takes: dict[tuple[int, str], Consumer] = {}
     for step in steps:
         member = members[step.index]
         for name, tensor in step.input_map.items():
@@ -160,6 +181,7 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
                 readers.append(step.index)
             wanted = member.input(name)
             assert wanted is not None  # checked above
+            takes[(step.index, name)] = Consumer(wanted.dims, member.max_batch_size > 0)
             reader = f"{step.describe()} input {name!r}"
             _check_match(config, tensor, produced[tensor], reader, wanted, member.max_batch_size)
     for spec in config.outputs:
@@ -178,6 +200,9 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         max_inflight_requests=max_inflight,
         decoupled=decoupled,
         scopes=decoupled_scopes(config, steps, decoupled) if decoupled else None,
+        batched={tensor: batch > 0 for tensor, (_, _, batch) in produced.items()},
+        takes=takes,
+        answers={spec.name: Consumer(spec.dims, config.max_batch_size > 0) for spec in config.outputs},
     )
 
 
@@ -250,11 +275,11 @@ def _check_match(
             f"{consumer} expects {spec.data_type}",
         )
     have, want = full_shape(produced_spec, producer_batch), full_shape(spec, consumer_batch)
-    if not shapes_agree(have, want):
+    if not shapes_agree(produced_spec.dims, spec.dims) and not shapes_agree(have, want):
         raise _fail(
             config,
             f"tensor {tensor!r}: {source} produces shape {list(have)}, {consumer} expects {list(want)} "
-            "(-1: any size, the batch axis included)",
+            "(-1: any size, the batch axis included; shapes also agree without the batch axis)",
         )
 
 
