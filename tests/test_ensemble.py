@@ -497,3 +497,22 @@ def test_a_batching_ensemble_may_hold_a_non_batching_member_whose_full_shape_agr
         out = server.infer("pipe", {"IN": x(3)})["OUT"]
         assert out.shape == (3, 4)
         np.testing.assert_allclose(out, 2 * x(3) + 3)
+
+
+def test_an_ensembles_reshape_applies_at_its_boundary(tmp_path: Path) -> None:
+    """Triton checks and feeds the steps with the ensemble tensors' ``reshape`` shapes; the answer comes
+    back in the ensemble's config dims (Triton's generated ``*_reshape_*`` ensembles)."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    config = ensemble_config(
+        "pipe",
+        PIPE,
+        inputs='{ name: "IN", data_type: TYPE_FP32, dims: [ 2, 2 ] reshape: { shape: [ 4 ] } }',
+        outputs='{ name: "OUT", data_type: TYPE_FP32, dims: [ 2, 2 ] reshape: { shape: [ 4 ] } }',
+    )
+    add_ensemble(repo, "pipe", config)
+    with Server(repo) as server:
+        out = server.infer("pipe", {"IN": x(3).reshape(3, 2, 2)})["OUT"]
+        assert out.shape == (3, 2, 2)
+        np.testing.assert_allclose(out, (2 * x(3) + 3).reshape(3, 2, 2))

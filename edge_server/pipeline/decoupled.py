@@ -132,7 +132,10 @@ class DecoupledWalk:
         """``path`` ran its last step: answer with it, and send the final after the last path."""
         if path.emits:
             wanted = self._item.requested_outputs
-            self._sink.put(ensemble_outputs(self._graph, path.tensors, wanted), None, final=False)
+            try:
+                self._sink.put(ensemble_outputs(self._graph, path.tensors, wanted), None, final=False)
+            except EdgeServerError as exc:  # this response fails; the stream goes on to its final
+                self._sink.put(None, exc, final=False)
         self._paths -= 1
         if self._paths == 0:
             self._over = self._sent_final = True

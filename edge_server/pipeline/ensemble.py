@@ -278,12 +278,13 @@ class EnsembleScheduler:
 
     def _finish(self, run: _Run, error: EdgeServerError | None) -> None:
         end = time.monotonic_ns()
+        result: dict[str, np.ndarray] = {}  # a decoupled ensemble sent its responses to the stream already
+        if error is None and not self._config.decoupled:
+            try:
+                result = ensemble_outputs(self._graph, run.tensors, run.item.requested_outputs)
+            except EdgeServerError as exc:
+                error = exc
         if error is None:
-            wanted = run.item.requested_outputs
-            # A decoupled ensemble sent its responses to the stream already.
-            result: dict[str, np.ndarray] = (
-                {} if self._config.decoupled else ensemble_outputs(self._graph, run.tensors, wanted)
-            )
             run.future.set_result(result)
         else:
             run.future.set_exception(error)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ class EnsembleGraph:
     takes: Mapping[tuple[int, str], Consumer] = field(default_factory=dict)
     #: ensemble output -> what the ensemble's answer takes there
     answers: Mapping[str, Consumer] = field(default_factory=dict)
+    #: ensemble output with a ``reshape`` -> the dims its answer is given back in
+    restore: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def members(self) -> tuple[tuple[str, int | None], ...]:
@@ -115,6 +117,11 @@ def full_shape(spec: TensorSpec, max_batch_size: int) -> tuple[int, ...]:
     return ((-1,) if max_batch_size > 0 else ()) + spec.dims
 
 
+def as_reshaped(spec: TensorSpec) -> TensorSpec:
+    """An ensemble's own tensor as its steps see it: Triton applies its ``reshape`` at the boundary."""
+    return spec if spec.reshape is None else replace(spec, dims=spec.reshape, reshape=None)
+
+
 def shapes_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
 
@@ -126,7 +133,7 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         raise _fail(config, "ensemble_scheduling has no step")
     # tensor -> (description of its producer, its spec, the producer's max_batch_size)
     produced: dict[str, tuple[str, TensorSpec, int]] = {
-        t.name: ("the ensemble input", t, config.max_batch_size) for t in config.inputs
+        t.name: ("the ensemble input", as_reshaped(t), config.max_batch_size) for t in config.inputs
     }
     members: dict[int, ModelConfig] = {}
     for step in steps:
@@ -188,7 +195,9 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         if spec.name not in produced:
             raise _fail(config, f"ensemble output {spec.name!r} is produced by no step")
         producer = produced[spec.name]
-        _check_match(config, spec.name, producer, "the ensemble output", spec, config.max_batch_size)
+        _check_match(
+            config, spec.name, producer, "the ensemble output", as_reshaped(spec), config.max_batch_size
+        )
     for spec in config.inputs:
         if spec.name not in consumers:
             raise _fail(config, f"ensemble input {spec.name!r} is used by no step")
@@ -202,7 +211,10 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         scopes=decoupled_scopes(config, steps, decoupled) if decoupled else None,
         batched={tensor: batch > 0 for tensor, (_, _, batch) in produced.items()},
         takes=takes,
-        answers={spec.name: Consumer(spec.dims, config.max_batch_size > 0) for spec in config.outputs},
+        answers={
+            spec.name: Consumer(as_reshaped(spec).dims, config.max_batch_size > 0) for spec in config.outputs
+        },
+        restore={spec.name: spec.dims for spec in config.outputs if spec.reshape is not None},
     )
 
 

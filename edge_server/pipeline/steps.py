@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from edge_server.errors import ModelExecutionError
 from edge_server.pipeline.graph import Consumer, EnsembleGraph, Step, shapes_agree
 from edge_server.request import (
     REQUEST_FLAG_SEQUENCE_END,
@@ -66,5 +67,21 @@ def step_request(
 def ensemble_outputs(
     graph: EnsembleGraph, tensors: Mapping[str, np.ndarray], wanted: Sequence[str]
 ) -> dict[str, np.ndarray]:
-    """The requested ensemble outputs, each fitted to the ensemble's own batching."""
-    return {name: fit_batch_axis(tensors[name], graph.batched[name], graph.answers[name]) for name in wanted}
+    """The requested ensemble outputs, fitted to the ensemble's batching and given its config dims.
+
+    Raises ModelExecutionError when a member's output cannot take the ensemble output's dims.
+    """
+    answer = {
+        name: fit_batch_axis(tensors[name], graph.batched[name], graph.answers[name]) for name in wanted
+    }
+    for name, dims in graph.restore.items():  # undo the output's reshape, as a model's scheduler does
+        if name in answer:
+            array = answer[name]
+            try:
+                answer[name] = array.reshape((array.shape[0], *dims) if graph.answers[name].batches else dims)
+            except (ValueError, IndexError):
+                raise ModelExecutionError(
+                    f"ensemble output {name!r} has shape {list(array.shape)}, which cannot be reshaped to "
+                    f"its config dims {list(dims)}"
+                ) from None
+    return answer
