@@ -161,6 +161,10 @@ class DataPlane:
     def config(self, name: str, version: int | None = None) -> ModelConfig:
         return self._routing.resolve(name, version).config
 
+    def labels(self, name: str, version: int | None = None) -> Mapping[str, tuple[str, ...]]:
+        """The class names of the serving version's outputs (from their ``label_filename``)."""
+        return self._routing.resolve(name, version).labels
+
     def metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
         """KServe v2 model metadata."""
         config = self.config(name, version)

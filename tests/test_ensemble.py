@@ -516,3 +516,28 @@ def test_an_ensembles_reshape_applies_at_its_boundary(tmp_path: Path) -> None:
         out = server.infer("pipe", {"IN": x(3).reshape(3, 2, 2)})["OUT"]
         assert out.shape == (3, 2, 2)
         np.testing.assert_allclose(out, (2 * x(3) + 3).reshape(3, 2, 2))
+
+
+def test_classes_of_an_ensemble_output_are_named_by_the_member_that_made_it(tmp_path: Path) -> None:
+    """Triton's L0_infer ``test_ensemble_label_lookup``: without a ``label_filename`` of its own the
+    ensemble's output takes the producing member's labels; with one, its own."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    config = (repo / "shift" / "config.pbtxt").read_text()
+    labelled = '{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ], label_filename: "labels.txt" }'
+    (repo / "shift" / "config.pbtxt").write_text(
+        config.replace('{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] }', labelled)
+    )
+    (repo / "shift" / "labels.txt").write_text("a\nb\nc\nd\n")
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    own = ensemble_config("own", PIPE, outputs=labelled.replace("OUTPUT0", "OUT"))
+    add_ensemble(repo, "own", own)
+    (repo / "own" / "labels.txt").write_text("w\nx\ny\nz\n")
+    with Server(repo) as server:
+        assert server.infer("pipe", {"IN": x(1)}, classification={"OUT": 1})["OUT"].tolist() == [
+            [b"9.000000:3:d"]
+        ]
+        assert server.infer("own", {"IN": x(1)}, classification={"OUT": 1})["OUT"].tolist() == [
+            [b"9.000000:3:z"]
+        ]

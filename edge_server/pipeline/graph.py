@@ -218,6 +218,23 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
     )
 
 
+def producer_labels(
+    graph: EnsembleGraph, labels_of: Callable[[str, int | None], Mapping[str, tuple[str, ...]]]
+) -> dict[str, tuple[str, ...]]:
+    """Class names for the ensemble's outputs from the members that make them, as Triton looks them up.
+
+    (An output's own ``label_filename`` in the ensemble's config takes precedence; the caller merges.)
+    """
+    found: dict[str, tuple[str, ...]] = {}
+    for step in graph.steps:
+        for output, tensor in step.output_map.items():
+            if tensor in graph.answers:
+                names = labels_of(step.model_name, step.model_version).get(output)
+                if names:
+                    found[tensor] = names
+    return found
+
+
 def decoupled_scopes(
     config: ModelConfig, steps: list[Step], decoupled: frozenset[int]
 ) -> dict[int | None, frozenset[int]]:
