@@ -134,10 +134,11 @@ class DataPlane:
                 item.destinations = request.output_buffers
             if loaded.config.decoupled:
                 if stream is None:
+                    # Triton's words first (its clients and L0_decoupled match them), then ours
                     raise InvalidArgument(
-                        f"model {shorten(request.model)} is decoupled (it may send many responses per "
-                        "request): "
-                        "call it with a streaming call (Client.stream, Server.stream, gRPC ModelStreamInfer)"
+                        "a non-streaming call doesn't support models with decoupled transaction policy "
+                        f"(model {shorten(request.model)} may send many responses per request: call it "
+                        "with a streaming call: Client.stream, Server.stream, gRPC ModelStreamInfer)"
                     )
                 item.stream = stream
                 stream.model_sends = True
