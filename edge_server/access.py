@@ -7,7 +7,7 @@ traffic, counted), and load or unload models only where the control mode allows 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 
 import numpy as np
@@ -48,6 +48,9 @@ class LocalAccess:
 
     def model_config(self, name: str, version: int | None = None) -> ModelConfig:
         return self._dataplane.config(name, version)
+
+    def labels(self, name: str, version: int | None = None) -> Mapping[str, tuple[str, ...]]:
+        return self._dataplane.labels(name, version)
 
     def is_ready(self, name: str, version: int | None = None) -> bool:
         try:

@@ -134,10 +134,11 @@ class DataPlane:
                 item.destinations = request.output_buffers
             if loaded.config.decoupled:
                 if stream is None:
+                    # Triton's words first (its clients and L0_decoupled match them), then ours
                     raise InvalidArgument(
-                        f"model {shorten(request.model)} is decoupled (it may send many responses per "
-                        "request): "
-                        "call it with a streaming call (Client.stream, Server.stream, gRPC ModelStreamInfer)"
+                        "a non-streaming call doesn't support models with decoupled transaction policy "
+                        f"(model {shorten(request.model)} may send many responses per request: call it "
+                        "with a streaming call: Client.stream, Server.stream, gRPC ModelStreamInfer)"
                     )
                 item.stream = stream
                 stream.model_sends = True
@@ -160,6 +161,10 @@ class DataPlane:
 
     def config(self, name: str, version: int | None = None) -> ModelConfig:
         return self._routing.resolve(name, version).config
+
+    def labels(self, name: str, version: int | None = None) -> Mapping[str, tuple[str, ...]]:
+        """The class names of the serving version's outputs (from their ``label_filename``)."""
+        return self._routing.resolve(name, version).labels
 
     def metadata(self, name: str, version: int | None = None) -> dict[str, Any]:
         """KServe v2 model metadata."""

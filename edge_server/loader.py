@@ -25,7 +25,7 @@ from edge_server.config.model import InstanceGroup
 from edge_server.errors import BackendUnavailable, ConfigError, EdgeServerError
 from edge_server.paths import inside
 from edge_server.pipeline.ensemble import EnsembleScheduler
-from edge_server.pipeline.graph import build_graph, declares_ensemble, parse_steps
+from edge_server.pipeline.graph import build_graph, declares_ensemble, parse_steps, producer_labels
 from edge_server.platform.gpus import gpu_ids
 from edge_server.repository import ModelSource
 from edge_server.request import ModelAccess
@@ -259,7 +259,7 @@ def _load_ensemble(
     stats = ModelStats(source.name, version)
     if env.summaries is not None:
         stats.enable_summaries(env.summaries)
-    labels = read_labels(config, source.path)
+    labels = {**producer_labels(graph, access.labels), **read_labels(config, source.path)}
     return LoadedVersion(
         name=source.name,
         version=version,

@@ -306,6 +306,10 @@ class ModelAccess(Protocol):
         """The config of the version a request for ``name`` would go to; raises if none serves."""
         ...
 
+    def labels(self, name: str, version: int | None = None) -> Mapping[str, tuple[str, ...]]:
+        """The class names of that version's outputs, by output name (its ``label_filename``s)."""
+        ...
+
     def is_ready(self, name: str, version: int | None = None) -> bool: ...
 
     def load(self, name: str) -> None:

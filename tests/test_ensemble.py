@@ -464,3 +464,80 @@ def test_a_non_batching_ensemble_of_batching_members_loads(tmp_path: Path) -> No
     add_ensemble(repo, "pipe", config)
     with Server(repo) as server:
         np.testing.assert_allclose(server.infer("pipe", {"IN": x(3)})["OUT"], 2 * x(3) + 3)
+
+
+def test_a_non_batching_ensemble_sends_its_tensors_to_batching_members_as_a_batch_of_one(
+    tmp_path: Path,
+) -> None:
+    """Triton's rule: the shapes agree without the batch axis; a member that batches gets [1, ...] and
+    the ensemble's own output drops that axis again (Triton's generated ``*_nobatch_*`` ensembles)."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    add_ensemble(
+        repo, "pipe", ensemble_config("pipe", PIPE).replace("max_batch_size: 8", "max_batch_size: 0")
+    )
+    with Server(repo) as server:
+        out = server.infer("pipe", {"IN": x(1)[0]})["OUT"]
+        assert out.shape == (4,)
+        np.testing.assert_allclose(out, 2 * x(1)[0] + 3)
+
+
+def test_a_batching_ensemble_may_hold_a_non_batching_member_whose_full_shape_agrees(tmp_path: Path) -> None:
+    """Triton: a member with max_batch_size 0 and dims [-1, 4] takes the ensemble's [batch, 4] whole."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    config = (repo / "shift" / "config.pbtxt").read_text()
+    (repo / "shift" / "config.pbtxt").write_text(
+        config.replace("max_batch_size: 8", "max_batch_size: 0").replace("dims: [ 4 ]", "dims: [ -1, 4 ]")
+    )
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    with Server(repo) as server:
+        out = server.infer("pipe", {"IN": x(3)})["OUT"]
+        assert out.shape == (3, 4)
+        np.testing.assert_allclose(out, 2 * x(3) + 3)
+
+
+def test_an_ensembles_reshape_applies_at_its_boundary(tmp_path: Path) -> None:
+    """Triton checks and feeds the steps with the ensemble tensors' ``reshape`` shapes; the answer comes
+    back in the ensemble's config dims (Triton's generated ``*_reshape_*`` ensembles)."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    config = ensemble_config(
+        "pipe",
+        PIPE,
+        inputs='{ name: "IN", data_type: TYPE_FP32, dims: [ 2, 2 ] reshape: { shape: [ 4 ] } }',
+        outputs='{ name: "OUT", data_type: TYPE_FP32, dims: [ 2, 2 ] reshape: { shape: [ 4 ] } }',
+    )
+    add_ensemble(repo, "pipe", config)
+    with Server(repo) as server:
+        out = server.infer("pipe", {"IN": x(3).reshape(3, 2, 2)})["OUT"]
+        assert out.shape == (3, 2, 2)
+        np.testing.assert_allclose(out, (2 * x(3) + 3).reshape(3, 2, 2))
+
+
+def test_classes_of_an_ensemble_output_are_named_by_the_member_that_made_it(tmp_path: Path) -> None:
+    """Triton's L0_infer ``test_ensemble_label_lookup``: without a ``label_filename`` of its own the
+    ensemble's output takes the producing member's labels; with one, its own."""
+    repo = tmp_path / "repo"
+    add_member(repo, "scale", scale=2.0, offset=0.0)
+    add_member(repo, "shift", scale=1.0, offset=3.0)
+    config = (repo / "shift" / "config.pbtxt").read_text()
+    labelled = '{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ], label_filename: "labels.txt" }'
+    (repo / "shift" / "config.pbtxt").write_text(
+        config.replace('{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] }', labelled)
+    )
+    (repo / "shift" / "labels.txt").write_text("a\nb\nc\nd\n")
+    add_ensemble(repo, "pipe", ensemble_config("pipe", PIPE))
+    own = ensemble_config("own", PIPE, outputs=labelled.replace("OUTPUT0", "OUT"))
+    add_ensemble(repo, "own", own)
+    (repo / "own" / "labels.txt").write_text("w\nx\ny\nz\n")
+    with Server(repo) as server:
+        assert server.infer("pipe", {"IN": x(1)}, classification={"OUT": 1})["OUT"].tolist() == [
+            [b"9.000000:3:d"]
+        ]
+        assert server.infer("own", {"IN": x(1)}, classification={"OUT": 1})["OUT"].tolist() == [
+            [b"9.000000:3:z"]
+        ]

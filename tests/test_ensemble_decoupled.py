@@ -7,18 +7,20 @@ client and a BLS ``exec(decoupled=True)``.
 
 from __future__ import annotations
 
+import queue
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
 from edge_server import Server
 from edge_server.client import Client
 from edge_server.errors import EdgeServerError, InvalidArgument, ModelNotReady
 from edge_server.status_index import ModelState
-from tests.daemon import Daemon, build_repository, start_daemon, stop_daemon
+from tests.daemon import Daemon, build_repository, free_port, kserve_flags, start_daemon, stop_daemon
 from tests.test_ensemble import add_ensemble, ensemble_config, step
 
 INT = '{ name: "%s", data_type: TYPE_INT32, dims: [ 1 ] }'
@@ -187,3 +189,84 @@ def test_a_decoupled_ensemble_streams_over_ipc(daemon: Daemon) -> None:
         with pytest.raises(EdgeServerError, match="too many"):
             list(client.stream("counted", n(95)))
         np.testing.assert_array_equal(client.infer("collect", n(1))["OUT"], [0, 10])
+
+
+SQUARE = """
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            x = int(pb_utils.get_input_tensor_by_name(request, "X").as_numpy()[0])
+            threading.Thread(target=self.answer, args=(request.get_response_sender(), x)).start()
+        return None  # the responses follow from the thread, after execute returned
+
+    def answer(self, sender, x):
+        for _ in range(x):
+            time.sleep(0.001)
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([x], np.int32))]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+
+def add_nested(repo: Path) -> None:
+    """``nested`` (Triton's ``nested_square``): the decoupled ensemble ``counted`` as a step of another
+    ensemble, then ``square``, decoupled too, answering from a thread: ``x`` responses of ``x``."""
+    add_python(repo, "square", SQUARE, decoupled=True)
+    steps = [step("counted", {"IN": "IN"}, {"OUT": "c"}), step("square", {"X": "c"}, {"Y": "OUT"})]
+    config = ensemble_config("nested", steps, inputs=INT % "IN", outputs=INT % "OUT")
+    add_ensemble(repo, "nested", config.replace("max_batch_size: 8", "max_batch_size: 0"))
+
+
+def test_a_nested_decoupled_ensemble_streams_over_grpc_to_its_final_response(tmp_path: Path) -> None:
+    """Triton's L0_decoupled ``nested_square``: several requests on one gRPC stream, each with its
+    responses and then its final response (``enable_empty_final_response``), or its error, round after
+    round on one long-lived server."""
+    repo = build_repository(tmp_path)
+    add_counted(repo)
+    add_nested(repo)
+    http_port, grpc_port = free_port(), free_port()
+    daemon = Daemon(repo, f"ipc://{tmp_path}/d.sock", tmp_path / "d.log", *kserve_flags(http_port, grpc_port))
+    daemon.start()
+    try:
+        for _ in range(3):  # a long-lived server: the same answers each round
+            got: queue.Queue[tuple[object, object]] = queue.Queue()
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+            client.start_stream(callback=lambda result, error, got=got: got.put((result, error)))
+            try:
+                counts = {"0": 3, "1": 0, "2": 5, "3": 1}
+                failing = {"4": 95}  # the inner step fails: an error is that request's final answer
+                for request_id, count in {**counts, **failing}.items():
+                    tensor = grpcclient.InferInput("IN", [1], "INT32")
+                    tensor.set_data_from_numpy(np.array([count], np.int32))
+                    client.async_stream_infer(
+                        "nested", [tensor], request_id=request_id, enable_empty_final_response=True
+                    )
+                outs: dict[str, list[int]] = {request_id: [] for request_id in counts}
+                finals: set[str] = set()
+                errors: list[str] = []
+                while finals != set(counts) or not errors:
+                    result, error = got.get(timeout=60)
+                    if error is not None:
+                        errors.append(error.message())  # type: ignore[attr-defined]
+                        continue
+                    response = result.get_response()  # type: ignore[attr-defined]
+                    if response.outputs:
+                        outs[response.id].append(int(result.as_numpy("OUT")[0]))  # type: ignore[attr-defined]
+                    if response.parameters["triton_final_response"].bool_param:
+                        finals.add(response.id)
+                assert len(errors) == 1 and "too many: 96" in errors[0], errors
+                for request_id, count in counts.items():
+                    assert sorted(outs[request_id]) == [
+                        10 * i for i in range(count + 1) for _ in range(10 * i)
+                    ]
+            finally:
+                client.stop_stream()
+                client.close()
+    finally:
+        assert daemon.stop() == 0, daemon.log()

@@ -26,7 +26,7 @@ import numpy as np
 
 from edge_server.errors import Cancelled, EdgeServerError
 from edge_server.pipeline.graph import EnsembleGraph, Step
-from edge_server.pipeline.steps import step_request
+from edge_server.pipeline.steps import ensemble_outputs, step_request
 from edge_server.request import BatchItem, ModelAccess, ResponseSink
 
 #: called once when the walk ends: None after the final response was sent, or the error to end it with
@@ -132,7 +132,10 @@ class DecoupledWalk:
         """``path`` ran its last step: answer with it, and send the final after the last path."""
         if path.emits:
             wanted = self._item.requested_outputs
-            self._sink.put({name: path.tensors[name] for name in wanted}, None, final=False)
+            try:
+                self._sink.put(ensemble_outputs(self._graph, path.tensors, wanted), None, final=False)
+            except EdgeServerError as exc:  # this response fails; the stream goes on to its final
+                self._sink.put(None, exc, final=False)
         self._paths -= 1
         if self._paths == 0:
             self._over = self._sent_final = True
@@ -151,7 +154,9 @@ class DecoupledWalk:
             with self._lock:
                 if self._over:
                     return
-                request = step_request(step, self._item, path.tensors, self._priority, self._timeout_us)
+                request = step_request(
+                    self._graph, step, self._item, path.tensors, self._priority, self._timeout_us
+                )
             try:
                 if index in self._graph.decoupled:
                     sink = _StepSink(self, path, step)

@@ -36,7 +36,7 @@ from edge_server.config.model import ModelConfig
 from edge_server.errors import Cancelled, EdgeServerError, ServerShuttingDown
 from edge_server.pipeline.decoupled import DecoupledWalk
 from edge_server.pipeline.graph import EnsembleGraph, Step, build_graph
-from edge_server.pipeline.steps import step_request
+from edge_server.pipeline.steps import ensemble_outputs, step_request
 from edge_server.request import BatchItem, ModelAccess, Timing
 from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 from edge_server.scheduler.pool import wait_until_idle
@@ -132,6 +132,8 @@ class EnsembleScheduler:
             if checked is not None and self._fit[1]:
                 log.info("ensemble %r: its members fit its steps again", self._config.name)
             why = ""
+            # The same steps; what a member now takes (its batching, its dims) is the reloaded one's.
+            self._graph = graph
         self._fit = (key, why)
         return why
 
@@ -209,7 +211,7 @@ class EnsembleScheduler:
     def _submit_steps(self, run: _Run, steps: list[Step]) -> None:
         item = run.item
         for step in steps:
-            request = step_request(step, item, run.tensors, run.priority, run.timeout_us)
+            request = step_request(self._graph, step, item, run.tensors, run.priority, run.timeout_us)
             try:
                 future = self._models.submit(request)
             except EdgeServerError as exc:
@@ -276,12 +278,13 @@ class EnsembleScheduler:
 
     def _finish(self, run: _Run, error: EdgeServerError | None) -> None:
         end = time.monotonic_ns()
+        result: dict[str, np.ndarray] = {}  # a decoupled ensemble sent its responses to the stream already
+        if error is None and not self._config.decoupled:
+            try:
+                result = ensemble_outputs(self._graph, run.tensors, run.item.requested_outputs)
+            except EdgeServerError as exc:
+                error = exc
         if error is None:
-            wanted = run.item.requested_outputs
-            # A decoupled ensemble sent its responses to the stream already.
-            result: dict[str, np.ndarray] = (
-                {} if self._config.decoupled else {name: run.tensors[name] for name in wanted}
-            )
             run.future.set_result(result)
         else:
             run.future.set_exception(error)

@@ -3,18 +3,24 @@
 Every tensor of an ensemble has exactly one producer (an ensemble input or one step's output) and may
 have many consumers (steps, or the ensemble's outputs).  With one producer per tensor, the steps form a
 graph whose edges are tensors; :func:`build_graph` rejects everything that would make a request fail
-or hang later, each error naming the step and the tensor: unknown or unready members, members whose
+or hang later, each error naming the step and the tensor: unknown or unready members, batching members whose
 ``max_batch_size`` is smaller than the ensemble's (Triton's rule), member tensors
 that do not exist, required member inputs left unmapped, tensors consumed but never produced, tensors
 produced twice, ensemble inputs no step uses, cycles, and dtype or shape disagreements between the
 producer and the consumer of a tensor.
+
+Shapes follow Triton's rule: a producer and a consumer agree when their dims agree without the batch
+axis, or when their full shapes (the batch axis first where the model batches) do.  So a
+non-batching ensemble may feed ``[16]`` to a batching member of dims ``[-1]``, and a batching
+ensemble may hold a non-batching member of dims ``[-1, 4]``; ``steps.fit_batch_axis`` adds or drops
+the batch axis on the way, as Triton's ensemble scheduler does.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,14 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Consumer:
+    """Where a tensor goes: the dims the consumer's config states and whether it batches."""
+
+    dims: tuple[int, ...]
+    batches: bool
+
+
+@dataclass(frozen=True)
 class EnsembleGraph:
     """The validated steps, in an order where every step comes after the producers of its inputs."""
 
@@ -49,6 +63,14 @@ class EnsembleGraph:
     #: which steps a path of the walk runs: key None for the request's own path, a decoupled step's
     #: index for the path each of its responses starts (see :func:`decoupled_scopes`)
     scopes: Mapping[int | None, frozenset[int]] | None = None
+    #: ensemble tensor -> whether its producer batches (its first axis is the batch)
+    batched: Mapping[str, bool] = field(default_factory=dict)
+    #: (step index, member input) -> what the member takes there: its dims and whether it batches
+    takes: Mapping[tuple[int, str], Consumer] = field(default_factory=dict)
+    #: ensemble output -> what the ensemble's answer takes there
+    answers: Mapping[str, Consumer] = field(default_factory=dict)
+    #: ensemble output with a ``reshape`` -> the dims its answer is given back in
+    restore: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def members(self) -> tuple[tuple[str, int | None], ...]:
@@ -95,6 +117,11 @@ def full_shape(spec: TensorSpec, max_batch_size: int) -> tuple[int, ...]:
     return ((-1,) if max_batch_size > 0 else ()) + spec.dims
 
 
+def as_reshaped(spec: TensorSpec) -> TensorSpec:
+    """An ensemble's own tensor as its steps see it: Triton applies its ``reshape`` at the boundary."""
+    return spec if spec.reshape is None else replace(spec, dims=spec.reshape, reshape=None)
+
+
 def shapes_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
 
@@ -106,7 +133,7 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         raise _fail(config, "ensemble_scheduling has no step")
     # tensor -> (description of its producer, its spec, the producer's max_batch_size)
     produced: dict[str, tuple[str, TensorSpec, int]] = {
-        t.name: ("the ensemble input", t, config.max_batch_size) for t in config.inputs
+        t.name: ("the ensemble input", as_reshaped(t), config.max_batch_size) for t in config.inputs
     }
     members: dict[int, ModelConfig] = {}
     for step in steps:
@@ -117,9 +144,9 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         except EdgeServerError as exc:
             raise _fail(config, f"{step.describe()}: {exc.message}") from None
         members[step.index] = member
-        if config.max_batch_size > member.max_batch_size:
-            # Triton's rule and words: a request the ensemble accepts must fit every step's model.
-            # (A non-batching ensemble of batching members is fine: its tensors carry no batch axis.)
+        if 0 < member.max_batch_size < config.max_batch_size:
+            # Triton's rule and words: a request the ensemble accepts must fit every batching step's
+            # model.  (A non-batching member takes the batch whole when its full shape agrees.)
             raise ConfigError(
                 f"{config.source or config.name}: ensemble {config.name} allows maximum batch size "
                 f"{config.max_batch_size}, but it contains model {step.model_name} which only allows "
@@ -147,6 +174,7 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
             produced[tensor] = (step.describe(), output, member.max_batch_size)
 
     consumers: dict[str, list[int]] = {}
+    takes: dict[tuple[int, str], Consumer] = {}
     for step in steps:
         member = members[step.index]
         for name, tensor in step.input_map.items():
@@ -160,13 +188,16 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
                 readers.append(step.index)
             wanted = member.input(name)
             assert wanted is not None  # checked above
+            takes[(step.index, name)] = Consumer(wanted.dims, member.max_batch_size > 0)
             reader = f"{step.describe()} input {name!r}"
             _check_match(config, tensor, produced[tensor], reader, wanted, member.max_batch_size)
     for spec in config.outputs:
         if spec.name not in produced:
             raise _fail(config, f"ensemble output {spec.name!r} is produced by no step")
         producer = produced[spec.name]
-        _check_match(config, spec.name, producer, "the ensemble output", spec, config.max_batch_size)
+        _check_match(
+            config, spec.name, producer, "the ensemble output", as_reshaped(spec), config.max_batch_size
+        )
     for spec in config.inputs:
         if spec.name not in consumers:
             raise _fail(config, f"ensemble input {spec.name!r} is used by no step")
@@ -178,7 +209,30 @@ def build_graph(config: ModelConfig, member_config: MemberConfig) -> EnsembleGra
         max_inflight_requests=max_inflight,
         decoupled=decoupled,
         scopes=decoupled_scopes(config, steps, decoupled) if decoupled else None,
+        batched={tensor: batch > 0 for tensor, (_, _, batch) in produced.items()},
+        takes=takes,
+        answers={
+            spec.name: Consumer(as_reshaped(spec).dims, config.max_batch_size > 0) for spec in config.outputs
+        },
+        restore={spec.name: spec.dims for spec in config.outputs if spec.reshape is not None},
     )
+
+
+def producer_labels(
+    graph: EnsembleGraph, labels_of: Callable[[str, int | None], Mapping[str, tuple[str, ...]]]
+) -> dict[str, tuple[str, ...]]:
+    """Class names for the ensemble's outputs from the members that make them, as Triton looks them up.
+
+    (An output's own ``label_filename`` in the ensemble's config takes precedence; the caller merges.)
+    """
+    found: dict[str, tuple[str, ...]] = {}
+    for step in graph.steps:
+        for output, tensor in step.output_map.items():
+            if tensor in graph.answers:
+                names = labels_of(step.model_name, step.model_version).get(output)
+                if names:
+                    found[tensor] = names
+    return found
 
 
 def decoupled_scopes(
@@ -250,11 +304,11 @@ def _check_match(
             f"{consumer} expects {spec.data_type}",
         )
     have, want = full_shape(produced_spec, producer_batch), full_shape(spec, consumer_batch)
-    if not shapes_agree(have, want):
+    if not shapes_agree(produced_spec.dims, spec.dims) and not shapes_agree(have, want):
         raise _fail(
             config,
             f"tensor {tensor!r}: {source} produces shape {list(have)}, {consumer} expects {list(want)} "
-            "(-1: any size, the batch axis included)",
+            "(-1: any size, the batch axis included; shapes also agree without the batch axis)",
         )
 
 
