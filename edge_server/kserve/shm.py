@@ -259,8 +259,8 @@ class SystemSharedMemory:
         peer: Peer,
         where: str,
         budget: InputBudget | None = None,
-    ) -> bytes:
-        """An input tensor's bytes, copied out of the segment.
+    ) -> bytes | bytearray:
+        """An input tensor's bytes, copied out of the segment (once).
 
         Checked before anything is read: ``want`` (the bytes its datatype and shape need; None for
         strings), and the request's ``budget`` (what all its inputs together may read, the request
@@ -274,7 +274,8 @@ class SystemSharedMemory:
             )
         (budget or self.budget()).take(byte_size, where)
         region = self.registry.use(self.owner(peer), name, where)
-        return bytes(region.read(offset, byte_size, where))
+        data = region.read(offset, byte_size, where)  # a segment opened by key is copied out: one copy
+        return bytes(data) if isinstance(data, memoryview) else data  # never a view the owner can change
 
     def budget(self) -> InputBudget:
         """A fresh budget for one request's inputs."""
