@@ -323,14 +323,23 @@ def split_body(body: bytes, header_length: int | None) -> tuple[dict[str, Any], 
             f"Inference-Header-Content-Length is {header_length}, but the body has {len(body)} bytes"
         )
     text = view[:header_length].tobytes() if header_length != len(body) else body
-    check_json_objects(text, shapes=True)
+    return json_object(text, shapes=True), view[header_length:]
+
+
+def json_object(text: bytes, *, shapes: bool) -> dict[str, Any]:
+    """A request body's JSON object, its lists and objects counted before it is parsed.
+
+    ``shapes``: an inference body, whose declared shapes bound what its ``data`` may hold
+    (:func:`~edge_server.kserve.json_bounds.check_json_objects`).
+    """
+    check_json_objects(text, shapes=shapes)
     try:
-        header = json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
         raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise MalformedMessage(f"the request body must be a JSON object, got {type(header).__name__}")
-    return header, view[header_length:]
+    if not isinstance(value, dict):
+        raise MalformedMessage(f"the request body must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 class BinaryReader:

@@ -34,9 +34,8 @@ from edge_server.errors import (
     Unavailable,
     Unsupported,
 )
-from edge_server.kserve import rest
+from edge_server.kserve import codec, rest
 from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget
-from edge_server.kserve.json_bounds import check_json_objects
 from edge_server.kserve.service import NO_CUDA_SHM, KServeService, error_code, error_status
 from edge_server.kserve.shm import Peer
 
@@ -320,14 +319,7 @@ def _json_object(body: bytes) -> dict[str, Any]:
     """A control request's JSON body ({} when empty), its objects counted before it is parsed."""
     if not body.strip():
         return {}
-    check_json_objects(body, shapes=False)
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # RecursionError: absurd nesting
-        raise MalformedMessage(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise MalformedMessage("the request body must be a JSON object")
-    return value
+    return codec.json_object(body, shapes=False)
 
 
 def _inflate(body: bytes, encoding: bytes, limit: int) -> bytes | None:
