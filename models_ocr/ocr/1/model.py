@@ -37,8 +37,9 @@ def _crop(image, points):
     return crop
 
 
-def _cls_input(image):
-    channels, height, width = CLS_SHAPE
+def _fit(image, channels, height, width):
+    """The crop at the model's height, its width kept in proportion up to ``width``, then padded:
+    the classifier's and the recogniser's input, as the package prepares both."""
     h, w = image.shape[:2]
     ratio = w / float(h)
     resized_w = width if math.ceil(height * ratio) > width else int(math.ceil(height * ratio))
@@ -51,19 +52,13 @@ def _cls_input(image):
     return padded
 
 
+def _cls_input(image):
+    return _fit(image, *CLS_SHAPE)
+
+
 def _rec_input(image, max_wh_ratio):
     channels, height, _ = REC_SHAPE
-    width = int(height * max_wh_ratio)
-    h, w = image.shape[:2]
-    ratio = w / float(h)
-    resized_w = width if math.ceil(height * ratio) > width else int(math.ceil(height * ratio))
-    resized = cv2.resize(image, (resized_w, height)).astype("float32")
-    resized = resized.transpose((2, 0, 1)) / 255
-    resized -= 0.5
-    resized /= 0.5
-    padded = np.zeros((channels, height, width), dtype=np.float32)
-    padded[:, :, 0:resized_w] = resized
-    return padded
+    return _fit(image, channels, height, int(height * max_wh_ratio))
 
 
 class TritonPythonModel:
