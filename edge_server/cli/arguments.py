@@ -1,13 +1,12 @@
-"""Argument types shared by the commands, and the error a command line that cannot work raises."""
+"""What the commands share: the error a command line that cannot work raises, and repeated flags.
+
+Value types of flags (boolean, positive, seconds) are :mod:`edge_server.flag_types`.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
-
-from edge_server.flag_types import boolean, positive
-
-__all__ = ["RepeatedFlag", "UsageError", "boolean", "positive"]
 
 
 class UsageError(Exception):

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from edge_server.backends.base import ONNXRUNTIME_THREAD_POLICIES
-from edge_server.cli.arguments import RepeatedFlag, UsageError, boolean, positive
+from edge_server.cli.arguments import RepeatedFlag, UsageError
+from edge_server.flag_types import boolean, positive
 from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options

@@ -150,7 +150,7 @@ class ModelManager:
         return None if root is None else scan_model(root, name)
 
     def _overridden(self, source: ModelSource) -> ModelSource:
-        source = self._staged_source(source.name) or source
+        """``source`` with the config given at load time (staged files: load and rescan look first)."""
         override = self._overrides.get(source.name)
         return source if override is None else dataclasses.replace(source, config_override=override)
 
