@@ -8,13 +8,15 @@ so grpc's handshake timeout does not close them, and the test ends before the id
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from edge_server.kserve.grpc_connections import Link, links, over_cap
+from edge_server.client import Client
+from edge_server.kserve.grpc_connections import Link, links, over_cap, tcp_sockets
 from tests.daemon import (
     Daemon,
     build_repository,
@@ -33,6 +35,38 @@ def test_each_user_keeps_its_oldest_connections_up_to_the_cap() -> None:
     found = [Link(inode, uid) for inode, uid in [(5, 1), (9, 1), (7, 1), (3, 2), (8, 1)]]
     assert sorted(link.inode for link in over_cap(found, 2)) == [8, 9]
     assert over_cap(found, 4) == []
+
+
+def test_a_penalized_user_keeps_none_of_its_connections() -> None:
+    found = [Link(inode, uid) for inode, uid in [(5, 1), (9, 1), (3, 2), (8, 2)]]
+    assert sorted(link.inode for link in over_cap(found, 4, penalized={1})) == [5, 9]
+
+
+def test_the_kernels_answer_pairs_the_same_connections_as_its_text_tables() -> None:
+    """sock_diag (filtered by port in the kernel) and /proc/net/tcp{,6} see the same links."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        port = server.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        accepted = [server.accept()[0] for _ in clients]
+        try:
+            found = links(port)
+            assert sorted(found, key=lambda link: link.inode) == sorted(
+                links(port, "/proc/net"), key=lambda link: link.inode
+            )
+            assert {link.inode for link in found} == {os.fstat(sock.fileno()).st_ino for sock in accepted}
+            assert {link.uid for link in found} == {os.geteuid()}
+        finally:
+            for sock in clients + accepted:
+                sock.close()
+
+
+def test_the_cheap_count_adds_both_families_tcp_sockets(tmp_path: Path) -> None:
+    (tmp_path / "sockstat").write_text("sockets: used 22\nTCP: inuse 4 orphan 0 tw 1814 alloc 7 mem 54\n")
+    (tmp_path / "sockstat6").write_text("TCP6: inuse 3\nUDP6: inuse 9\n")
+    assert tcp_sockets(str(tmp_path)) == 7
+    assert tcp_sockets(str(tmp_path / "missing")) == 0
 
 
 def open_http2(port: int, count: int) -> Callable[[], list[socket.socket]]:
@@ -92,7 +126,29 @@ def test_idle_http2_connections_of_one_user_are_cut_to_its_cap(grpc_daemon: tupl
             what="the other user's connections cut to its cap",
         )
         wait_for(lambda: live(port), timeout=20, what="another user's gRPC call answered")
-        assert "held more than 4 connections" in proc.log()
+        assert "more than 4 (--max-client-connections" in proc.log()
+    finally:
+        attacker.close()
+    assert proc.proc is not None and proc.proc.poll() is None, proc.log()
+
+
+@needs_root
+def test_a_user_over_its_cap_is_penalized_and_loses_every_grpc_connection(
+    grpc_daemon: tuple[Daemon, int],
+) -> None:
+    """Cut to the cap it could refill at once, between two looks, and hold grpc's total against new
+    clients; penalized, it keeps none (and the other listeners refuse it while the penalty lasts)."""
+    proc, port = grpc_daemon
+    attacker = OtherUser(open_http2(port, 40))
+    try:
+        wait_for(
+            lambda: not any(link.uid == NOBODY for link in links(port)),
+            timeout=20,
+            what="every connection of the user over its cap shut down",
+        )
+        with Client(proc.address, timeout=10) as client:
+            assert client.ipc_status()["limits"]["penalized"] >= 1
+        assert live(port)
     finally:
         attacker.close()
     assert proc.proc is not None and proc.proc.poll() is None, proc.log()

@@ -146,7 +146,9 @@ class GrpcFrontend:
         server.start()
         self._server = server
         # One user may hold at most half of gRPC's connections (and never more than its cap overall).
-        self._cap = ConnectionCap(port, min(self.limits.max_client_connections, connections // 2))
+        self._cap = ConnectionCap(
+            port, min(self.limits.max_client_connections, connections // 2), self.limits
+        )
         self._cap.start()
         log.info("gRPC frontend (KServe v2) listening on %s:%d", self.host, self.port)
 
