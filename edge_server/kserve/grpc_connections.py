@@ -29,13 +29,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
+from edge_server.kserve import sock_diag
+from edge_server.kserve.sock_diag import Socket
 from edge_server.limits import Limits
 
 log = logging.getLogger(__name__)
@@ -43,22 +44,9 @@ log = logging.getLogger(__name__)
 ESTABLISHED = 1  # TCP states as the kernel numbers them
 LISTEN = 10
 TIME_WAIT = 6
-MAPPED = bytes(10) + b"\xff\xff"  # an IPv4 address in an IPv6 socket (::ffff:a.b.c.d)
-MAPPED_TEXT = "0000000000000000FFFF0000"  # the same in /proc/net/tcp6
+MAPPED_TEXT = "0000000000000000FFFF0000"  # an IPv4 address in /proc/net/tcp6 (::ffff:a.b.c.d)
 TICK_S = 0.02
 SLOW_INTERVAL_S = 0.5
-
-# sock_diag (linux/sock_diag.h, linux/inet_diag.h)
-NETLINK_SOCK_DIAG = 4  # NETLINK_INET_DIAG
-SOCK_DIAG_BY_FAMILY = 20
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
-INET_DIAG_REQ_BYTECODE = 1
-BC_JMP, BC_S_GE, BC_S_LE, BC_D_GE, BC_D_LE = 1, 2, 3, 4, 5
-HEADER = struct.Struct("=IHHII")  # nlmsghdr
-REQUEST = struct.Struct("=BBBBI48s")  # inet_diag_req_v2: family, protocol, ext, pad, states, sockid
-MESSAGE = struct.Struct("=BBBBHH16s16sI8sIIIII")  # inet_diag_msg (ports in network order)
-OP = struct.Struct("=BBH")  # inet_diag_bc_op: code, yes, no
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +55,6 @@ class Link:
 
     inode: int
     uid: int
-
-
-#: One socket: (state, local address, local port, remote address, remote port, uid, inode); an
-#: IPv4-mapped IPv6 address as its 4 IPv4 bytes.
-Row = tuple[int, bytes, int, bytes, int, int, int]
 
 
 def tcp_sockets(proc_net: str = "/proc/self/net") -> int:
@@ -90,71 +73,15 @@ def tcp_sockets(proc_net: str = "/proc/self/net") -> int:
     return total
 
 
-def _address(raw: bytes, family: int) -> bytes:
-    if family == socket.AF_INET:
-        return raw[:4]
-    return raw[12:] if raw.startswith(MAPPED) else raw
+def _diag_sockets(port: int) -> Iterator[Socket]:
+    """The host's TCP sockets whose local or remote port is ``port``, both families (sock_diag)."""
+    states = sock_diag.ALL_STATES & ~((1 << LISTEN) | (1 << TIME_WAIT))
+    bytecode = sock_diag.port_filter(port)
+    for family in (socket.AF_INET, socket.AF_INET6):
+        yield from sock_diag.sockets(family, states=states, bytecode=bytecode)
 
 
-def _port_filter(port: int) -> bytes:
-    """Bytecode for "the local or the remote port is ``port``".
-
-    The kernel's audit wants every op on the chain of ``yes`` jumps: hence the unconditional jump
-    between the two halves.
-    """
-    ops = [
-        (BC_S_GE, 8, 20), (0, 0, port),  # 0: local < port: try the remote port (20)
-        (BC_S_LE, 8, 12), (0, 0, port),  # 8: local > port: try the remote port (20)
-        (BC_JMP, 4, 20),  # 16: local == port: accept (36)
-        (BC_D_GE, 8, 20), (0, 0, port),  # 20: remote < port: reject (40)
-        (BC_D_LE, 8, 12), (0, 0, port),  # 28: remote > port: reject (40); else accept (36)
-    ]  # fmt: skip
-    return b"".join(OP.pack(*op) for op in ops)
-
-
-def _diag_rows(port: int) -> Iterator[Row]:
-    """The host's TCP sockets whose local or remote port is ``port``, from the kernel (sock_diag)."""
-    states = 0xFFF & ~((1 << LISTEN) | (1 << TIME_WAIT))
-    bytecode = _port_filter(port)
-    attribute = struct.pack("=HH", 4 + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
-        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), start=1):
-            body = REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, states, bytes(48)) + attribute
-            flags = NLM_F_REQUEST | NLM_F_DUMP
-            sock.sendall(HEADER.pack(HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, flags, seq, 0) + body)
-            yield from _replies(sock)
-
-
-def _replies(sock: socket.socket) -> Iterator[Row]:
-    while True:
-        data = sock.recv(1 << 16)
-        offset = 0
-        while offset + HEADER.size <= len(data):
-            length, kind = HEADER.unpack_from(data, offset)[:2]
-            if kind == NLMSG_DONE:
-                return
-            if kind == NLMSG_ERROR:
-                code = -struct.unpack_from("=i", data, offset + HEADER.size)[0]
-                raise OSError(code, f"sock_diag: {os.strerror(code)}")
-            if kind == SOCK_DIAG_BY_FAMILY and length >= HEADER.size + MESSAGE.size:
-                family, state, _t, _r, sport, dport, src, dst, *_rest, uid, inode = MESSAGE.unpack_from(
-                    data, offset + HEADER.size
-                )
-                yield (
-                    state,
-                    _address(src, family),
-                    socket.ntohs(sport),
-                    _address(dst, family),
-                    socket.ntohs(dport),
-                    uid,
-                    inode,
-                )
-            offset += (length + 3) & ~3
-        if not data:
-            return
-
-
-def _table_rows(proc_net: str) -> Iterator[Row]:
+def _table_sockets(proc_net: str) -> Iterator[Socket]:
     """The same from the text tables (``/proc/net/tcp{,6}``: every socket of the host, as text)."""
     for table in ("tcp", "tcp6"):
         try:
@@ -168,7 +95,7 @@ def _table_rows(proc_net: str) -> Iterator[Row]:
                 continue
             local, lport = _text_endpoint(row[1])
             remote, rport = _text_endpoint(row[2])
-            yield int(row[3], 16), local, lport, remote, rport, int(row[7]), int(row[9])
+            yield Socket(int(row[3], 16), local, lport, remote, rport, int(row[7]), int(row[9]))
 
 
 def _text_endpoint(text: str) -> tuple[bytes, int]:
@@ -184,22 +111,22 @@ def links(port: int, proc_net: str | None = None) -> list[Link]:
     """
     if proc_net is None:
         try:
-            return _pair(_diag_rows(port), port)
+            return _pair(_diag_sockets(port), port)
         except OSError:
             proc_net = "/proc/net"
-    return _pair(_table_rows(proc_net), port)
+    return _pair(_table_sockets(proc_net), port)
 
 
-def _pair(rows: Iterator[Row], port: int) -> list[Link]:
+def _pair(found: Iterable[Socket], port: int) -> list[Link]:
     server: dict[tuple[bytes, int, bytes], int] = {}  # (client address, its port, server address): inode
     client: dict[tuple[bytes, int, bytes], int] = {}  # the same key: the client's uid
-    for state, local, lport, remote, rport, uid, inode in rows:
-        if state == LISTEN:
+    for sock in found:
+        if sock.state == LISTEN:
             continue
-        if lport == port:
-            server[(remote, rport, local)] = inode
-        elif rport == port and state == ESTABLISHED:
-            client[(local, lport, remote)] = uid
+        if sock.local_port == port:
+            server[(sock.remote, sock.remote_port, sock.local)] = sock.inode
+        elif sock.remote_port == port and sock.state == ESTABLISHED:
+            client[(sock.local, sock.local_port, sock.remote)] = sock.uid
     return [Link(inode, client[key]) for key, inode in server.items() if key in client and inode]
 
 
@@ -303,7 +230,7 @@ class ConnectionCap:
     def _links(self) -> list[Link]:
         if self._diag:
             try:
-                return _pair(_diag_rows(self.port), self.port)
+                return _pair(_diag_sockets(self.port), self.port)
             except OSError as exc:
                 log.warning("gRPC connection cap: sock_diag failed (%s); reading /proc/net/tcp instead", exc)
                 self._diag = False
