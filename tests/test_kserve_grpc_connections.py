@@ -1,9 +1,12 @@
 """Issue 23 item 1 on gRPC: one user's idle connections never hold the gRPC port against everyone else.
 
-grpcio caps only the total of its connections; edge_server.kserve.grpc_connections adds the per-user
-cap by pairing each connection with its client's uid in the kernel's socket table.  The hostile user is
-a forked child dropped to uid 65534 (root only); its connections sent HTTP/2's preface and settings,
-so grpc's handshake timeout does not close them, and the test ends before the idle timeout would.
+The daemon accepts the gRPC port's connections itself and counts them in its one budget (total, per
+uid) before grpc sees them (edge_server.kserve.grpc_accept).  Where it cannot (grpc's
+``event_engine_listener`` experiment on), grpcio accepts and caps only its total, and
+edge_server.kserve.grpc_connections adds the per-user cap by pairing each connection with its client's
+uid in the kernel's socket table.  The hostile user is a forked child dropped to uid 65534 (root
+only); its connections sent HTTP/2's preface and settings, so grpc's handshake timeout does not close
+them, and the test ends before the idle timeout would.
 """
 
 from __future__ import annotations
@@ -84,23 +87,36 @@ def open_http2(port: int, count: int) -> Callable[[], list[socket.socket]]:
     return hold
 
 
-@pytest.fixture
-def grpc_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # noqa: F811 - the fixture above
-    """RLIMIT_NOFILE 256: a budget of 16 connections, 8 of them gRPC's, 4 per user there."""
+def _grpc_daemon(directory: Path, env: dict[str, str] | None) -> Iterator[tuple[Daemon, int]]:
+    """RLIMIT_NOFILE 256: a budget of 16 connections, 4 per user."""
     grpc_port = free_port()
     proc = start_daemon(
-        public_dir,
-        build_repository(public_dir),
+        directory,
+        build_repository(directory),
         "g.sock",
         *kserve_flags(free_port(), grpc_port),
         "--max-client-connections",
         "4",
         nofile=256,
+        env=env,
     )
     try:
         yield proc, grpc_port
     finally:
         assert stop_daemon(proc) == 0, proc.log()
+
+
+@pytest.fixture
+def grpc_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # noqa: F811 - the fixture above
+    """The daemon accepts gRPC's connections itself."""
+    yield from _grpc_daemon(public_dir, None)
+
+
+@pytest.fixture
+def grpc_accepting_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # noqa: F811
+    """grpc accepts by itself (its ``event_engine_listener`` experiment on, as an operator may set):
+    8 of the 16 connections are gRPC's, 4 per user there, kept by looking."""
+    yield from _grpc_daemon(public_dir, {**os.environ, "GRPC_EXPERIMENTS": "event_engine_listener"})
 
 
 def live(port: int) -> bool:
@@ -110,14 +126,35 @@ def live(port: int) -> bool:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
-            return bool(stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=2).live)
+            return bool(stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=10).live)
         except grpc.RpcError:
             return False
 
 
 @needs_root
-def test_idle_http2_connections_of_one_user_are_cut_to_its_cap(grpc_daemon: tuple[Daemon, int]) -> None:
+def test_one_users_idle_connections_never_keep_another_users_new_connections_out(
+    grpc_daemon: tuple[Daemon, int],
+) -> None:
+    """Refused at accept past the user's cap: no moment when grpc's total is full of them."""
     proc, port = grpc_daemon
+    attacker = OtherUser(open_http2(port, 40))
+    try:
+        assert all(live(port) for _ in range(20))  # each a new connection, right after the flood
+        assert sum(link.uid == NOBODY for link in links(port)) <= 4
+        with Client(proc.address, timeout=10) as client:
+            assert client.ipc_status()["limits"]["refused_connections"] >= 36
+        assert "gRPC: connection refused" in proc.log()
+        assert "the limit for one user (--max-client-connections)" in proc.log()
+    finally:
+        attacker.close()
+    assert proc.proc is not None and proc.proc.poll() is None, proc.log()
+
+
+@needs_root
+def test_idle_http2_connections_of_one_user_are_cut_to_its_cap(
+    grpc_accepting_daemon: tuple[Daemon, int],
+) -> None:
+    proc, port = grpc_accepting_daemon
     attacker = OtherUser(open_http2(port, 40))
     try:
         wait_for(
@@ -134,11 +171,11 @@ def test_idle_http2_connections_of_one_user_are_cut_to_its_cap(grpc_daemon: tupl
 
 @needs_root
 def test_a_user_over_its_cap_is_penalized_and_loses_every_grpc_connection(
-    grpc_daemon: tuple[Daemon, int],
+    grpc_accepting_daemon: tuple[Daemon, int],
 ) -> None:
     """Cut to the cap it could refill at once, between two looks, and hold grpc's total against new
     clients; penalized, it keeps none (and the other listeners refuse it while the penalty lasts)."""
-    proc, port = grpc_daemon
+    proc, port = grpc_accepting_daemon
     attacker = OtherUser(open_http2(port, 40))
     try:
         wait_for(

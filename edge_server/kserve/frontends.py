@@ -122,6 +122,9 @@ class KServeFrontends:
             self.http.start()
             self._probes.append(("HTTP frontend", LoopProbe(self.http.call_soon)))
         if options.allow_grpc is not False:
+            from edge_server.kserve import grpc_accept
+
+            own_accept = grpc_accept.prepare()  # before grpc is first imported
             try:
                 from edge_server.kserve.grpc_frontend import GrpcFrontend
             except ImportError as exc:
@@ -136,6 +139,7 @@ class KServeFrontends:
                 port=options.grpc_port,
                 max_message_bytes=self.max_message_bytes,
                 limits=self.limits,
+                own_accept=own_accept,
             )
             self.grpc.start()
             host = loopback(self.grpc.host)

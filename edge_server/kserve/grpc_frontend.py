@@ -20,6 +20,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edge_server.errors import AddressInUse, TooManyRequests
+from edge_server.kserve.grpc_accept import PORT_NAME, ExternalPort, GrpcAcceptor
 from edge_server.kserve.grpc_connections import ConnectionCap
 from edge_server.kserve.grpc_servicer import Servicer
 from edge_server.kserve.grpc_wire import parse_infer_request
@@ -111,6 +112,7 @@ class GrpcFrontend:
         drain_timeout: float = 5.0,
         max_workers: int = MAX_WORKERS,
         limits: Limits | None = None,
+        own_accept: bool = False,
     ) -> None:
         self.service = service
         self.limits = limits or Limits()  # the daemon's; alone, one of the frontend's own
@@ -126,15 +128,18 @@ class GrpcFrontend:
         self._server: grpc.Server | None = None
         self._stopped: threading.Event | None = None
         self._cap: ConnectionCap | None = None
+        self._acceptor: GrpcAcceptor | None = None
+        #: the daemon accepts the port's connections itself (see edge_server.kserve.grpc_accept); set
+        #: by whoever called grpc_accept.prepare() before grpc was imported
+        self.own_accept = own_accept
 
     def start(self) -> None:
         """Bind (a failure raises here) and serve."""
+        if self.own_accept and self._start_accepting():
+            log.info("gRPC frontend (KServe v2) listening on %s:%d", self.host, self.port)
+            return
         connections = self.limits.set_aside(GRPC_CONNECTIONS)
-        server = grpc.server(
-            ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="edge-grpc"),
-            options=server_options(self.max_message_bytes, self.limits, connections),
-        )
-        _add_servicer(Servicer(self.service, self), server)
+        server = self._build(server_options(self.max_message_bytes, self.limits, connections))
         address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         try:
             port = server.add_insecure_port(address)
@@ -150,7 +155,42 @@ class GrpcFrontend:
             port, min(self.limits.max_client_connections, connections // 2), self.limits
         )
         self._cap.start()
-        log.info("gRPC frontend (KServe v2) listening on %s:%d", self.host, self.port)
+        log.info(
+            "gRPC frontend (KServe v2) listening on %s:%d (grpc accepts; per-user cap by looking)",
+            self.host,
+            self.port,
+        )
+
+    def _build(self, options: list[tuple[str, Any]]) -> grpc.Server:
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="edge-grpc"),
+            options=options,
+        )
+        _add_servicer(Servicer(self.service, self), server)
+        return server
+
+    def _start_accepting(self) -> bool:
+        """Serve connections the daemon accepts and counts itself (edge_server.kserve.grpc_accept).
+
+        grpc's own total stays as a backstop at the whole budget.  False (nothing started) when grpc's
+        handler is not the one expected; a bind failure raises.
+        """
+        external = ExternalPort()
+        options = server_options(self.max_message_bytes, self.limits, self.limits.max_connections)
+        server = self._build([*options, external.option])
+        server.add_insecure_port(PORT_NAME)
+        if not external.bind():
+            server.stop(None)
+            return False
+        try:
+            acceptor = GrpcAcceptor(self.host, self.port, self.limits, external)
+        except OSError as exc:
+            server.stop(None)
+            raise AddressInUse(f"the gRPC frontend cannot bind {self.host}:{self.port}: {exc}") from None
+        server.start()
+        acceptor.start()
+        self._server, self._acceptor, self.port = server, acceptor, acceptor.port
+        return True
 
     def take_worker(self) -> None:
         """Count a worker for inference, or refuse: :data:`RESERVED_WORKERS` stay for everything else."""
@@ -176,6 +216,8 @@ class GrpcFrontend:
 
     def refuse_new(self) -> None:
         """Refuse new calls; those in flight have the drain timeout to finish, then are cancelled."""
+        if self._acceptor is not None:  # first: nothing is handed to grpc once it stops
+            self._acceptor.close()
         if self._server is not None and self._stopped is None:
             self._stopped = self._server.stop(self.drain_timeout)
 
