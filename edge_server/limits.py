@@ -10,9 +10,9 @@ once at start-up and handed to every frontend, holds:
   :attr:`Limits.max_connections` (``--max-connections``, and never more than the descriptors left after
   a reserve), and at most :attr:`Limits.max_client_connections` for one uid
   (``--max-client-connections``), so that one local user cannot lock everyone else out.  A listener asks
-  :meth:`Limits.connect` when it accepts and refuses (closes) the connection there when told no;
-  gRPC's share is set aside whole (:meth:`Limits.set_aside`), since grpcio accepts by itself and only
-  takes a cap on its connections;
+  :meth:`Limits.connect` when it accepts and refuses (closes) the connection there when told no
+  (gRPC's port too, accepted by the daemon and handed to grpc); where grpc must accept by itself, its
+  share is set aside whole (:meth:`Limits.set_aside`), since grpc then takes only a cap on its total;
 * the memory budget of request bodies while they arrive (:meth:`Limits.reserve`): all clients
   together at most ``--max-body-bytes-in-flight``, one uid at most ``--max-client-body-bytes``;
 * the timeouts every listener applies: a connection must send its request headers within

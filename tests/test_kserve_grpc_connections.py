@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from edge_server.client import Client
+from edge_server.kserve import grpc_accept
 from edge_server.kserve.grpc_connections import Link, links, over_cap, tcp_sockets
 from tests.daemon import (
     Daemon,
@@ -63,6 +65,25 @@ def test_the_kernels_answer_pairs_the_same_connections_as_its_text_tables() -> N
         finally:
             for sock in clients + accepted:
                 sock.close()
+
+
+def test_grpcs_listener_experiment_is_turned_off_only_before_grpc_is_imported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    monkeypatch.delitem(sys.modules, "grpc", raising=False)
+    assert grpc_accept.prepare()
+    assert os.environ["GRPC_EXPERIMENTS"] == "-event_engine_listener"
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "other")
+    assert grpc_accept.prepare()
+    assert os.environ["GRPC_EXPERIMENTS"] == "other,-event_engine_listener"
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "event_engine_listener")  # the operator's: left alone
+    assert not grpc_accept.prepare()
+    assert os.environ["GRPC_EXPERIMENTS"] == "event_engine_listener"
+    monkeypatch.delenv("GRPC_EXPERIMENTS")
+    monkeypatch.setitem(sys.modules, "grpc", sys)  # imported already: too late to change
+    assert not grpc_accept.prepare()
+    assert "GRPC_EXPERIMENTS" not in os.environ
 
 
 def test_the_cheap_count_adds_both_families_tcp_sockets(tmp_path: Path) -> None:

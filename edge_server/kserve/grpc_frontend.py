@@ -1,8 +1,9 @@
 """The KServe v2 gRPC frontend: Triton's ``GRPCInferenceService`` on grpcio's threaded server.
 
 This module runs the server (options, registration, start and stop, the worker accounting); the RPCs
-are in edge_server.kserve.grpc_servicer, ``ModelStreamInfer`` in edge_server.kserve.grpc_stream, and the
-per-user connection cap grpcio lacks in edge_server.kserve.grpc_connections.
+are in edge_server.kserve.grpc_servicer, ``ModelStreamInfer`` in edge_server.kserve.grpc_stream.  The
+port's connections are accepted and counted by the daemon (edge_server.kserve.grpc_accept); where that
+cannot be, grpc accepts with a total and edge_server.kserve.grpc_connections keeps the per-user cap.
 
 Why the threaded server and not grpc.aio: a unary call costs less (a bare server answering
 ``ModelInfer`` with a canned response, called by tritonclient: 377 against 446 us with or without
@@ -42,11 +43,10 @@ def server_options(
 ) -> list[tuple[str, Any]]:
     """The server's options: message bounds, no port sharing; with ``limits``, its connections bounded.
 
-    grpcio accepts on its own threads, so the daemon's budget cannot refuse there: the server gets a
-    fixed share of it (``connections``, refused by grpc core at accept), a connection that has not sent
-    HTTP/2's preface and settings within the header timeout is closed, and so is one without a call for
-    the idle timeout.  The per-user cap grpcio has no option for is kept by
-    :class:`~edge_server.kserve.grpc_connections.ConnectionCap`.
+    ``connections`` is grpc core's own total (refused at its accept): the whole budget as a backstop when
+    the daemon accepts and counts every connection itself, a share set aside from it when grpc accepts.
+    A connection that has not sent HTTP/2's preface and settings within the header timeout is closed,
+    and so is one without a call for the idle timeout.
 
     Flow-control and latency options (``grpc.http2.lookahead_bytes`` 16 MiB, ``grpc.http2.bdp_probe``
     off, ``grpc.optimization_target`` latency) changed nothing measurable on a bare grpcio server
