@@ -261,8 +261,12 @@ class Limits:
                 ),
             )
 
-    def release(self, uid: int | None, nbytes: int) -> None:
-        """Bytes counted by :meth:`reserve` are spent (the request was answered, or its connection closed)."""
+    def release(self, uid: int | None, nbytes: int, *, trim: bool = True) -> None:
+        """Bytes counted by :meth:`reserve` are spent (the request was answered, or its connection closed).
+
+        ``trim``: ask for a heap trim after a large one (an HTTP body: Python's buffers; not an IPC
+        message, whose frames libzmq frees and reuses while its client keeps sending).
+        """
         if nbytes <= 0:
             return
         with self._lock:
@@ -272,7 +276,7 @@ class Limits:
             else:
                 self._body_by_uid.pop(uid, None)
             self._bodies -= nbytes
-        if nbytes >= TRIM_AFTER_BYTES:  # a large body's pages go back once its request is done
+        if trim and nbytes >= TRIM_AFTER_BYTES:  # a large body's pages go back once its request is done
             self.trimmer.request()
 
     # -- penalties ----------------------------------------------------------------------------------

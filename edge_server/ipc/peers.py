@@ -69,13 +69,16 @@ class ReplyBacklog(ReplyHolder):
         self._budget = budget
         self.identity = identity
         self._on_over = on_over
+        self.recheck_queued = False  # the frontend thread was asked to look at this client's uid
         self._marks: collections.deque[tuple[zmq.MessageTracker, int]] = collections.deque()
         self.sent = 0  # bytes of replies handed to ZeroMQ
         self.freed = 0  # of which ZeroMQ has freed at least this many
         self._since_mark = 0
 
     def over_budget(self, why: str) -> None:
-        self._on_over(self.identity)  # the frontend thread looks again and cuts it off if still over
+        if not self.recheck_queued:  # the frontend thread looks again and cuts it off if still over
+            self.recheck_queued = True
+            self._on_over(self.identity)
 
     def wants_mark(self, nbytes: int) -> bool:
         """Whether the next reply (of ``nbytes``) should carry a tracked frame although it is small."""
@@ -274,7 +277,8 @@ class PeerTable:
         return due
 
     def total_backlog(self) -> int:
-        return sum(p.backlog.pending() for p in list(self._peers.values()))
+        """Bytes of replies ZeroMQ holds for every client, as last looked (any thread: no refresh)."""
+        return sum(p.backlog.unsent for p in list(self._peers.values()))
 
     def close(self) -> None:
         for identity in list(self._peers):

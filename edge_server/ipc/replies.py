@@ -116,6 +116,7 @@ class Replies:
             if frames:
                 self.send(sock, identity, frames, peer)
             elif stream is _RECHECK and peer is not None:
+                peer.backlog.recheck_queued = False
                 self._enforce(peer.uid)
 
     def send(self, sock: zmq.Socket, identity: bytes, frames: list[Any], peer: Peer | None = None) -> None:

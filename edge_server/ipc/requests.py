@@ -191,7 +191,7 @@ class RequestHandler:
         refusal = self._limits.reserve(uid, nbytes)
         if refusal is not None:
             raise Unavailable(refusal)
-        return partial(self._limits.release, uid, nbytes)
+        return partial(self._limits.release, uid, nbytes, trim=False)
 
     def _infer(
         self, sock: zmq.Socket, peer: Peer, identity: bytes, header: dict, frames: list, nbytes: int
