@@ -96,9 +96,6 @@ class ReplyBudget:
     def over(self, uid: int | None) -> bool:
         return self._held.get(uid, 0) > self.max_bytes
 
-    def held(self, uid: int | None) -> int:
-        return self._held.get(uid, 0)
-
     def heaviest(self, uid: int | None) -> ReplyHolder | None:
         """The holder of ``uid`` with the most unsent bytes (None: it has none)."""
         with self._lock:
