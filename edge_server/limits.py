@@ -14,7 +14,8 @@ once at start-up and handed to every frontend, holds:
   gRPC's share is set aside whole (:meth:`Limits.set_aside`), since grpcio accepts by itself and only
   takes a cap on its connections;
 * the memory budget of request bodies while they arrive and until they are answered
-  (:meth:`Limits.reserve`; HTTP bodies as they arrive, IPC messages once libzmq hands them over): all
+  (:meth:`Limits.reserve`; HTTP bodies as they arrive, IPC messages and gRPC stream requests once
+  libzmq or grpc hands them over, :meth:`Limits.hold`): all
   clients together at most ``--max-body-bytes-in-flight``, one uid at most ``--max-client-body-bytes``;
 * the timeouts every listener applies: a connection must send its request headers within
   ``--header-timeout-secs`` and its body within ``--body-timeout-secs``, and one idle that long
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge_server import flag_types
+from edge_server.errors import Unavailable
 from edge_server.memory import DeferredTrim
 from edge_server.reply_budget import ReplyBudget
 
@@ -111,6 +113,25 @@ class Connection:
 
     uid: int | None
     refusal: str | None
+
+
+class BodyHold:
+    """One request's body, counted by :meth:`Limits.hold` until :meth:`release` (called once or more).
+
+    No heap trim follows: the frames of an IPC message are libzmq's, reused while its client sends on.
+    """
+
+    __slots__ = ("_limits", "_uid", "_nbytes")
+
+    def __init__(self, limits: Limits, uid: int | None, nbytes: int) -> None:
+        self._limits = limits
+        self._uid = uid
+        self._nbytes = nbytes
+
+    def release(self) -> None:
+        nbytes, self._nbytes = self._nbytes, 0
+        if nbytes:
+            self._limits.release(self._uid, nbytes, trim=False)
 
 
 class Limits:
@@ -249,6 +270,13 @@ class Limits:
             self._body_by_uid[uid] = held + nbytes
             self._bodies += nbytes
         return None
+
+    def hold(self, uid: int | None, nbytes: int) -> BodyHold:
+        """:meth:`reserve` for one whole request (IPC, gRPC streams); raises UNAVAILABLE (HTTP's 503)."""
+        refusal = self.reserve(uid, nbytes)
+        if refusal is not None:
+            raise Unavailable(refusal)
+        return BodyHold(self, uid, nbytes)
 
     def room(self, uid: int | None) -> int:
         """Bytes :meth:`reserve` would grant ``uid`` now (for inflating a compressed body no further)."""
@@ -400,15 +428,15 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes-in-flight",
         type=flag_types.positive,
         default=DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
-        help="HTTP and IPC: bytes of request bodies in flight from all clients together; more are refused "
-        "(503, UNAVAILABLE)",
+        help="HTTP, IPC and gRPC streams: bytes of request bodies in flight from all clients together; more "
+        "are refused (503, UNAVAILABLE)",
     )
     group.add_argument(
         "--max-client-body-bytes",
         type=flag_types.positive,
         default=DEFAULT_MAX_CLIENT_BODY_BYTES,
-        help="HTTP and IPC: bytes of request bodies in flight from one user (uid); more are refused "
-        "(503, UNAVAILABLE)",
+        help="HTTP, IPC and gRPC streams: bytes of request bodies in flight from one user (uid); more are "
+        "refused (503, UNAVAILABLE)",
     )
     group.add_argument(
         "--max-client-streams",

@@ -1,10 +1,11 @@
-"""IPC request bodies count in the same per-user (and daemon-wide) body budget as HTTP bodies.
+"""IPC and gRPC stream requests count in the same per-user (and daemon-wide) body budget as HTTP bodies.
 
 Each IPC connection was bounded only by its own in-flight count, so one user with many connections,
 each with large requests waiting in a model's queue, pinned their bodies without a per-user bound.
 Now an IPC message counts in its uid's ``--max-client-body-bytes`` (and ``--max-body-bytes-in-flight``)
 from when it is taken in until it is answered, next to that user's HTTP bodies, and one past it is
-refused UNAVAILABLE, as HTTP answers 503.
+refused UNAVAILABLE, as HTTP answers 503.  A gRPC stream's requests (up to 16 in flight per stream,
+32 streams per user) count the same way, until their final response.
 """
 
 from __future__ import annotations
@@ -56,13 +57,28 @@ def _http_infer(port: int, x: np.ndarray) -> tuple[int, str]:
         conn.close()
 
 
+def _grpc_stream_error(port: int, x: np.ndarray) -> str:
+    """The error of a one-request gRPC stream ("" if it was answered)."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name="identity")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        (response,) = list(stub.ModelStreamInfer(iter([request])))
+    return str(response.error_message)
+
+
 def test_ipc_bodies_count_in_the_users_body_budget(tmp_path: Path) -> None:
-    http_port = free_port()
+    http_port, grpc_port = free_port(), free_port()
     proc = start_daemon(
         tmp_path,
         build_repository(tmp_path),
         "b.sock",
-        *kserve_flags(http_port, free_port()),
+        *kserve_flags(http_port, grpc_port),
         "--max-client-body-bytes",
         str(BUDGET),
     )
@@ -82,6 +98,9 @@ def test_ipc_bodies_count_in_the_users_body_budget(tmp_path: Path) -> None:
             # Over HTTP too: one budget for the user, whichever way its bodies come.
             status, text = _http_infer(http_port, x)
             assert status == 503 and "--max-client-body-bytes" in text, (status, text[:300])
+            # And a gRPC stream's request.
+            error = _grpc_stream_error(grpc_port, x)
+            assert "--max-client-body-bytes" in error, error
             gate.release(2)
             for future in (held, queued):
                 np.testing.assert_array_equal(future.result(60)["OUTPUT0"], x)
@@ -93,6 +112,8 @@ def test_ipc_bodies_count_in_the_users_body_budget(tmp_path: Path) -> None:
                 for outputs in responses:
                     np.testing.assert_array_equal(outputs["OUTPUT0"], x)
             wait_for(lambda: _held(second) == 0, 60, what="the stream's body to be given back")
+            assert _grpc_stream_error(grpc_port, x) == ""  # room again: answered
+            assert _held(second) == 0
     finally:
         gate.settle()
         gate.close()

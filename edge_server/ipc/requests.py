@@ -13,12 +13,11 @@ client's shared memory) and queue it in :class:`~edge_server.ipc.replies.Replies
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import zmq
 
 from edge_server.authorization import ControlPolicy
@@ -29,7 +28,6 @@ from edge_server.errors import (
     MessageTooLarge,
     ServerShuttingDown,
     TooManyRequests,
-    Unavailable,
 )
 from edge_server.ipc import handlers, protocol
 from edge_server.ipc.handoff import FdHandoff
@@ -186,12 +184,8 @@ class RequestHandler:
             )
 
     def _reserve(self, peer: Peer, nbytes: int) -> Callable[[], None]:
-        """Count a request's ``nbytes`` in its uid's body budget; the callable gives them back (once)."""
-        uid = None if peer.uid < 0 else peer.uid
-        refusal = self._limits.reserve(uid, nbytes)
-        if refusal is not None:
-            raise Unavailable(refusal)
-        return partial(self._limits.release, uid, nbytes, trim=False)
+        """Count a request's ``nbytes`` in its uid's body budget; the callable gives them back."""
+        return self._limits.hold(None if peer.uid < 0 else peer.uid, nbytes).release
 
     def _infer(
         self, sock: zmq.Socket, peer: Peer, identity: bytes, header: dict, frames: list, nbytes: int
@@ -276,15 +270,7 @@ class IpcStream(ResponseSink):
         self.replies = replies
         self.identity = identity
         self.ctx = ctx
-        self._release = release
-
-    def put(
-        self, outputs: Mapping[str, np.ndarray] | None, error: EdgeServerError | None, *, final: bool
-    ) -> bool:
-        taken = super().put(outputs, error, final=final)
-        if taken and final:
-            self._release()
-        return taken
+        self.on_final = release
 
     def deliver(self, outputs: dict[str, Any] | None, error: EdgeServerError | None, final: bool) -> None:
         rid = self.ctx.rid

@@ -12,6 +12,8 @@ of the same model (their p99 6x idle).  So:
   flight, and a request's slot is given back when its last response has been sent (grpc's sync server
   resumes the response generator only once a send has completed), not when the model produced it: a
   stream that does not read stops being read after that many, and grpc's flow control holds the client;
+* each request counts in its user's body budget (``--max-client-body-bytes``, with its HTTP and IPC
+  bodies) until its final response, and one past it is answered UNAVAILABLE, the stream going on;
 * the bytes of responses produced and not yet sent are counted in the client's uid's share of the
   daemon's reply budget (:class:`~edge_server.reply_budget.ReplyBudget`, with its other streams and
   its IPC connections; a decoupled model can send many responses to one request), and once the uid
@@ -170,6 +172,11 @@ class StreamCall(ReplyHolder):
         log.debug("dropped %d responses of a cut-off stream", dropped)
 
 
+def wire_bytes(wire: WireRequest) -> int:
+    """The bytes a received request holds: its message, and its raw tensors where kept apart."""
+    return wire.message.ByteSize() + (sum(len(view) for view in wire.raw) if wire.raw else 0)
+
+
 def _grpc_error_mode(context: Any) -> bool:
     """Triton's ``triton_grpc_error: true`` stream header: an error ends the stream with its status."""
     return any(k == GRPC_ERROR_HEADER and v == "true" for k, v in context.invocation_metadata() or ())
@@ -268,16 +275,23 @@ def serve_stream(
     def start(wire: WireRequest) -> None:
         request = wire.message
         try:
-            infer, wants = grpc_codec.decode(service, request, peer, wire.raw)
-            empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
-            sink = StreamSink(service, call, infer, wants, peer, empty_final, finished, ends_stream)
-            with lock:
-                open_sinks.add(sink)
+            # counted in the user's body budget (with its HTTP and IPC bodies) until its final response
+            body = frontend.limits.hold(peer.uid, wire_bytes(wire))
             try:
-                service.dataplane.stream(infer, sink)
-            except BaseException:
+                infer, wants = grpc_codec.decode(service, request, peer, wire.raw)
+                empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
+                sink = StreamSink(service, call, infer, wants, peer, empty_final, finished, ends_stream)
+                sink.on_final = body.release
                 with lock:
-                    open_sinks.discard(sink)
+                    open_sinks.add(sink)
+                try:
+                    service.dataplane.stream(infer, sink)
+                except BaseException:
+                    with lock:
+                        open_sinks.discard(sink)
+                    raise
+            except BaseException:
+                body.release()
                 raise
         except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
             call.put(_stream_error(request, exc, ends_stream), ends_request=True)
