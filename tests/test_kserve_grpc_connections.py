@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_server.kserve.grpc_connections import Link, links, over_cap
+from edge_server.kserve.grpc_connections import Link, links, over_cap, sockets_held
 from tests.daemon import (
     Daemon,
     build_repository,
@@ -33,6 +33,18 @@ def test_each_user_keeps_its_oldest_connections_up_to_the_cap() -> None:
     found = [Link(inode, uid) for inode, uid in [(5, 1), (9, 1), (7, 1), (3, 2), (8, 1)]]
     assert sorted(link.inode for link in over_cap(found, 2)) == [8, 9]
     assert over_cap(found, 4) == []
+
+
+def test_the_sockets_this_process_holds_are_counted() -> None:
+    """The pass reads the kernel's tables only past the cap; this count is what it compares."""
+    before = sockets_held()
+    pair = socket.socketpair()
+    try:
+        assert sockets_held() == before + 2
+    finally:
+        for sock in pair:
+            sock.close()
+    assert sockets_held() == before
 
 
 def open_http2(port: int, count: int) -> Callable[[], list[socket.socket]]:
