@@ -21,7 +21,7 @@ import pytest
 
 from edge_server.client import Client
 from edge_server.kserve import grpc_accept
-from edge_server.kserve.grpc_connections import Link, links, over_cap, tcp_sockets
+from edge_server.kserve.grpc_connections import Link, links, over_cap, sockets_held, tcp_sockets
 from tests.daemon import (
     Daemon,
     build_repository,
@@ -91,6 +91,18 @@ def test_the_cheap_count_adds_both_families_tcp_sockets(tmp_path: Path) -> None:
     (tmp_path / "sockstat6").write_text("TCP6: inuse 3\nUDP6: inuse 9\n")
     assert tcp_sockets(str(tmp_path)) == 7
     assert tcp_sockets(str(tmp_path / "missing")) == 0
+
+
+def test_the_sockets_this_process_holds_are_counted() -> None:
+    """The pass reads the kernel's tables only past the cap; this count is what it compares."""
+    before = sockets_held()
+    pair = socket.socketpair()
+    try:
+        assert sockets_held() == before + 2
+    finally:
+        for sock in pair:
+            sock.close()
+    assert sockets_held() == before
 
 
 def open_http2(port: int, count: int) -> Callable[[], list[socket.socket]]:

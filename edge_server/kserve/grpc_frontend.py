@@ -8,6 +8,11 @@ cannot be, grpc accepts with a total and edge_server.kserve.grpc_connections kee
 Why the threaded server and not grpc.aio: a unary call costs less (a bare server answering
 ``ModelInfer`` with a canned response, called by tritonclient: 377 against 446 us with or without
 uvloop, one interleaved run on the 2-core VM), and the data plane is synchronous anyway.
+
+Neither matches Triton's C++ frontend on a small call: a ``ServerLive`` costs grpcio's thread-pool
+server about 260 us of CPU and 410 us end to end, Triton 80 and 220, and ours what the bare server's
+costs (bench/bench_kserve_cost.py; docs/benchmarks.md).  That floor, not the handler, is what the
+tiny gRPC row lacks against Triton.
 """
 
 from __future__ import annotations
