@@ -125,6 +125,7 @@ class GrpcAcceptor:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
             self._sock.listen(BACKLOG)
+            self._sock.setblocking(False)  # a connection reset between select and accept: no wait
         except OSError:
             self._sock.close()
             raise
