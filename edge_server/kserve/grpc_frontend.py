@@ -177,13 +177,18 @@ class GrpcFrontend:
     def _start_accepting(self) -> bool:
         """Serve connections the daemon accepts and counts itself (edge_server.kserve.grpc_accept).
 
-        grpc's own total stays as a backstop at the whole budget.  False (nothing started) when grpc's
-        handler is not the one expected; a bind failure raises.
+        grpc's own total stays as a backstop at the whole budget.  False (nothing started) when grpc has
+        no such port or its handler is not the one expected; a bind failure raises.
         """
         external = ExternalPort()
         options = server_options(self.max_message_bytes, self.limits, self.limits.max_connections)
         server = self._build([*options, external.option])
-        server.add_insecure_port(PORT_NAME)
+        try:
+            server.add_insecure_port(PORT_NAME)
+        except RuntimeError as exc:  # a grpcio without external ports
+            log.warning("gRPC: grpc takes no connections from the daemon (%s)", exc)
+            server.stop(None)
+            return False
         if not external.bind():
             server.stop(None)
             return False
