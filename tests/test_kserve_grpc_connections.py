@@ -1,8 +1,8 @@
 """Issue 23 item 1 on gRPC: one user's idle connections never hold the gRPC port against everyone else.
 
 The daemon accepts the gRPC port's connections itself and counts them in its one budget (total, per
-uid) before grpc sees them (edge_server.kserve.grpc_accept).  Where it cannot (grpc's
-``event_engine_listener`` experiment on), grpcio accepts and caps only its total, and
+uid) before grpc sees them (edge_server.kserve.grpc_accept).  Where it cannot (or is told not to),
+grpcio accepts and caps only its total, and
 edge_server.kserve.grpc_connections adds the per-user cap by pairing each connection with its client's
 uid in the kernel's socket table.  The hostile user is a forked child dropped to uid 65534 (root
 only); its connections sent HTTP/2's preface and settings, so grpc's handshake timeout does not close
@@ -12,8 +12,8 @@ them, and the test ends before the idle timeout would.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import pytest
 
 from edge_server.client import Client
 from edge_server.kserve import grpc_accept
+from edge_server.kserve.frontends import GRPC_ACCEPT_ENV
 from edge_server.kserve.grpc_connections import Link, links, over_cap, sockets_held, tcp_sockets
 from tests.daemon import (
     Daemon,
@@ -65,25 +66,6 @@ def test_the_kernels_answer_pairs_the_same_connections_as_its_text_tables() -> N
         finally:
             for sock in clients + accepted:
                 sock.close()
-
-
-def test_grpcs_listener_experiment_is_turned_off_only_before_grpc_is_imported(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
-    monkeypatch.delitem(sys.modules, "grpc", raising=False)
-    assert grpc_accept.prepare()
-    assert os.environ["GRPC_EXPERIMENTS"] == "-event_engine_listener"
-    monkeypatch.setenv("GRPC_EXPERIMENTS", "other")
-    assert grpc_accept.prepare()
-    assert os.environ["GRPC_EXPERIMENTS"] == "other,-event_engine_listener"
-    monkeypatch.setenv("GRPC_EXPERIMENTS", "event_engine_listener")  # the operator's: left alone
-    assert not grpc_accept.prepare()
-    assert os.environ["GRPC_EXPERIMENTS"] == "event_engine_listener"
-    monkeypatch.delenv("GRPC_EXPERIMENTS")
-    monkeypatch.setitem(sys.modules, "grpc", sys)  # imported already: too late to change
-    assert not grpc_accept.prepare()
-    assert "GRPC_EXPERIMENTS" not in os.environ
 
 
 def test_the_cheap_count_adds_both_families_tcp_sockets(tmp_path: Path) -> None:
@@ -147,9 +129,9 @@ def grpc_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # noqa: F811
 
 @pytest.fixture
 def grpc_accepting_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # noqa: F811
-    """grpc accepts by itself (its ``event_engine_listener`` experiment on, as an operator may set):
-    8 of the 16 connections are gRPC's, 4 per user there, kept by looking."""
-    yield from _grpc_daemon(public_dir, {**os.environ, "GRPC_EXPERIMENTS": "event_engine_listener"})
+    """grpc accepts by itself (the operator's escape hatch): 8 of the 16 connections are gRPC's, 4 per
+    user there, kept by looking."""
+    yield from _grpc_daemon(public_dir, {**os.environ, GRPC_ACCEPT_ENV: "grpc"})
 
 
 def live(port: int) -> bool:
@@ -222,3 +204,33 @@ def test_a_user_over_its_cap_is_penalized_and_loses_every_grpc_connection(
     finally:
         attacker.close()
     assert proc.proc is not None and proc.proc.poll() is None, proc.log()
+
+
+def test_a_grpc_that_does_not_serve_handed_connections_accepts_by_itself(
+    tmp_path: Path,
+    example_repository: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handed connection that grpc never serves (here: dropped on the way) is seen at start, and the
+    frontend binds grpc's own port instead of leaving every client waiting."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from edge_server.kserve.grpc_frontend import GrpcFrontend
+    from edge_server.kserve.service import KServeService
+    from edge_server.server import Server
+
+    monkeypatch.setattr(grpc_accept.ExternalPort, "hand", lambda _self, _listener, fd: os.close(fd))
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository / "identity", repo / "identity")
+    with Server(repo) as server:
+        frontend = GrpcFrontend(KServeService(server), host="127.0.0.1", port=0)
+        frontend.start()
+        try:
+            assert "grpc accepts by itself instead" in caplog.text
+            with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as channel:
+                stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=10).live
+        finally:
+            frontend.close()

@@ -13,13 +13,12 @@ learns each connection's uid from the kernel, asks the daemon's one budget
 connection or hands it to grpc; a connection grpc has closed since is found gone from the kernel's
 socket table (sock_diag) and leaves the budget.
 
-Two conditions, checked at start (else the frontend falls back to grpc's own port and the cap):
-
-* grpc core serves the handler's connections only with its ``event_engine_listener`` experiment off
-  (grpcio 1.85: with it on, the handshake completes and no call is ever dispatched), and experiments
-  are read once, when grpc is first imported: :func:`prepare` sets ``GRPC_EXPERIMENTS`` before that;
-* the handler must be what we call: its C++ type, read from its vtable's type information, is grpc's
-  ``ExternalConnectionHandler``, and ``Handle`` is the slot after the two destructors (Itanium ABI).
+The descriptor must be non-blocking, as grpc's own accept makes it: a blocking one stalls grpc's
+event engine (measured: the handshake completes and no call is ever answered).  And the handler must be
+what we call: its C++ type, read from its vtable's type information, is grpc's
+``ExternalConnectionHandler``, and ``Handle`` is the slot after the two destructors (Itanium ABI).
+The frontend also asks for one call through a handed connection at start; where any of this fails it
+falls back to grpc's own port and the per-user cap by looking.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import logging
 import os
 import select
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -40,28 +38,12 @@ from edge_server.limits import Connection, Limits
 
 log = logging.getLogger(__name__)
 
-EXPERIMENT = "-event_engine_listener"
 HANDLER_TYPE = b"N12_GLOBAL__N_125ExternalConnectionHandlerE"
 PORT_NAME = "external:edge-server-accept"
 BACKLOG = 1024
 RECONCILE_S = 0.5
 _HANDLE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
 _POINTER = ctypes.sizeof(ctypes.c_void_p)
-
-
-def prepare() -> bool:
-    """Turn grpc's ``event_engine_listener`` experiment off if grpc is not imported yet.
-
-    Returns whether connections handed over will be served (the experiment is off).  Called by the
-    daemon right before it imports grpc; a ``GRPC_EXPERIMENTS`` the operator set is left alone.
-    """
-    current = os.environ.get("GRPC_EXPERIMENTS", "")
-    if "event_engine_listener" in current:
-        return EXPERIMENT in current.split(",")
-    if "grpc" in sys.modules:
-        return False
-    os.environ["GRPC_EXPERIMENTS"] = f"{current},{EXPERIMENT}" if current else EXPERIMENT
-    return True
 
 
 class _Pointer:

@@ -30,6 +30,7 @@ from edge_server.kserve.grpc_accept import PORT_NAME, ExternalPort, GrpcAcceptor
 from edge_server.kserve.grpc_connections import ConnectionCap
 from edge_server.kserve.grpc_servicer import Servicer
 from edge_server.kserve.grpc_wire import parse_infer_request
+from edge_server.kserve.probes import loopback
 from edge_server.kserve.service import KServeService
 from edge_server.limits import Limits
 
@@ -41,6 +42,8 @@ MAX_WORKERS = 128  # calls served at once (an open stream counts as one); more w
 RESERVED_WORKERS = 8
 #: Connections the gRPC server may hold, set aside from the daemon's budget (grpcio accepts by itself).
 GRPC_CONNECTIONS = 512
+#: How long the start waits for grpc to answer on a connection the daemon handed it.
+SELF_TEST_S = 10.0
 
 
 def server_options(
@@ -104,6 +107,17 @@ def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
     server.add_registered_method_handlers(captured.name, handlers)
 
 
+def _answers(host: str, port: int) -> bool:
+    """Whether ``ServerLive`` is answered on ``host:port`` (a new connection) within :data:`SELF_TEST_S`."""
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            return bool(stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=SELF_TEST_S).live)
+        except grpc.RpcError:
+            return False
+
+
 class GrpcFrontend:
     """Runs the servicer on grpcio's threaded server; ``port`` 0 picks a free one."""
 
@@ -117,7 +131,7 @@ class GrpcFrontend:
         drain_timeout: float = 5.0,
         max_workers: int = MAX_WORKERS,
         limits: Limits | None = None,
-        own_accept: bool = False,
+        own_accept: bool = True,
     ) -> None:
         self.service = service
         self.limits = limits or Limits()  # the daemon's; alone, one of the frontend's own
@@ -134,8 +148,7 @@ class GrpcFrontend:
         self._stopped: threading.Event | None = None
         self._cap: ConnectionCap | None = None
         self._acceptor: GrpcAcceptor | None = None
-        #: the daemon accepts the port's connections itself (see edge_server.kserve.grpc_accept); set
-        #: by whoever called grpc_accept.prepare() before grpc was imported
+        #: the daemon accepts the port's connections itself (see edge_server.kserve.grpc_accept)
         self.own_accept = own_accept
 
     def start(self) -> None:
@@ -177,8 +190,9 @@ class GrpcFrontend:
     def _start_accepting(self) -> bool:
         """Serve connections the daemon accepts and counts itself (edge_server.kserve.grpc_accept).
 
-        grpc's own total stays as a backstop at the whole budget.  False (nothing started) when grpc has
-        no such port or its handler is not the one expected; a bind failure raises.
+        grpc's own total stays as a backstop at the whole budget.  False (nothing left running) when grpc
+        has no such port, its handler is not the one expected, or it does not answer on a connection
+        handed to it; a bind failure raises.
         """
         external = ExternalPort()
         options = server_options(self.max_message_bytes, self.limits, self.limits.max_connections)
@@ -199,6 +213,14 @@ class GrpcFrontend:
             raise AddressInUse(f"the gRPC frontend cannot bind {self.host}:{self.port}: {exc}") from None
         server.start()
         acceptor.start()
+        if not _answers(loopback(self.host), acceptor.port):
+            log.error(
+                "gRPC: grpc did not answer on a connection the daemon handed it; grpc accepts by itself "
+                "instead (the per-user cap then holds by looking)"
+            )
+            acceptor.close()
+            server.stop(None).wait(5)
+            return False
         self._server, self._acceptor, self.port = server, acceptor, acceptor.port
         return True
 
