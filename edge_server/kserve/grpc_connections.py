@@ -1,20 +1,22 @@
-"""A per-user cap on the gRPC server's connections, which grpcio accepts on its own threads.
+"""A per-user cap on the gRPC server's connections, for when grpcio accepts on its own threads.
 
-grpcio takes only a total (``grpc.max_allowed_incoming_connections``): it cannot be handed accepted
-descriptors (the C core's ``grpc_server_add_channel_from_fd`` is not exported by the Python package,
-whose extension module exports nothing but its init function), and it never tells who connected
-before a call arrives.  So one local user holding the total with idle connections that sent HTTP/2's
-preface (the handshake timeout closes those that did not) turned every other client away.
+The daemon normally accepts the gRPC port itself and counts every connection in its budget
+(:mod:`edge_server.kserve.grpc_accept`).  Where it cannot (grpc's handler missing or not answering, or
+``EDGE_SERVER_GRPC_ACCEPT=grpc``), grpcio accepts and takes only a total
+(``grpc.max_allowed_incoming_connections``), and never tells who connected before a call arrives; so one
+local user holding the total with idle connections that sent HTTP/2's preface (the handshake timeout
+closes those that did not) would turn every other client away.  This module keeps the per-user cap then.
 
 The kernel knows both ends of a loopback connection: the client's socket, owned by its uid, and the
-daemon's, by its inode.  :class:`ConnectionCap` asks the kernel for the sockets of the gRPC port every
-:data:`TICK_S` (``sock_diag`` netlink, filtered by port in the kernel: well under a millisecond with
-thousands of sockets on the host; where it is missing, the text tables ``/proc/net/tcp{,6}`` every
-:data:`SLOW_INTERVAL_S`, ~10 ms per 2,000 sockets), pairs each connection with its client's uid, and
-shuts down (``shutdown(2)`` on the daemon's descriptor, which grpc then closes as after any peer
-reset) the connections of a user past its cap.  Connections from other hosts have no uid here and obey
-only the total.  A descriptor is matched to its socket by inode on a duplicate of it, so a number
-that grpc closed and reused meanwhile is never touched.
+daemon's, by its inode.  :class:`ConnectionCap` asks the kernel for the sockets of the gRPC port
+whenever the host's count of TCP sockets changes, checked every :data:`TICK_S` (``sock_diag`` netlink,
+filtered by port in the kernel: well under a millisecond with thousands of sockets on the host; where
+it is missing, the text tables ``/proc/net/tcp{,6}`` every :data:`SLOW_INTERVAL_S`, ~10 ms per 2,000
+sockets), pairs each connection with its client's uid, and shuts down (``shutdown(2)`` on the
+daemon's descriptor, which grpc then closes as after any peer reset) the connections of a user past
+its cap.  Connections from other hosts have no uid here and obey only the total.  A descriptor is
+matched to its socket by inode on a duplicate of it, so a number that grpc closed and reused
+meanwhile is never touched.
 
 Between two looks a user can fill grpc's total, and every other client's new connection is refused
 then (grpc core accepts and closes it; grpc clients wait about a second before they try again).  So
