@@ -10,9 +10,9 @@ once at start-up and handed to every frontend, holds:
   :attr:`Limits.max_connections` (``--max-connections``, and never more than the descriptors left after
   a reserve), and at most :attr:`Limits.max_client_connections` for one uid
   (``--max-client-connections``), so that one local user cannot lock everyone else out.  A listener asks
-  :meth:`Limits.connect` when it accepts and refuses (closes) the connection there when told no;
-  gRPC's share is set aside whole (:meth:`Limits.set_aside`), since grpcio accepts by itself and only
-  takes a cap on its connections;
+  :meth:`Limits.connect` when it accepts and refuses (closes) the connection there when told no
+  (gRPC's port too, accepted by the daemon and handed to grpc); where grpc must accept by itself, its
+  share is set aside whole (:meth:`Limits.set_aside`), since grpc then takes only a cap on its total;
 * the memory budget of request bodies while they arrive and until they are answered
   (:meth:`Limits.reserve`; HTTP bodies as they arrive, IPC messages and gRPC stream requests once
   libzmq or grpc hands them over, :meth:`Limits.hold`): all
