@@ -9,7 +9,9 @@ moves its input through a shared-memory region it re-registers every 25 requests
 happen throughout), 3 over HTTP and 2 over gRPC (the real ``tritonclient``). Their latencies are measured
 first against the idle daemon, then while ONE hostile client (``bench/hostile_attacks.py``, another
 process, run as another uid when the benchmark runs as root: 60000 + the attack's index) makes, in turn,
-each attack of issue 23's items 1-7 and 16-21, for ``--seconds`` each. The daemon runs under
+each attack of issue 23's items 1-7 and 16-21, for ``--seconds`` each, and last a control row
+(``cpu-hog``: the attacker only spins one core, so that an attack's ratio can be read against what its
+own CPU costs the good clients on a small machine). The daemon runs under
 RLIMIT_NOFILE 1024 (``--nofile``), where the issue reproduced the descriptor cases.
 
 Reported per attack: the good clients' p50/p99 and the p99's ratio to idle (target: within 2x), whether

@@ -478,6 +478,20 @@ def nonreading_ipc(t: Target, stop: threading.Event, armed: Armed) -> str:
         ctx.term()
 
 
+def cpu_hog(t: Target, stop: threading.Event, armed: Armed) -> str:
+    """Control, not an item: the attacker only spins one core, as frame-flood's sender does.
+
+    On a 2-core machine a local process that merely burns CPU slows the good clients too; this row
+    says how much, so that an attack's ratio can be read against what its own sending costs.
+    """
+    armed("spinning one core, talking to nobody")
+    spins = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            spins += 1
+    return f"{spins:,} spins"
+
+
 ATTACKS: dict[str, tuple[str, Callable[[Target, threading.Event, Armed], str]]] = {
     "idle-tcp": ("1", idle_tcp),
     "slow-headers": ("2", slow_headers),
@@ -492,6 +506,7 @@ ATTACKS: dict[str, tuple[str, Callable[[Target, threading.Event, Armed], str]]] 
     "many-regions": ("19", many_regions),
     "unsealed-region": ("20", unsealed_region),
     "nonreading-ipc": ("21", nonreading_ipc),
+    "cpu-hog": ("control", cpu_hog),
 }
 
 
