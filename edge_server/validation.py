@@ -263,18 +263,17 @@ class RequestValidator:
     def _requested_outputs(self, requested: Sequence[str]) -> tuple[str, ...]:
         """The outputs asked for, in the order asked (none asked: every output, as KServe v2).
 
-        An output asked for twice is refused, with Triton's text.
+        An unknown output and one asked for twice are refused with Triton's texts (ours after them).
         """
         names = self._outputs
         for name in requested:
-            if name in self._state_outputs:
-                raise InvalidArgument(
-                    f"model {self.model!r}: output {shorten(name)} is an implicit state the server keeps; "
-                    f"its outputs are {list(names)}"
-                )
             if name not in names:
+                why = (
+                    "an implicit state the server keeps" if name in self._state_outputs else "no such output"
+                )
                 raise InvalidArgument(
-                    f"model {self.model!r} has no output {shorten(name)}; its outputs are {list(names)}"
+                    f"unexpected inference output {shorten(name)} for model {self.model!r} ({why}; its "
+                    f"outputs are {list(names)})"
                 )
         once = tuple(dict.fromkeys(requested))
         if len(once) != len(requested):
