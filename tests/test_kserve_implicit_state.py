@@ -20,7 +20,15 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from tests.daemon import Daemon, free_port, kserve_flags
-from tests.sequence_models import DIRECT, OLDEST, accumulate_config, accumulate_onnx, write_model
+from tests.sequence_models import (
+    DIRECT,
+    OLDEST,
+    accumulate_config,
+    accumulate_onnx,
+    history_config,
+    history_onnx,
+    write_model,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
@@ -71,6 +79,12 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Client]]:
         ' { name: "ACC_OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]',
     )
     write_model(repo, "acc_shown", shown, accumulate_onnx)
+    # A variable-dim state without initial_state starts with each -1 as 1 (Triton's rule): [[0]] here.
+    unset = history_config(DIRECT).replace('name: "history"', 'name: "history_unset"')
+    unset = unset.replace(
+        'initial_state { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "empty" }', ""
+    )
+    write_model(repo, "history_unset", unset, history_onnx)
     root = tmp_path_factory.mktemp("sock")
     http_port, grpc_port = free_port(), free_port()
     daemon = Daemon(repo, f"ipc://{root}/t.sock", root / "t.log", *kserve_flags(http_port, grpc_port))
@@ -154,3 +168,20 @@ def test_a_kept_state_or_unknown_output_is_refused_with_tritons_text(clients: li
                     sequence_end=True,
                 )
             assert info.value.message().startswith(f"unexpected inference output '{name}' for model 'acc'")
+
+
+def test_a_variable_state_without_initial_state_starts_with_its_variable_dims_as_one(
+    clients: list[Client],
+) -> None:
+    for n, client in enumerate(clients):
+        corrid = 7400 + n
+        sums = [
+            _infer(
+                client, "history_unset", np.array([v], np.int32), sequence_id=corrid, sequence_start=i == 0
+            )
+            .as_numpy("OUTPUT")
+            .reshape(-1)
+            .tolist()
+            for i, v in enumerate([5, 2, 1])
+        ]
+        assert sums == [[5], [7], [8]]

@@ -110,11 +110,6 @@ def test_direct_strategy_fields() -> None:
             "zero_data (empty strings)",
         ),
         (
-            'state [ { input_name: "i" output_name: "o" data_type: TYPE_INT32 dims: [ -1 ] } ]',
-            "state[0].dims",
-            "initial_state",
-        ),
-        (
             'state [ { input_name: "i" output_name: "o" data_type: TYPE_INT32 dims: [ 2 ] '
             "initial_state { data_type: TYPE_INT32 dims: [ 3 ] zero_data: true } } ]",
             "state[0].initial_state.dims",

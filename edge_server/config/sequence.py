@@ -262,11 +262,7 @@ def problems(
         if not state.dims or any(d < 1 and d != -1 for d in state.dims):
             return where + ".dims", f"must be >= 1 (or -1), got {list(state.dims)}"
         init = state.initial_state
-        if init is None:
-            if -1 in state.dims:
-                return where + ".dims", (
-                    "a state with variable dims (-1) needs an initial_state with concrete dims"
-                )
+        if init is None:  # zeros, each -1 taken as 1 (Triton's rule for a state's first request)
             continue
         if init.data_type != state.data_type:
             return where + ".initial_state.data_type", (

@@ -31,8 +31,8 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def _initial_value(state: SequenceState, model_dir: Path, source: str) -> np.ndarray:
     dtype = dtypes.to_numpy(state.data_type)
     init = state.initial_state
-    if init is None:
-        return _zeros(tuple(state.dims), dtype)
+    if init is None:  # a variable dim starts as 1, as in Triton
+        return _zeros(tuple(1 if d == -1 else d for d in state.dims), dtype)
     if init.source == "zero_data":
         return _zeros(tuple(init.dims), dtype)
     path = inside(
