@@ -312,7 +312,7 @@ class PythonBackend(Backend):
                         responses = self._loop.run(responses, self._executing)
             finally:
                 pb_context.mark(previous)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() or an argparse error in the model's code too
             if not isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
                 log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
             error = model_error(self._name, exc)
