@@ -276,8 +276,10 @@ class InferenceRequest:
         """:meth:`exec` for ``async def execute``: ``await`` it; many may be in flight at once."""
         models = self._models()
         request, wait_s = self._outgoing()
-        if decoupled:  # as in Triton: the iterator at once, iterated (and cancelled) as exec's
-            return ResponseIterator(pb_bls.Stream(models, request, wait_s))
+        if decoupled:  # as in Triton: the iterator once the first response came, iterated as exec's
+            stream = pb_bls.Stream(models, request, wait_s)
+            await stream.first_response()
+            return ResponseIterator(stream)
         return _response_of(await pb_bls.call_async(models, request, wait_s))
 
     def _models(self) -> ModelAccess:
