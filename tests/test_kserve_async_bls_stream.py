@@ -90,11 +90,20 @@ class TritonPythonModel:
 """
 
 
+# An async decoupled execute that raises: the client gets the error, the log its "Type: message" line
+# (L0_backend_python async_execute test_model_raise_exception reads the server log for it).
+RAISER = """
+class TritonPythonModel:
+    async def execute(self, requests):
+        raise ValueError("wait_secs cannot be negative")
+"""
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpcclient.InferenceServerClient]:
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int]]:
     root = tmp_path_factory.mktemp("abls")
     repo = root / "repo"
-    for name, source in (("gathering", GATHERING), ("caller", CALLER)):
+    for name, source in (("gathering", GATHERING), ("caller", CALLER), ("raiser", RAISER)):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name))
         (repo / name / "1" / "model.py").write_text(source)
@@ -102,9 +111,14 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpcclient.Infe
     daemon = Daemon(repo, f"ipc://{root}/a.sock", root / "a.log", *kserve_flags(http_port, grpc_port))
     daemon.start()
     try:
-        yield grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        yield daemon, grpc_port
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.fixture
+def client(daemon: tuple[Daemon, int]) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(f"127.0.0.1:{daemon[1]}")
 
 
 def test_awaited_decoupled_bls_calls_of_concurrent_requests_run_together(
@@ -126,3 +140,18 @@ def test_awaited_decoupled_bls_calls_of_concurrent_requests_run_together(
     finally:
         client.stop_stream()
     assert seen == [REQUESTS] * REQUESTS
+
+
+def test_an_async_execute_that_raises_is_logged_with_its_type_and_message(
+    daemon: tuple[Daemon, int], client: grpcclient.InferenceServerClient
+) -> None:
+    got: Queue = Queue()
+    client.start_stream(callback=lambda result, error: got.put(error or result))
+    try:
+        inp = grpcclient.InferInput("IN", [1], "INT32")
+        inp.set_data_from_numpy(np.array([-1], np.int32))
+        client.async_stream_infer("raiser", [inp])
+        assert "ValueError: wait_secs cannot be negative" in str(got.get(timeout=60))
+    finally:
+        client.stop_stream()
+    assert "ValueError: wait_secs cannot be negative" in daemon[0].log()

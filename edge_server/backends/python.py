@@ -376,9 +376,9 @@ class PythonBackend(Backend):
         if refused is not None:
             return refused
         if response is not None:
-            return ModelExecutionError(
-                f"model {self._config.name!r}: expected None in execute()'s return list for a "
-                f"rescheduled request, found {type(response).__name__}"
+            return ModelExecutionError(  # Triton's text, its typo too (Triton's QA matches it)
+                "Expected a None object in the execute function return list for reschduled request "
+                f"(model {self._config.name!r} returned {type(response).__name__})"
             )
         return Rescheduled()
 
@@ -472,7 +472,8 @@ class PythonBackend(Backend):
             error: EdgeServerError | None = Cancelled(f"model {self._config.name!r}: execute() was cancelled")
         elif future.exception() is not None:
             exc = future.exception()
-            log.warning("%s: execute() raised: %r", self._name, exc)
+            trace = "".join(traceback.format_exception(exc))  # as the synchronous path logs it
+            log.warning("%s: execute() raised:\n%s", self._name, trace)
             error = model_error(self._name, exc)
         elif future.result() is not None:
             error = self._must_return_none()
