@@ -264,9 +264,13 @@ class EnsembleScheduler:
         self._finish(run, self._step_error(step, error))
 
     def _step_error(self, step: Step, error: EdgeServerError) -> EdgeServerError:
-        """The member's error class (its code) with the step named: the client can act on the code."""
+        """The member's error class (its code) with the step named: the client can act on the code.
+
+        Triton's text first ("in ensemble 'NAME', " and the member's text: its clients match it with
+        ``startswith``), the step after it.
+        """
         wrapped = copy.copy(error)
-        wrapped.message = f"ensemble {self._config.name!r} {step.describe()}: {error.message}"
+        wrapped.message = f"in ensemble {self._config.name!r}, {error.message} ({step.describe()})"
         wrapped.args = (wrapped.message,)
         return wrapped
 
