@@ -95,3 +95,18 @@ def test_a_members_refusal_through_an_ensemble_begins_with_tritons_ensemble_pref
         assert _refusal(client, 2, "ens_acc", sequence_id=900 + n, sequence_start=True).startswith(
             "in ensemble 'ens_acc', inference request to model 'acc' must specify batch-size 1"
         )
+
+
+def test_a_refused_ensemble_request_counts_as_a_failure_not_an_execution(clients: list[Client]) -> None:
+    """Triton: a failed ensemble request adds to its failures (reason OTHER), not to its executions."""
+    grpc = clients[1]
+    assert isinstance(grpc, grpcclient.InferenceServerClient)
+    before = grpc.get_inference_statistics("ens_acc", "1").model_stats[0]
+    for client in clients:
+        _refusal(client, 1, "ens_acc")
+    after = grpc.get_inference_statistics("ens_acc", "1").model_stats[0]
+    assert after.execution_count == before.execution_count
+    assert sum(b.compute_infer.count for b in after.batch_stats) == sum(
+        b.compute_infer.count for b in before.batch_stats
+    )
+    assert after.inference_stats.fail.count == before.inference_stats.fail.count + 2

@@ -292,13 +292,16 @@ class EnsembleScheduler:
             run.future.set_result(result)
         else:
             run.future.set_exception(error)
-        self._stats.record_batch(
-            batch_size=run.item.batch_size,
-            queue_ns=[run.start_ns - run.enqueue_ns],
-            request_ns=[end - run.enqueue_ns],
-            succeeded=[error is None],
-            timing=Timing(compute_infer_ns=end - run.start_ns),
-        )
+        if error is None:
+            self._stats.record_batch(
+                batch_size=run.item.batch_size,
+                queue_ns=[run.start_ns - run.enqueue_ns],
+                request_ns=[end - run.enqueue_ns],
+                succeeded=[True],
+                timing=Timing(compute_infer_ns=end - run.start_ns),
+            )
+        else:  # as Triton: a failure (reason OTHER), no execution or batch counted
+            self._stats.record_failure(run.start_ns - run.enqueue_ns, end - run.enqueue_ns, "OTHER")
         run.tensors = {}
         self._release()
 
