@@ -176,24 +176,26 @@ def test_only_metrics_is_served(metrics_daemon: tuple[Daemon, int]) -> None:
 
 
 def test_metric_family_rules() -> None:
+    """Misuse raises TritonModelException, as in Triton (L0_backend_python custom_metrics)."""
     registry = CustomMetrics()
     counter = MetricFamily("c", "a counter", MetricFamily.COUNTER, registry=registry)
     assert MetricFamily("c", "a counter", MetricFamily.COUNTER, registry=registry) is counter
-    with pytest.raises(ValueError, match="another kind"):
+    with pytest.raises(pb_utils.TritonModelException, match="another kind"):
         MetricFamily("c", "x", MetricFamily.GAUGE, registry=registry)
-    with pytest.raises(ValueError, match="invalid metric family name"):
+    with pytest.raises(pb_utils.TritonModelException, match="invalid metric family name"):
         MetricFamily("bad name", "x", MetricFamily.GAUGE, registry=registry)
     series = counter.Metric(labels={"k": "v"})
     assert counter.Metric(labels={"k": "v"}) is series
     series.increment(2)
-    with pytest.raises(ValueError, match="cannot decrease"):
+    with pytest.raises(pb_utils.TritonModelException, match="cannot decrease"):
         series.increment(-1)
-    with pytest.raises(ValueError, match="gauge"):
+    with pytest.raises(pb_utils.TritonModelException, match="gauge"):
         series.set(3)
     assert series.value() == 2
     hist = MetricFamily("h", "a histogram", MetricFamily.HISTOGRAM, registry=registry)
-    with pytest.raises(ValueError, match="needs buckets"):
+    with pytest.raises(pb_utils.TritonModelException, match="needs buckets"):
         hist.Metric(labels={})
+    assert hist.Metric(labels={"only": "inf"}, buckets=[]) is not None  # +Inf alone, as in Triton
     h = hist.Metric(labels={}, buckets=[1.0, 2.0])
     for v in (0.5, 1.0, 1.5, 3.0):
         h.observe(v)
