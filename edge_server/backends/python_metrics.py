@@ -84,14 +84,13 @@ class Metric:
     def _samples(self) -> list[tuple[str, dict[str, str], float]]:
         name = self.family.name
         with self._lock:
-            if self.family.kind != MetricFamily.HISTOGRAM:
-                suffix = "_total" if self.family.kind == MetricFamily.COUNTER else ""
-                return [(name + suffix, self.labels, self._value)]
+            if self.family.kind != MetricFamily.HISTOGRAM:  # a counter without _total, as in Triton
+                return [(name, self.labels, self._value)]
             samples = []
             cumulative = 0
             for edge, count in zip([*self._buckets, math.inf], self._counts, strict=True):
                 cumulative += count
-                le = "+Inf" if edge == math.inf else repr(edge)
+                le = "+Inf" if edge == math.inf else repr(edge).removesuffix(".0")  # Triton's "1", "2.5"
                 samples.append((name + "_bucket", {**self.labels, "le": le}, float(cumulative)))
             samples.append((name + "_count", self.labels, float(self._count)))
             samples.append((name + "_sum", self.labels, self._value))
@@ -115,7 +114,7 @@ class MetricFamily:
         return (registry or REGISTRY).family(cls, name, description, kind)
 
     def _setup(self, name: str, description: str, kind: int) -> None:
-        self.name = name.removesuffix("_total") if kind == self.COUNTER else name
+        self.name = name  # samples carry it as given, as Triton's do (a counter gets no _total)
         self.description = description
         self.kind = kind
         self._lock = threading.Lock()
@@ -179,6 +178,11 @@ class CustomMetrics:
             family._setup(name, description, kind)
             self._families[name] = family
             return family
+
+    def counter_names(self) -> list[str]:
+        """The counters' names: the exposition writes their HELP/TYPE lines without ``_total``."""
+        with self._lock:
+            return [f.name for f in self._families.values() if f.kind == MetricFamily.COUNTER]
 
     def collect(self) -> Iterator[_PromMetric]:
         with self._lock:
