@@ -7,6 +7,7 @@ every request, and a bad request must fail alone, before it reaches a batch.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,12 @@ from edge_server.request import (
 
 #: Bounds on request parameters, the same for every frontend.
 MAX_PARAMETERS = 64
+#: The owner of the sequences the server opens for iterative-sequence requests without a correlation
+#: id: no client's (a uid >= 0, or None in-process), so their keys never meet a client's sequence.
+ITERATIVE_OWNER = -1
+#: Their correlation ids: one counter per process, so that no two such sequences share an id across
+#: versions and reloads (next() is atomic).
+_iterative_ids = itertools.count(1)
 MAX_PARAMETER_KEY = 256
 MAX_PARAMETER_STR = 64 * 1024
 
@@ -108,6 +115,7 @@ class RequestValidator:
         self._sequence = seq is not None
         corrid = seq.control("CONTROL_SEQUENCE_CORRID") if seq else None
         self._corrid_type = corrid.control.data_type if corrid else ""
+        self._iterative = bool(seq and seq.iterative_sequence)
         self._fixed_key: Hashable | None = None
         if not any(rule.variable or rule.optional for rule in self._rules):
             self._fixed_key = tuple((rule.name, rule.dims) for rule in self._rules)
@@ -164,6 +172,12 @@ class RequestValidator:
     def _check_sequence(self, request: InferRequest, item: BatchItem) -> None:
         """A stateful model's request: a correlation id of the right kind, one row per request."""
         corrid = request.correlation_id
+        if not corrid and self._iterative and not item.flags:
+            # Triton's iterative sequencer: the request is a sequence of its own, started and ended by it
+            number = next(_iterative_ids)
+            corrid = str(number) if self._corrid_type == "TYPE_STRING" else number
+            item.correlation_id, item.owner = corrid, ITERATIVE_OWNER
+            item.flags = REQUEST_FLAG_SEQUENCE_START | REQUEST_FLAG_SEQUENCE_END
         if not corrid:
             raise InvalidArgument(  # Triton's text first: its clients match it (L0_sequence_batcher)
                 f"inference request to model {self.model!r} must specify a non-zero or non-empty "
@@ -263,18 +277,17 @@ class RequestValidator:
     def _requested_outputs(self, requested: Sequence[str]) -> tuple[str, ...]:
         """The outputs asked for, in the order asked (none asked: every output, as KServe v2).
 
-        An output asked for twice is refused, with Triton's text.
+        An unknown output and one asked for twice are refused with Triton's texts (ours after them).
         """
         names = self._outputs
         for name in requested:
-            if name in self._state_outputs:
-                raise InvalidArgument(
-                    f"model {self.model!r}: output {shorten(name)} is an implicit state the server keeps; "
-                    f"its outputs are {list(names)}"
-                )
             if name not in names:
+                why = (
+                    "an implicit state the server keeps" if name in self._state_outputs else "no such output"
+                )
                 raise InvalidArgument(
-                    f"model {self.model!r} has no output {shorten(name)}; its outputs are {list(names)}"
+                    f"unexpected inference output {shorten(name)} for model {self.model!r} ({why}; its "
+                    f"outputs are {list(names)})"
                 )
         once = tuple(dict.fromkeys(requested))
         if len(once) != len(requested):

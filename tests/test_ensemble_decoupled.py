@@ -143,7 +143,7 @@ def test_every_response_of_a_decoupled_step_flows_through_the_next_steps(repo: P
 def test_an_error_response_of_the_step_ends_the_stream_with_the_step_named(repo: Path) -> None:
     with Server(repo) as server:
         with pytest.raises(
-            EdgeServerError, match=r"ensemble 'counted' step 1 \(model 'count'\): .*too many: 101"
+            EdgeServerError, match=r"^in ensemble 'counted', .*too many: 101.* \(step 1 \(model 'count'\)\)"
         ):
             list(server.stream("counted", n(100), timeout=10))
         assert [int(r["OUT"][0]) for r in server.stream("counted", n(1), timeout=10)] == [0, 10]

@@ -20,11 +20,23 @@ pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
 Client = httpclient.InferenceServerClient | grpcclient.InferenceServerClient
 
+# An ensemble over the sequence model: Triton puts "in ensemble 'NAME', " before the member's text.
+ENSEMBLE = """
+name: "ens_acc"
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [ { model_name: "acc" model_version: -1
+  input_map { key: "INPUT" value: "IN" } output_map { key: "OUTPUT" value: "OUT" } } ] }
+"""
+
 
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Client]]:
     repo = tmp_path_factory.mktemp("seq") / "repo"
     write_model(repo, "acc", accumulate_config("acc", DIRECT, max_batch_size=4), accumulate_onnx)
+    write_model(repo, "ens_acc", ENSEMBLE)
     root = tmp_path_factory.mktemp("sock")
     http_port, grpc_port = free_port(), free_port()
     daemon = Daemon(repo, f"ipc://{root}/t.sock", root / "t.log", *kserve_flags(http_port, grpc_port))
@@ -38,12 +50,12 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Client]]:
         assert daemon.stop() == 0, daemon.log()
 
 
-def _refusal(client: Client, rows: int, **kwargs: object) -> str:
+def _refusal(client: Client, rows: int, model: str = "acc", **kwargs: object) -> str:
     module = httpclient if isinstance(client, httpclient.InferenceServerClient) else grpcclient
-    inp = module.InferInput("INPUT", [rows, 1], "INT32")
+    inp = module.InferInput("INPUT" if model == "acc" else "IN", [rows, 1], "INT32")
     inp.set_data_from_numpy(np.ones((rows, 1), np.int32))
     with pytest.raises(InferenceServerException) as info:
-        client.infer("acc", [inp], **kwargs)
+        client.infer(model, [inp], **kwargs)
     return info.value.message()
 
 
@@ -70,3 +82,31 @@ def test_a_request_of_a_sequence_with_two_rows(clients: list[Client]) -> None:
             "inference request to model 'acc' must specify batch-size 1 due to requirements of "
             "sequence batcher"
         )
+
+
+def test_a_members_refusal_through_an_ensemble_begins_with_tritons_ensemble_prefix(
+    clients: list[Client],
+) -> None:
+    for n, client in enumerate(clients):
+        assert _refusal(client, 1, "ens_acc").startswith(
+            "in ensemble 'ens_acc', inference request to model 'acc' must specify a non-zero or non-empty "
+            "correlation ID"
+        )
+        assert _refusal(client, 2, "ens_acc", sequence_id=900 + n, sequence_start=True).startswith(
+            "in ensemble 'ens_acc', inference request to model 'acc' must specify batch-size 1"
+        )
+
+
+def test_a_refused_ensemble_request_counts_as_a_failure_not_an_execution(clients: list[Client]) -> None:
+    """Triton: a failed ensemble request adds to its failures (reason OTHER), not to its executions."""
+    grpc = clients[1]
+    assert isinstance(grpc, grpcclient.InferenceServerClient)
+    before = grpc.get_inference_statistics("ens_acc", "1").model_stats[0]
+    for client in clients:
+        _refusal(client, 1, "ens_acc")
+    after = grpc.get_inference_statistics("ens_acc", "1").model_stats[0]
+    assert after.execution_count == before.execution_count
+    assert sum(b.compute_infer.count for b in after.batch_stats) == sum(
+        b.compute_infer.count for b in before.batch_stats
+    )
+    assert after.inference_stats.fail.count == before.inference_stats.fail.count + 2

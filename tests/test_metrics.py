@@ -159,13 +159,18 @@ def test_python_model_custom_metrics_appear(metrics_daemon: tuple[Daemon, int]) 
         _, before = scrape(port)
         seen = before.get("counted_requests_total", {}).get((("model", "counted"),), 0.0)
         client.infer("counted", {"INPUT0": np.arange(5, dtype=np.float32)})
-        _, after = scrape(port)
+        text, after = scrape(port)
     assert value(after, "counted_requests_total", model="counted") == seen + 1
     assert value(after, "counted_last_sum", model="counted") == 10.0
-    assert value(after, "counted_input_size_bucket", model="counted", le="16.0") >= 1
-    assert value(after, "counted_input_size_bucket", model="counted", le="4.0") < value(
+    assert value(after, "counted_input_size_bucket", model="counted", le="16") >= 1
+    assert value(after, "counted_input_size_bucket", model="counted", le="4") < value(
         after, "counted_input_size_count", model="counted"
     )
+    # As Triton writes a model's metrics (L0_backend_python custom_metrics): a counter without
+    # _total, bucket bounds without a trailing .0
+    assert "# TYPE counted_requests counter\n" in text
+    assert 'counted_requests{model="counted"} ' in text
+    assert 'counted_input_size_bucket{le="16",model="counted"} ' in text
 
 
 def test_only_metrics_is_served(metrics_daemon: tuple[Daemon, int]) -> None:
@@ -176,31 +181,33 @@ def test_only_metrics_is_served(metrics_daemon: tuple[Daemon, int]) -> None:
 
 
 def test_metric_family_rules() -> None:
+    """Misuse raises TritonModelException, as in Triton (L0_backend_python custom_metrics)."""
     registry = CustomMetrics()
     counter = MetricFamily("c", "a counter", MetricFamily.COUNTER, registry=registry)
     assert MetricFamily("c", "a counter", MetricFamily.COUNTER, registry=registry) is counter
-    with pytest.raises(ValueError, match="another kind"):
+    with pytest.raises(pb_utils.TritonModelException, match="another kind"):
         MetricFamily("c", "x", MetricFamily.GAUGE, registry=registry)
-    with pytest.raises(ValueError, match="invalid metric family name"):
+    with pytest.raises(pb_utils.TritonModelException, match="invalid metric family name"):
         MetricFamily("bad name", "x", MetricFamily.GAUGE, registry=registry)
     series = counter.Metric(labels={"k": "v"})
     assert counter.Metric(labels={"k": "v"}) is series
     series.increment(2)
-    with pytest.raises(ValueError, match="cannot decrease"):
+    with pytest.raises(pb_utils.TritonModelException, match="cannot decrease"):
         series.increment(-1)
-    with pytest.raises(ValueError, match="gauge"):
+    with pytest.raises(pb_utils.TritonModelException, match="gauge"):
         series.set(3)
     assert series.value() == 2
     hist = MetricFamily("h", "a histogram", MetricFamily.HISTOGRAM, registry=registry)
-    with pytest.raises(ValueError, match="needs buckets"):
+    with pytest.raises(pb_utils.TritonModelException, match="needs buckets"):
         hist.Metric(labels={})
+    assert hist.Metric(labels={"only": "inf"}, buckets=[]) is not None  # +Inf alone, as in Triton
     h = hist.Metric(labels={}, buckets=[1.0, 2.0])
     for v in (0.5, 1.0, 1.5, 3.0):
         h.observe(v)
     families = {f.name: f for f in registry.collect()}
     samples = {(s.name, s.labels.get("le")): s.value for s in families["h"].samples}
-    assert samples[("h_bucket", "1.0")] == 2  # le is inclusive
-    assert samples[("h_bucket", "2.0")] == 3
+    assert samples[("h_bucket", "1")] == 2  # le is inclusive
+    assert samples[("h_bucket", "2")] == 3
     assert samples[("h_bucket", "+Inf")] == 4
     assert samples[("h_count", None)] == 4 and samples[("h_sum", None)] == 6.0
     assert pb_utils.MetricFamily is MetricFamily

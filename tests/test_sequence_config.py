@@ -99,19 +99,15 @@ def test_direct_strategy_fields() -> None:
             "already an input",
         ),
         (
-            'state [ { input_name: "i" output_name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]',
+            'state [ { input_name: "i" output_name: "OUTPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]',
             "state[0].output_name",
-            "also listed in 'output'",
+            "listed in 'output' as TYPE_INT32, but the state is TYPE_FP32",
         ),
         (
-            'state [ { input_name: "i" output_name: "o" data_type: TYPE_STRING dims: [ 1 ] } ]',
-            "state[0].data_type",
-            "numeric",
-        ),
-        (
-            'state [ { input_name: "i" output_name: "o" data_type: TYPE_INT32 dims: [ -1 ] } ]',
-            "state[0].dims",
-            "initial_state",
+            'state [ { input_name: "i" output_name: "o" data_type: TYPE_STRING dims: [ 1 ] '
+            'initial_state { data_type: TYPE_STRING dims: [ 1 ] data_file: "x" } } ]',
+            "state[0].initial_state",
+            "zero_data (empty strings)",
         ),
         (
             'state [ { input_name: "i" output_name: "o" data_type: TYPE_INT32 dims: [ 2 ] '

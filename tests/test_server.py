@@ -220,7 +220,7 @@ def test_python_model_errors_are_per_request(server: Server) -> None:
             {"INPUT0": np.zeros((1, 4), np.float32)},
             {"outputs": ["NOPE"]},
             InvalidArgument,
-            "has no output 'NOPE'",
+            "unexpected inference output 'NOPE' for model 'adder'",
         ),
         ("adder", {"INPUT0": np.zeros((1, 4), np.float32)}, {"priority": -1}, InvalidArgument, "priority"),
         ("pyscale", {"IN": np.zeros((2, 2), np.float32)}, {}, InvalidArgument, r"expected shape \[-1\]"),

@@ -190,14 +190,14 @@ class OnnxRuntimeBackend(TensorBackend):
         self.output_names = tuple(t.name for t in config.outputs) + config.state_outputs()
         self.batched = config.max_batch_size > 0
         strings = [t.name for t in config.inputs if t.data_type == "TYPE_STRING"]
-        if config.sequence_batching is not None:  # a string CONTROL_SEQUENCE_CORRID
-            strings += [
-                c.name
-                for c in config.sequence_batching.control_inputs
-                if c.control.tensor_type == "TYPE_STRING"
-            ]
+        string_outputs = [t.name for t in config.outputs if t.data_type == "TYPE_STRING"]
+        if config.sequence_batching is not None:  # a string CONTROL_SEQUENCE_CORRID, string states
+            seq = config.sequence_batching
+            strings += [c.name for c in seq.control_inputs if c.control.tensor_type == "TYPE_STRING"]
+            strings += [s.input_name for s in seq.states if s.data_type == "TYPE_STRING"]
+            string_outputs += [s.output_name for s in seq.states if s.data_type == "TYPE_STRING"]
         self._string_inputs = frozenset(strings)
-        self._string_outputs = frozenset(t.name for t in config.outputs if t.data_type == "TYPE_STRING")
+        self._string_outputs = frozenset(string_outputs)
         self._bf16 = any(t.data_type == "TYPE_BF16" for t in config.inputs + config.outputs)
         self._bindable = _bindable_outputs(config)
         self._shrink, self._shrink_after = _arena_shrinkage(config.parameters)

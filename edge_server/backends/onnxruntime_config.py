@@ -163,5 +163,5 @@ def _split_sequence_tensors(
                 f"{config.source}: sequence_batching state output {state.output_name!r} must be a "
                 f"{state.data_type} output of the ONNX model; its outputs are {sorted(graph_out)}"
             )
-    server_in, kept_out = set(seq.server_inputs()), set(seq.state_outputs())
+    server_in, kept_out = set(seq.server_inputs()), set(config.state_outputs())  # listed ones stay
     return [t for t in inputs if t[0] not in server_in], [t for t in outputs if t[0] not in kept_out]

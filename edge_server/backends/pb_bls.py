@@ -14,8 +14,9 @@ out is cancelled, so it never runs later.  This module returns outcomes; ``pb_ut
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -124,11 +125,15 @@ class _Collect(ResponseSink):
     def __init__(self) -> None:
         super().__init__()
         self.items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self.on_item: Callable[[], None] | None = None  # told after each item (an awaiting coroutine)
 
     def deliver(
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
     ) -> None:
         self.items.put((outputs, error, final))
+        on_item = self.on_item
+        if on_item is not None:
+            on_item()
 
 
 class Stream:
@@ -146,6 +151,7 @@ class Stream:
         self._wait_s = wait_s
         self._sink = _Collect()
         self._done = False
+        self._first: _Item | None = None  # taken by :meth:`first_response` before the iteration
         self._error = _never_runs(request)
         if self._error is None:
             try:
@@ -164,7 +170,10 @@ class Stream:
             return {}, self._error
         while True:
             try:
-                outputs, error, final = self._sink.items.get(timeout=self._wait_s)
+                if self._first is not None:
+                    (outputs, error, final), self._first = self._first, None
+                else:
+                    outputs, error, final = self._sink.items.get(timeout=self._wait_s)
             except queue.Empty:
                 self._sink.cancel()
                 self._done = True
@@ -173,6 +182,39 @@ class Stream:
                 self._done = True
             if outputs is not None or error is not None or final:
                 return outputs or {}, error
+
+    async def first_response(self) -> None:
+        """Wait, without blocking the event loop, until the first response is there.
+
+        Triton's ``async_exec`` hands back the iterator once the call's first response came, so an
+        ``async def execute`` that awaits the call and then iterates lets its other requests run
+        meanwhile.
+        """
+        if self._error is not None or self._first is not None:
+            return
+        loop = asyncio.get_running_loop()
+        arrived: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not arrived.done():
+                arrived.set_result(None)
+
+        def wake() -> None:  # on the thread that delivered
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(settle)
+
+        self._sink.on_item = wake
+        try:
+            if not self._sink.items.empty():
+                settle()
+            await asyncio.wait_for(arrived, self._wait_s)
+        except asyncio.TimeoutError:
+            self._sink.cancel()
+            self._error = _timed_out(self._request, self._wait_s or 0.0)
+            return
+        finally:
+            self._sink.on_item = None
+        self._first = self._sink.items.get_nowait()
 
     def cancel(self) -> None:
         """Ask the called model to stop (it sees ``request.is_cancelled()``); keep iterating."""

@@ -166,27 +166,31 @@ class Logger:
     VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str, level: int = 0) -> None:  # 0: LogLevel.INFO
-        Logger._emit(str(message), _LEVELS.get(LogLevel(level), logging.INFO))
+    def log(message: str, level: int = LogLevel.INFO) -> None:
+        if not isinstance(level, LogLevel):  # Triton's binding takes its enum only (1 is a TypeError)
+            raise TypeError(f"Logger.log: level must be a pb_utils.Logger.LogLevel, got {level!r:.40}")
+        Logger._emit(message, _LEVELS[level])
 
     @staticmethod
     def log_info(message: str) -> None:
-        Logger._emit(str(message), logging.INFO)
+        Logger._emit(message, logging.INFO)
 
     @staticmethod
     def log_warn(message: str) -> None:
-        Logger._emit(str(message), logging.WARNING)
+        Logger._emit(message, logging.WARNING)
 
     @staticmethod
     def log_error(message: str) -> None:
-        Logger._emit(str(message), logging.ERROR)
+        Logger._emit(message, logging.ERROR)
 
     @staticmethod
     def log_verbose(message: str) -> None:
-        Logger._emit(str(message), logging.DEBUG)
+        Logger._emit(message, logging.DEBUG)
 
     @staticmethod
     def _emit(message: str, level: int) -> None:
+        if not isinstance(message, str):  # a TypeError, as Triton's binding raises
+            raise TypeError(f"Logger: the message must be a str, got {type(message).__name__}")
         context = current()
         who = context.instance_name if context is not None else "python model"
         # stacklevel 3: the model's call to log_*, above _emit and the log_* method

@@ -15,6 +15,11 @@ to the interpreter's own import unchanged.
 No bytecode is read or written: the repository may be read-only or another user's, and its content
 hash decides whether a version changed (issue #22), so every file is compiled from source.
 
+Triton imports ``model.py`` itself as the top-level module ``model`` of its stub, and its QA models
+run ``unittest.main("model")``, which imports ``model`` through the interpreter's own import.  Unless
+something installed is named ``model``, ``sys.modules["model"]`` here is a stand-in that answers with
+the ``model.py`` of whichever model's code is on the calling stack.
+
 Not covered: ``importlib.import_module("model_common")`` (it bypasses ``__import__``) finds only what
 the global ``sys.path`` holds.
 """
@@ -30,13 +35,14 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import CodeType, ModuleType
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 _builtin_import = builtins.__import__
 # A fresh package per instance and per reload, so no state leaks between them (next() is atomic).
 _scope_numbers = itertools.count(1)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_]")
+_PACKAGE_PREFIX = "_edge_server_model_"
 
 
 class SourceOnlyLoader(importlib.machinery.SourceFileLoader):
@@ -67,6 +73,32 @@ def _installed(name: str) -> bool:
         return False
 
 
+class _CallingModel(ModuleType):
+    """``model``: the ``model.py`` module of the model whose code is calling (found on the stack)."""
+
+    def _target(self) -> ModuleType:
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+            module = sys.modules.get(package + ".model") if package.startswith(_PACKAGE_PREFIX) else None
+            if module is not None:
+                return module
+            frame = frame.f_back
+        raise AttributeError("module 'model' is a Python model's model.py; no model's code is calling")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._target())
+
+
+def _install_model_alias() -> None:
+    """``import model`` from anywhere finds the calling model's ``model.py``, as in Triton's stub."""
+    if "model" not in sys.modules and not _installed("model"):
+        sys.modules["model"] = _CallingModel("model", _CallingModel.__doc__)
+
+
 class ImportScope:
     """One model instance's modules: ``model.py`` and the siblings it imports, under one package.
 
@@ -78,7 +110,7 @@ class ImportScope:
     def __init__(self, model_path: Path, model_name: str) -> None:
         version_dir = model_path.parent
         self._dirs = (str(version_dir), str(version_dir.parent))  # Triton's order
-        self.package = f"_edge_server_model_{_UNSAFE.sub('_', model_name)}_{next(_scope_numbers)}"
+        self.package = f"{_PACKAGE_PREFIX}{_UNSAFE.sub('_', model_name)}_{next(_scope_numbers)}"
         self._local: dict[str, bool] = {}  # top-level name -> found beside the model (not installed)
         self._lock = threading.RLock()
         self.builtins: dict[str, Any] = dict(builtins.__dict__)
@@ -87,6 +119,7 @@ class ImportScope:
         root.__path__ = []  # a package, so that pickle and ``import a.b`` find modules inside it
         root.__package__ = self.package
         sys.modules[self.package] = root
+        _install_model_alias()
 
     def load_model(self, model_path: Path) -> ModuleType:
         """Execute ``model.py`` as ``<package>.model``, with this scope's imports."""

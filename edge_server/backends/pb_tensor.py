@@ -64,8 +64,10 @@ class Tensor:
     """A named numpy array, as in Triton's Python backend."""
 
     def __init__(self, name: str, array: np.ndarray) -> None:
-        if not isinstance(array, np.ndarray):
-            raise TritonError(f"Tensor {name!r}: expected a numpy array, got {type(array).__name__}")
+        if not isinstance(name, str) or not isinstance(array, np.ndarray):  # TypeError, as Triton's binding
+            raise TypeError(
+                f"Tensor(name: str, array: numpy.ndarray): got {type(name).__name__}, {type(array).__name__}"
+            )
         self._name = name
         self._array = array
 

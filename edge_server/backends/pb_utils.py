@@ -10,7 +10,7 @@ Tensors and data types are in ``backends/pb_tensor.py``, custom metrics in ``bac
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,12 @@ class InferenceResponseSender:
 
     def is_cancelled(self) -> bool:
         return self._cancelled()
+
+
+def _check_type(what: str, value: Any, kind: Any) -> None:
+    """A ``TypeError`` for an argument of the wrong type, as Triton's pybind11 binding raises."""
+    if not isinstance(value, kind):
+        raise TypeError(f"incompatible argument {what}: {type(value).__name__} ({value!r:.40})")
 
 
 def _text(value: Any) -> Any:
@@ -135,9 +141,15 @@ class InferenceRequest:
         preferred_memory: Any = None,
         trace: Any = None,
     ) -> None:
+        # Argument types as Triton's pybind11 binding checks them: a wrong type is a TypeError.
         model_name = _text(model_name)  # bytes too, as Triton's binding takes them (as_numpy()[0])
-        if not isinstance(model_name, str) or not model_name:
+        _check_type("model_name", model_name, str)
+        if not model_name:
             raise TritonModelException("InferenceRequest: model_name must be a non-empty string")
+        _check_type("request_id", request_id, str)
+        if isinstance(correlation_id, bool):
+            raise TypeError("InferenceRequest: correlation_id must be an int or a str, got bool")
+        _check_type("correlation_id", correlation_id, int | str)
         tensors = list(inputs)
         for tensor in tensors:
             if not isinstance(tensor, Tensor):
@@ -146,6 +158,9 @@ class InferenceRequest:
                 )
         if isinstance(requested_output_names, str):
             raise TritonModelException("InferenceRequest: requested_output_names must be a list of names")
+        requested = [_text(name) for name in requested_output_names]
+        for name in requested:
+            _check_type("requested_output_names[]", name, str)
         if not isinstance(timeout, int) or timeout < 0:
             raise TritonModelException(
                 f"InferenceRequest: timeout must be microseconds >= 0, got {timeout!r}"
@@ -153,8 +168,8 @@ class InferenceRequest:
         self._model_name = model_name
         self._model_version = int(model_version)
         self._inputs = tensors
-        self._requested = [str(_text(name)) for name in requested_output_names]
-        self._request_id = str(request_id)
+        self._requested = requested
+        self._request_id = request_id
         self._parameters = json.loads(_parameters_json(parameters))
         self._correlation_id = correlation_id
         self._flags = int(flags)
@@ -285,8 +300,10 @@ class InferenceRequest:
         """:meth:`exec` for ``async def execute``: ``await`` it; many may be in flight at once."""
         models = self._models()
         request, wait_s = self._outgoing()
-        if decoupled:  # as in Triton: the iterator at once, iterated (and cancelled) as exec's
-            return ResponseIterator(pb_bls.Stream(models, request, wait_s))
+        if decoupled:  # as in Triton: the iterator once the first response came, iterated as exec's
+            stream = pb_bls.Stream(models, request, wait_s)
+            await stream.first_response()
+            return ResponseIterator(stream)
         return _response_of(await pb_bls.call_async(models, request, wait_s))
 
     def _models(self) -> ModelAccess:
@@ -403,11 +420,19 @@ class InferenceResponse:
 
     def __init__(
         self,
-        output_tensors: list[Tensor] | None = None,
+        output_tensors: Sequence[Tensor] = (),
         error: TritonError | None = None,
         parameters: dict[str, bool | int | str] | str | None = None,
     ) -> None:
-        self._outputs = list(output_tensors or [])
+        if output_tensors is None:  # Triton's binding: a list (its default is empty), never None
+            raise TypeError("incompatible argument output_tensors: NoneType (a list of pb_utils.Tensor)")
+        self._outputs = list(output_tensors)
+        for tensor in self._outputs:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException(
+                    f"InferenceResponse: output_tensors must be pb_utils.Tensor objects, got "
+                    f"{type(tensor).__name__}"
+                )
         self._error = error
         self._parameters = _parameters_json(parameters)
 

@@ -315,7 +315,7 @@ class PythonBackend(Backend):
             finally:
                 pb_context.stop_acting(acting)
                 pb_context.mark(previous)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() or an argparse error in the model's code too
             if not isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
                 log.warning("%s: execute() raised:\n%s", self._name, traceback.format_exc())
             error = model_error(self._name, exc)
@@ -379,9 +379,9 @@ class PythonBackend(Backend):
         if refused is not None:
             return refused
         if response is not None:
-            return ModelExecutionError(
-                f"model {self._config.name!r}: expected None in execute()'s return list for a "
-                f"rescheduled request, found {type(response).__name__}"
+            return ModelExecutionError(  # Triton's text, its typo too (Triton's QA matches it)
+                "Expected a None object in the execute function return list for reschduled request "
+                f"(model {self._config.name!r} returned {type(response).__name__})"
             )
         return Rescheduled()
 
@@ -476,7 +476,8 @@ class PythonBackend(Backend):
             error: EdgeServerError | None = Cancelled(f"model {self._config.name!r}: execute() was cancelled")
         elif future.exception() is not None:
             exc = future.exception()
-            log.warning("%s: execute() raised: %r", self._name, exc)
+            trace = "".join(traceback.format_exception(exc))  # as the synchronous path logs it
+            log.warning("%s: execute() raised:\n%s", self._name, trace)
             error = model_error(self._name, exc)
         elif future.result() is not None:
             error = self._must_return_none()

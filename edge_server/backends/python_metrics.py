@@ -6,6 +6,7 @@ path with a lock-protected add; the daemon's ``/metrics`` endpoint reads every f
 Triton's API gives a model no handle to the server, so families live in one registry per process
 (:data:`REGISTRY`), as they do in Triton.  Creating a family that exists with the same kind and
 description returns it; a different kind is an error, as is a name that Prometheus would reject.
+Misuse raises ``TritonModelException``, as Triton's does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client.metrics_core import Metric as _PromMetric
+
+from edge_server.backends.pb_tensor import TritonModelException
 
 _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -36,33 +39,37 @@ class Metric:
         self._counts: list[int] = []
         self._count = 0
         if family.kind == MetricFamily.HISTOGRAM:
-            if not buckets:
-                raise ValueError(f"histogram metric {family.name!r} needs buckets")
+            if buckets is None:  # an empty list is allowed: +Inf alone, as in Triton
+                raise TritonModelException(f"histogram metric {family.name!r} needs buckets")
             edges = [float(b) for b in buckets]
             if edges != sorted(set(edges)):
-                raise ValueError(f"histogram {family.name!r}: buckets must increase, got {list(buckets)}")
+                raise TritonModelException(
+                    f"histogram {family.name!r}: buckets must increase, got {list(buckets)}"
+                )
             self._buckets = edges
             self._counts = [0] * (len(edges) + 1)  # the last one: above every bucket (+Inf)
         elif buckets is not None:
-            raise ValueError(f"metric {family.name!r}: only histograms take buckets")
+            raise TritonModelException(f"metric {family.name!r}: only histograms take buckets")
 
     def increment(self, value: float) -> None:
         if self.family.kind == MetricFamily.HISTOGRAM:
-            raise ValueError(f"histogram {self.family.name!r}: use observe()")
+            raise TritonModelException(f"histogram {self.family.name!r}: use observe()")
         if self.family.kind == MetricFamily.COUNTER and value < 0:
-            raise ValueError(f"counter {self.family.name!r} cannot decrease (increment by {value})")
+            raise TritonModelException(f"counter {self.family.name!r} cannot decrease (increment by {value})")
         with self._lock:
             self._value += value
 
     def set(self, value: float) -> None:
         if self.family.kind != MetricFamily.GAUGE:
-            raise ValueError(f"metric {self.family.name!r} is not a gauge: set() is for gauges")
+            raise TritonModelException(f"metric {self.family.name!r} is not a gauge: set() is for gauges")
         with self._lock:
             self._value = float(value)
 
     def observe(self, value: float) -> None:
         if self.family.kind != MetricFamily.HISTOGRAM:
-            raise ValueError(f"metric {self.family.name!r} is not a histogram: observe() is for histograms")
+            raise TritonModelException(
+                f"metric {self.family.name!r} is not a histogram: observe() is for histograms"
+            )
         with self._lock:
             self._counts[bisect.bisect_left(self._buckets, value)] += 1
             self._count += 1
@@ -70,21 +77,20 @@ class Metric:
 
     def value(self) -> float:
         if self.family.kind == MetricFamily.HISTOGRAM:
-            raise ValueError(f"histogram {self.family.name!r} has no single value")
+            raise TritonModelException(f"histogram {self.family.name!r} has no single value")
         with self._lock:
             return self._value
 
     def _samples(self) -> list[tuple[str, dict[str, str], float]]:
         name = self.family.name
         with self._lock:
-            if self.family.kind != MetricFamily.HISTOGRAM:
-                suffix = "_total" if self.family.kind == MetricFamily.COUNTER else ""
-                return [(name + suffix, self.labels, self._value)]
+            if self.family.kind != MetricFamily.HISTOGRAM:  # a counter without _total, as in Triton
+                return [(name, self.labels, self._value)]
             samples = []
             cumulative = 0
             for edge, count in zip([*self._buckets, math.inf], self._counts, strict=True):
                 cumulative += count
-                le = "+Inf" if edge == math.inf else repr(edge)
+                le = "+Inf" if edge == math.inf else repr(edge).removesuffix(".0")  # Triton's "1", "2.5"
                 samples.append((name + "_bucket", {**self.labels, "le": le}, float(cumulative)))
             samples.append((name + "_count", self.labels, float(self._count)))
             samples.append((name + "_sum", self.labels, self._value))
@@ -108,7 +114,7 @@ class MetricFamily:
         return (registry or REGISTRY).family(cls, name, description, kind)
 
     def _setup(self, name: str, description: str, kind: int) -> None:
-        self.name = name.removesuffix("_total") if kind == self.COUNTER else name
+        self.name = name  # samples carry it as given, as Triton's do (a counter gets no _total)
         self.description = description
         self.kind = kind
         self._lock = threading.Lock()
@@ -126,9 +132,11 @@ class MetricFamily:
         labels = dict(labels or {})
         for key, value in labels.items():
             if not isinstance(key, str) or not _LABEL.match(key) or key.startswith("__") or key == "le":
-                raise ValueError(f"metric {self.name!r}: invalid label name {key!r}")
+                raise TritonModelException(f"metric {self.name!r}: invalid label name {key!r}")
             if not isinstance(value, str):
-                raise ValueError(f"metric {self.name!r}: label {key!r} must be a string, got {value!r}")
+                raise TritonModelException(
+                    f"metric {self.name!r}: label {key!r} must be a string, got {value!r}"
+                )
         series_key = tuple(sorted(labels.items()))
         with self._lock:
             metric = self._metrics.get(series_key)
@@ -155,21 +163,26 @@ class CustomMetrics:
 
     def family(self, cls: type[MetricFamily], name: str, description: str, kind: int) -> MetricFamily:
         if kind not in MetricFamily._TYPES:
-            raise ValueError(
+            raise TritonModelException(
                 f"metric family {name!r}: kind must be COUNTER, GAUGE or HISTOGRAM, not {kind!r}"
             )
         if not isinstance(name, str) or not _NAME.match(name):
-            raise ValueError(f"invalid metric family name {name!r}")
+            raise TritonModelException(f"invalid metric family name {name!r}")
         with self._lock:
             family = self._families.get(name)
             if family is not None:
                 if family.kind != kind:
-                    raise ValueError(f"metric family {name!r} exists with another kind")
+                    raise TritonModelException(f"metric family {name!r} exists with another kind")
                 return family
             family = object.__new__(cls)
             family._setup(name, description, kind)
             self._families[name] = family
             return family
+
+    def counter_names(self) -> list[str]:
+        """The counters' names: the exposition writes their HELP/TYPE lines without ``_total``."""
+        with self._lock:
+            return [f.name for f in self._families.values() if f.kind == MetricFamily.COUNTER]
 
     def collect(self) -> Iterator[_PromMetric]:
         with self._lock:

@@ -226,6 +226,7 @@ class _Stub:
 
 def main(argv: list[str]) -> int:
     label, parent_pid, pipe_fd, *arena_fds = argv
+    sys.argv[1:] = []  # the model sees the program alone, as in the daemon (cli/serve.py)
     _detach_signals(int(parent_pid))
     faulthandler.enable()  # a native crash leaves its Python traceback in the daemon's log
     logging.basicConfig(

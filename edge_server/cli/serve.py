@@ -186,6 +186,9 @@ def run_serve(args: argparse.Namespace) -> int:
     # Modules a model.py imports from the repository leave no bytecode there: the repository belongs to
     # its owner and its OTA agent, and may be read-only (model files themselves: backends/python.py).
     sys.dont_write_bytecode = True
+    # Python models see the argv of Triton's stub, the program alone: a model's unittest.main() or
+    # argparse must not parse the daemon's flags (L0_backend_python's models call unittest.main).
+    sys.argv[1:] = []
     from edge_server.daemon import Daemon, DaemonOptions
 
     repositories = args.model_repository or bundled_repositories()

@@ -193,8 +193,15 @@ class ModelConfig:
         return self.sequence_batching.server_inputs() if self.sequence_batching else ()
 
     def state_outputs(self) -> tuple[str, ...]:
-        """Model outputs the server keeps as implicit state; never returned to a client."""
-        return self.sequence_batching.state_outputs() if self.sequence_batching else ()
+        """State outputs the server keeps and never returns.
+
+        Those the config does not also list in ``output``: a listed one is an output like any other,
+        which a client may ask for, as in Triton.
+        """
+        if self.sequence_batching is None:
+            return ()
+        listed = {t.name for t in self.outputs}
+        return tuple(name for name in self.sequence_batching.state_outputs() if name not in listed)
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)

@@ -182,7 +182,7 @@ def validate_config(config: ModelConfig, *, completed: bool = True) -> None:
             config.sequence_batching,
             max_batch_size=config.max_batch_size,
             inputs=tuple(t.name for t in config.inputs),
-            outputs=tuple(t.name for t in config.outputs),
+            outputs={t.name: t.data_type for t in config.outputs},
         )
         if problem:
             raise _fail(config, *problem)

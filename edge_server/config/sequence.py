@@ -9,7 +9,7 @@ auto-complete (they are not offered as client inputs) and the sequence scheduler
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -199,9 +199,13 @@ class ConversionError(Exception):
 
 
 def problems(
-    seq: SequenceBatching, *, max_batch_size: int, inputs: tuple[str, ...], outputs: tuple[str, ...]
+    seq: SequenceBatching, *, max_batch_size: int, inputs: tuple[str, ...], outputs: Mapping[str, str]
 ) -> tuple[str, str] | None:
-    """The first ``(field, problem)`` of Triton's sequence batching rules ``seq`` breaks, or None."""
+    """The first ``(field, problem)`` of Triton's sequence batching rules ``seq`` breaks, or None.
+
+    ``outputs`` maps the config's output names to their data types: a state output may be listed
+    there too (as in Triton), so that a client can ask for it, in the state's own type.
+    """
     path = "sequence_batching"
     seen_kinds: dict[str, str] = {}
     names: set[str] = set()
@@ -248,20 +252,17 @@ def problems(
                 "input itself"
             )
         names.add(state.input_name)
-        if state.output_name in outputs:
+        if state.data_type == "TYPE_INVALID":
+            return where + ".data_type", "a state needs a data_type"
+        if outputs.get(state.output_name, state.data_type) != state.data_type:
             return where + ".output_name", (
-                f"{state.output_name!r} is also listed in 'output'; a state output is kept by the server"
+                f"{state.output_name!r} is listed in 'output' as {outputs[state.output_name]}, "
+                f"but the state is {state.data_type}"
             )
-        if state.data_type in ("TYPE_INVALID", "TYPE_STRING"):
-            return where + ".data_type", f"must be a numeric or bool type, got {state.data_type}"
         if not state.dims or any(d < 1 and d != -1 for d in state.dims):
             return where + ".dims", f"must be >= 1 (or -1), got {list(state.dims)}"
         init = state.initial_state
-        if init is None:
-            if -1 in state.dims:
-                return where + ".dims", (
-                    "a state with variable dims (-1) needs an initial_state with concrete dims"
-                )
+        if init is None:  # zeros, each -1 taken as 1 (Triton's rule for a state's first request)
             continue
         if init.data_type != state.data_type:
             return where + ".initial_state.data_type", (
@@ -277,6 +278,8 @@ def problems(
                 where + ".initial_state.dims",
                 f"{list(init.dims)} do not fit the state dims {list(state.dims)}",
             )
+        if init.source == "data_file" and state.data_type == "TYPE_STRING":
+            return where + ".initial_state", "a TYPE_STRING state starts from zero_data (empty strings)"
         if init.source == "data_file" and (
             not init.data_file or "/" in init.data_file or init.data_file.startswith(".")
         ):

@@ -49,9 +49,13 @@ def registry_with(*collectors: Any, device_root: str = "/") -> CollectorRegistry
 
 
 def exposition(registry: CollectorRegistry) -> bytes:
+    """The text, with Triton's counter names: no ``_total`` on Triton's own or Python models' counters."""
     text = generate_latest(registry)
     for old, new in _RENAMES:
         text = text.replace(old, new)
+    for name in MODEL_METRICS.counter_names():
+        for kind in ("HELP", "TYPE"):
+            text = text.replace(f"# {kind} {name}_total ".encode(), f"# {kind} {name} ".encode())
     return text
 
 

@@ -264,9 +264,13 @@ class EnsembleScheduler:
         self._finish(run, self._step_error(step, error))
 
     def _step_error(self, step: Step, error: EdgeServerError) -> EdgeServerError:
-        """The member's error class (its code) with the step named: the client can act on the code."""
+        """The member's error class (its code) with the step named: the client can act on the code.
+
+        Triton's text first ("in ensemble 'NAME', " and the member's text: its clients match it with
+        ``startswith``), the step after it.
+        """
         wrapped = copy.copy(error)
-        wrapped.message = f"ensemble {self._config.name!r} {step.describe()}: {error.message}"
+        wrapped.message = f"in ensemble {self._config.name!r}, {error.message} ({step.describe()})"
         wrapped.args = (wrapped.message,)
         return wrapped
 
@@ -288,13 +292,16 @@ class EnsembleScheduler:
             run.future.set_result(result)
         else:
             run.future.set_exception(error)
-        self._stats.record_batch(
-            batch_size=run.item.batch_size,
-            queue_ns=[run.start_ns - run.enqueue_ns],
-            request_ns=[end - run.enqueue_ns],
-            succeeded=[error is None],
-            timing=Timing(compute_infer_ns=end - run.start_ns),
-        )
+        if error is None:
+            self._stats.record_batch(
+                batch_size=run.item.batch_size,
+                queue_ns=[run.start_ns - run.enqueue_ns],
+                request_ns=[end - run.enqueue_ns],
+                succeeded=[True],
+                timing=Timing(compute_infer_ns=end - run.start_ns),
+            )
+        else:  # as Triton: a failure (reason OTHER), no execution or batch counted
+            self._stats.record_failure(run.start_ns - run.enqueue_ns, end - run.enqueue_ns, "OTHER")
         run.tensors = {}
         self._release()
 

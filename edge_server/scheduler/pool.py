@@ -217,7 +217,7 @@ class InstancePool(Generic[W]):
             return [exc] * len(items)
         except EdgeServerError as exc:
             return [exc] * len(items)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # SystemExit would end this worker thread silently
             log.exception("instance of %r failed a batch of %d", self.model, len(items))
             return [ModelExecutionError(f"model {self.model!r} failed: {exc!r}")] * len(items)
         finally:

@@ -491,7 +491,7 @@ class SequenceScheduler:
         all_results = self._pool.execute(backend, batch, timing)
         results = [all_results[i] for i in real]
         if tensors.has_state:
-            for (seq, _), result in zip(live, results, strict=True):
+            for (seq, request), result in zip(live, results, strict=True):
                 if not isinstance(result, Exception | Rescheduled) and seq.state is not None:
-                    seq.state.update(tensors.take_state(result))
+                    seq.state.update(tensors.take_state(result, request.item.requested_outputs))
         return results

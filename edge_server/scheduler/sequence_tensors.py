@@ -23,13 +23,18 @@ from edge_server.request import BatchItem
 State = dict[str, np.ndarray]  # state input name -> its value, with the batch axis when batched
 
 
+def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros, or empty strings for TYPE_STRING (Triton's zeroed string state)."""
+    return np.full(shape, b"", dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
+
+
 def _initial_value(state: SequenceState, model_dir: Path, source: str) -> np.ndarray:
     dtype = dtypes.to_numpy(state.data_type)
     init = state.initial_state
-    if init is None:
-        return np.zeros(state.dims, dtype)
+    if init is None:  # a variable dim starts as 1, as in Triton
+        return _zeros(tuple(1 if d == -1 else d for d in state.dims), dtype)
     if init.source == "zero_data":
-        return np.zeros(init.dims, dtype)
+        return _zeros(tuple(init.dims), dtype)
     path = inside(
         model_dir / "initial_state", init.data_file, f"initial_state of {state.input_name!r} data_file"
     )
@@ -106,7 +111,9 @@ class SequenceTensors:
         return BatchItem(
             inputs,
             1,
-            (*item.requested_outputs, *self.state_outputs) if ready else (),
+            (*item.requested_outputs, *(n for n in self.state_outputs if n not in item.requested_outputs))
+            if ready
+            else (),
             item.request_id,
             item.parameters,
             item.correlation_id if ready else 0,
@@ -133,13 +140,16 @@ class SequenceTensors:
             return state
         if state is not None and all(state[name].shape == value.shape for name, value in like.items()):
             return state
-        return {name: np.zeros_like(value) for name, value in like.items()}
+        return {name: _zeros(value.shape, value.dtype) for name, value in like.items()}
 
-    def take_state(self, outputs: dict[str, np.ndarray]) -> State:
-        """Remove the state outputs from a row's outputs; return them keyed by their state input."""
+    def take_state(self, outputs: dict[str, np.ndarray], requested: tuple[str, ...]) -> State:
+        """Take the state outputs out of a row's outputs; return them keyed by their state input.
+
+        Those the client ``requested`` (a state the config also lists in ``output``) stay in the row.
+        """
         state: State = {}
         for output_name, input_name in self._state_names:
-            value = outputs.pop(output_name, None)
+            value = outputs.get(output_name) if output_name in requested else outputs.pop(output_name, None)
             if value is not None:
                 state[input_name] = np.array(value, copy=True)  # not a view into the whole batch
         return state
