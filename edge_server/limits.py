@@ -428,15 +428,15 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes-in-flight",
         type=flag_types.positive,
         default=DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
-        help="HTTP, IPC and gRPC streams: bytes of request bodies in flight from all clients together; more "
-        "are refused (503, UNAVAILABLE)",
+        help="HTTP, IPC and gRPC (unary bodies from 64 KiB): bytes of request bodies in flight from all "
+        "clients together; more are refused (503, UNAVAILABLE)",
     )
     group.add_argument(
         "--max-client-body-bytes",
         type=flag_types.positive,
         default=DEFAULT_MAX_CLIENT_BODY_BYTES,
-        help="HTTP, IPC and gRPC streams: bytes of request bodies in flight from one user (uid); more are "
-        "refused (503, UNAVAILABLE)",
+        help="HTTP, IPC and gRPC (unary bodies from 64 KiB): bytes of request bodies in flight from one "
+        "user (uid); more are refused (503, UNAVAILABLE)",
     )
     group.add_argument(
         "--max-client-streams",
