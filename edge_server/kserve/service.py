@@ -353,7 +353,7 @@ class KServeService:
         want = codec.wire_size(datatype, shape)  # compared before a byte is read; None: strings
         where = f"input {shorten(name)}" + (f" for model {shorten(model)}" if model else "")
         data = self.registry().read(region, offset, byte_size, want, peer, where, budget)
-        return codec.from_raw(data, datatype, shape, name)
+        return codec.from_raw(data, datatype, shape, name, model)
 
     def input_budget(self) -> InputBudget | None:
         """One request's budget for inputs read from shared memory (None while it is off)."""
