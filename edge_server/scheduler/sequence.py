@@ -93,6 +93,16 @@ class _Head:
 _Row = tuple[Sequence | None, SequenceRequest | None]
 
 
+class _Batch:
+    """The rows of one batch and its place in the order batches were formed (``preserve_ordering``)."""
+
+    __slots__ = ("rows", "number")
+
+    def __init__(self, rows: list[_Row], number: int) -> None:
+        self.rows = rows
+        self.number = number
+
+
 class SequenceScheduler:
     """The scheduler of a model version with ``sequence_batching``; same interface as ModelScheduler."""
 
@@ -121,7 +131,12 @@ class SequenceScheduler:
             preferred_batch_sizes=frozenset(seq.preferred_batch_size),
             max_queue_delay_ns=self._delay_ns,
         )
-        self._pool: InstancePool[list[_Row]] = InstancePool(
+        # oldest's preserve_ordering: batches answer in the order they were formed (Triton's dynamic
+        # batcher under the oldest strategy), whatever instance finishes first
+        self._preserve_ordering = not self._direct and seq.preserve_ordering
+        self._formed = 0
+        self._delivered = 0
+        self._pool: InstancePool[_Batch] = InstancePool(
             config.name, instances, self, restart=restart, backoff_s=restart_backoff(config)
         )
         self._lock = self._pool.lock
@@ -308,7 +323,7 @@ class SequenceScheduler:
             self._cond.notify_all()
         self._fail(leftover, Unavailable(why))
 
-    def form(self, index: int) -> tuple[list[_Row] | None, float | None]:
+    def form(self, index: int) -> tuple[_Batch | None, float | None]:
         """Rows for instance ``index`` (its slots, or the oldest sequences), or how long to wait."""
         now = time.monotonic_ns()
         reap_ns, refused = self._table.reap(now)
@@ -319,7 +334,7 @@ class SequenceScheduler:
         if self._refused:
             self._fail_refused()  # lets go of the lock while it answers: look again afterwards
             return None, 0.0
-        rows, wait_ns = self._form_direct(index, now) if self._direct else self._form_oldest(now)
+        rows, wait_ns = self._form_direct(index, now) if self._direct else self._form_oldest(index, now)
         if rows:
             for seq, request in rows:
                 if seq is not None and request is not None:
@@ -327,7 +342,8 @@ class SequenceScheduler:
                     seq.pending.popleft()
                     self._queued -= 1
                     self._in_flight += 1
-            return rows, None
+            self._formed += 1
+            return _Batch(rows, self._formed - 1), None
         waits = [w for w in (wait_ns, reap_ns) if w]
         return None, (min(waits) / 1e9 if waits else None)
 
@@ -364,8 +380,8 @@ class SequenceScheduler:
                 rows.append((holder, None))  # filler: READY=0, the slot's state passes through
         return rows, 0
 
-    def _form_oldest(self, now: int) -> tuple[list[_Row], int]:
-        ready = self._ready(self._table.candidates)
+    def _form_oldest(self, instance: int, now: int) -> tuple[list[_Row], int]:
+        ready = self._ready(self._table.candidates[instance])
         if not ready:
             return [], 0
         heads = sorted((_Head(s, self._key(s)) for s in ready), key=lambda h: h.enqueue_ns)
@@ -377,7 +393,16 @@ class SequenceScheduler:
 
     # -- execution ------------------------------------------------------------------------------
 
-    def run(self, backend: Backend, rows: list[_Row]) -> None:
+    def run(self, backend: Backend, batch: _Batch) -> None:
+        try:
+            self._run(backend, batch.rows, batch.number)
+        finally:
+            with self._lock:
+                self._delivered += 1  # the next batch's turn (preserve_ordering), whatever happened
+                if self._preserve_ordering:
+                    self._cond.notify_all()
+
+    def _run(self, backend: Backend, rows: list[_Row], number: int) -> None:
         start_ns = time.monotonic_ns()
         live: list[tuple[Sequence, SequenceRequest]] = []
         cancelled: list[Sequence] = []
@@ -414,6 +439,8 @@ class SequenceScheduler:
                 if seq.ending and not seq.pending and seq in self._table.held:
                     self._release(seq, expired=False)
             self._cond.notify_all()
+            while self._preserve_ordering and self._delivered != number:
+                self._cond.wait()  # an earlier batch, on another instance, answers first
         for (_, request), result in zip(live, results, strict=True):
             if isinstance(result, Exception):
                 request.future.set_exception(result)
