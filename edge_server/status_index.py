@@ -34,6 +34,21 @@ class VersionStatus:
     reason: str = ""
 
 
+#: the reason of a row whose version (or model) was unloaded on purpose: through the API, or because
+#: it left the repository.  Triton keeps such rows in its index as UNAVAILABLE, with this reason.
+UNLOADED = "unloaded"
+
+
+@dataclass(frozen=True)
+class NotLoaded:
+    """A model in the repositories that the server never loaded (explicit mode).
+
+    Triton's index lists it by name alone, so that a client sees what it can load.
+    """
+
+    name: str
+
+
 Listener = Callable[[VersionStatus], None]
 _Key = tuple[str, int | None]
 
@@ -94,12 +109,18 @@ class StatusIndex:
         for row in changed:
             self._notify(row)
 
-    def forget_unloading(self, name: str, version: int) -> None:
-        """A retired version is gone: drop its UNLOADING row (a newer row of that version stays)."""
+    def unloaded(self, name: str, version: int) -> None:
+        """A retired version is gone: its UNLOADING row becomes UNAVAILABLE, "unloaded", as in Triton.
+
+        A newer row of that version (loading or serving again) stays as it is.
+        """
+        status = VersionStatus(name, version, ModelState.UNAVAILABLE, UNLOADED)
         with self.lock:
-            status = self._rows.get((name, version))
-            if status is not None and status.state is ModelState.UNLOADING:
-                del self._rows[(name, version)]
+            row = self._rows.get((name, version))
+            if row is None or row.state is not ModelState.UNLOADING:
+                return
+            self._rows[(name, version)] = status
+        self._notify(status)
 
     def _notify(self, status: VersionStatus) -> None:
         for listener in self._listeners:

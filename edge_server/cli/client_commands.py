@@ -81,9 +81,16 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[Any, bool]]:
 def run_models(args: argparse.Namespace) -> int:
     with _target(args) as (target, remote):
         if remote:
-            rows = [(m["name"], m["version"], m["state"], m.get("reason", "")) for m in target.models()]
+            rows = [
+                (m["name"], m.get("version"), m.get("state", ""), m.get("reason", ""))
+                for m in target.models()
+            ]
         else:
             rows = [(s.name, s.version, s.state.value, s.reason) for s in target.models()]
+        rows = [
+            (name, version, state or "-", reason or ("not loaded" if not state else ""))
+            for name, version, state, reason in rows
+        ]
     print(f"{'MODEL':<24} {'VERSION':<8} {'STATE':<12} REASON")
     for name, version, state, reason in rows:
         print(f"{name:<24} {'-' if version is None else version!s:<8} {state:<12} {reason}")

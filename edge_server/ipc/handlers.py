@@ -27,6 +27,7 @@ from edge_server.ipc import protocol
 from edge_server.ipc.handoff import FdHandoff
 from edge_server.request import InferRequest, OutputBuffer, response_parameters
 from edge_server.shm import ClientRegions, Lease, Owner, Region, Registry, check_name
+from edge_server.status_index import NotLoaded
 from edge_server.versions import parse_version
 
 if TYPE_CHECKING:
@@ -291,8 +292,8 @@ def control(
     version = parse_version(header.get("version"))
     if op == "ready":
         return {"ready": server.is_ready(model, version)}
-    if op == "models":
-        return {"models": [_status(s) for s in server.models()]}
+    if op == "models":  # the index of every frontend: never-loaded models by name alone
+        return {"models": [_status(s) for s in server.repository_index()]}
     if op == "metadata":
         return {"metadata": server.model_metadata(model, version)}
     if op == "config":
@@ -337,6 +338,8 @@ def control(
 
 
 def _status(status: Any) -> dict[str, Any]:
+    if isinstance(status, NotLoaded):
+        return {"name": status.name}
     return {
         "name": status.name,
         "version": status.version,
