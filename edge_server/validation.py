@@ -47,7 +47,7 @@ class _InputRule:
         return "[" + ", ".join((["batch"] if batched else []) + dims) + "]"
 
 
-def _rule(model: str, spec: TensorSpec) -> _InputRule:
+def _rule(model: str, spec: TensorSpec, *, batched: bool) -> _InputRule:
     return _InputRule(
         name=spec.name,
         data_type=spec.data_type,
@@ -57,7 +57,7 @@ def _rule(model: str, spec: TensorSpec) -> _InputRule:
         reshape=spec.reshape,
         optional=spec.optional,
         where=f"model {shorten(model)} input {spec.name!r}",
-        ragged=spec.allow_ragged_batch,
+        ragged=spec.allow_ragged_batch and batched,
     )
 
 
@@ -98,7 +98,9 @@ class RequestValidator:
 
     def __init__(self, config: ModelConfig) -> None:
         self.model = config.name
-        self._rules = tuple(_rule(config.name, spec) for spec in config.inputs)
+        self._rules = tuple(
+            _rule(config.name, spec, batched=config.max_batch_size > 0) for spec in config.inputs
+        )
         self._by_name = {rule.name: rule for rule in self._rules}
         self._names = frozenset(self._by_name)
         self._required = tuple(rule.name for rule in self._rules if not rule.optional)

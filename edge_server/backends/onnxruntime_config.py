@@ -143,7 +143,7 @@ def _split_ragged_tensors(
     tensor whose elements go back to the requests by their inputs' shapes: as in Triton, their dims
     are not compared with the config's (their types are).
     """
-    ragged = {t.name: t.data_type for t in config.inputs if t.allow_ragged_batch}
+    ragged = {t.name: t.data_type for t in config.inputs if t.allow_ragged_batch and config.max_batch_size}
     ragged.update((name, b.data_type) for b in config.batch_inputs for name in b.target_names)
     scattered = {name for o in config.batch_outputs for name in o.target_names}
     if not ragged and not scattered:

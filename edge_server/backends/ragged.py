@@ -35,7 +35,9 @@ class RaggedPlan:
 
     @classmethod
     def of(cls, config: ModelConfig) -> RaggedPlan | None:
-        """The plan of ``config``; None when it uses none of ragged batching's settings."""
+        """The plan of ``config``; None when it does not batch or uses none of ragged batching's settings."""
+        if config.max_batch_size == 0:  # nothing to batch: allow_ragged_batch means nothing
+            return None
         ragged = frozenset(t.name for t in config.inputs if t.allow_ragged_batch)
         if not ragged and not config.batch_inputs and not config.batch_outputs:
             return None
