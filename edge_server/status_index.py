@@ -49,6 +49,15 @@ class NotLoaded:
     name: str
 
 
+def _kept(status: VersionStatus) -> bool:
+    """A version row that outlives a new publication of its model: retiring, or unloaded."""
+    if status.version is None:
+        return False
+    return status.state is ModelState.UNLOADING or (
+        status.state is ModelState.UNAVAILABLE and status.reason == UNLOADED
+    )
+
+
 Listener = Callable[[VersionStatus], None]
 _Key = tuple[str, int | None]
 
@@ -93,13 +102,15 @@ class StatusIndex:
             self._notify(status)
 
     def publish(self, name: str, rows: list[VersionStatus]) -> None:
-        """Replace every row of ``name`` with ``rows`` (versions being retired keep theirs)."""
+        """Replace every row of ``name`` with ``rows``.
+
+        Versions being retired keep their rows, and so do versions unloaded before (UNAVAILABLE,
+        "unloaded"): Triton's index lists every version it unloaded until it loads again.
+        """
         keep = {(r.name, r.version) for r in rows}
         with self.lock:
             stale = [
-                key
-                for key, s in self._rows.items()
-                if key[0] == name and key not in keep and s.state is not ModelState.UNLOADING
+                key for key, s in self._rows.items() if key[0] == name and key not in keep and not _kept(s)
             ]
             for key in stale:
                 del self._rows[key]

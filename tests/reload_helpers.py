@@ -188,6 +188,6 @@ def ipc_answer(client: Any, name: str = "m") -> float:
 
 def ipc_state(client: Any, name: str, version: int | None) -> tuple[str, str] | None:
     for row in client.models():
-        if row["name"] == name and row["version"] == version:
+        if row["name"] == name and row.get("version") == version:
             return str(row["state"]), str(row.get("reason", ""))
     return None
