@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,18 @@ def _kept(status: VersionStatus) -> bool:
     return status.state is ModelState.UNLOADING or (
         status.state is ModelState.UNAVAILABLE and status.reason == UNLOADED
     )
+
+
+def index_row(status: VersionStatus | NotLoaded) -> dict[str, Any]:
+    """One row of the index as plain data (IPC, the CLI): a model never loaded has its name alone."""
+    if isinstance(status, NotLoaded):
+        return {"name": status.name}
+    return {
+        "name": status.name,
+        "version": status.version,
+        "state": status.state.value,
+        "reason": status.reason,
+    }
 
 
 Listener = Callable[[VersionStatus], None]
