@@ -66,6 +66,7 @@ from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
 from edge_server.scheduler.scheduler import SchedulerClosed
+from edge_server.scheduler.sequence_order import ArrivalOrder
 from edge_server.scheduler.sequence_table import Sequence, SequenceRequest, SequenceTable
 from edge_server.scheduler.sequence_tensors import SequenceTensors
 from edge_server.scheduler.stats import ModelStats
@@ -91,16 +92,6 @@ class _Head:
 
 # A batch as taken from the queues: per row, the sequence and its request (None: a filler row).
 _Row = tuple[Sequence | None, SequenceRequest | None]
-
-
-class _Batch:
-    """The rows of one batch and its place in the order batches were formed (``preserve_ordering``)."""
-
-    __slots__ = ("rows", "number")
-
-    def __init__(self, rows: list[_Row], number: int) -> None:
-        self.rows = rows
-        self.number = number
 
 
 class SequenceScheduler:
@@ -131,12 +122,9 @@ class SequenceScheduler:
             preferred_batch_sizes=frozenset(seq.preferred_batch_size),
             max_queue_delay_ns=self._delay_ns,
         )
-        # oldest's preserve_ordering: batches answer in the order they were formed (Triton's dynamic
-        # batcher under the oldest strategy), whatever instance finishes first
-        self._preserve_ordering = not self._direct and seq.preserve_ordering
-        self._formed = 0
-        self._delivered = 0
-        self._pool: InstancePool[_Batch] = InstancePool(
+        # oldest's preserve_ordering: answers in the order the requests came (sequence_order)
+        self._order = ArrivalOrder() if not self._direct and seq.preserve_ordering else None
+        self._pool: InstancePool[list[_Row]] = InstancePool(
             config.name, instances, self, restart=restart, backoff_s=restart_backoff(config)
         )
         self._lock = self._pool.lock
@@ -200,7 +188,10 @@ class SequenceScheduler:
             assert seq is not None
             if end:
                 table.end(key, seq)
-            seq.pending.append(SequenceRequest(item, shape_key, future, now, restarts=restarts))
+            request = SequenceRequest(item, shape_key, future, now, restarts=restarts)
+            if self._order is not None:
+                self._order.arrived(request)
+            seq.pending.append(request)
             seq.last_ns = now
             self._queued += 1
             self._cond.notify_all()
@@ -323,7 +314,7 @@ class SequenceScheduler:
             self._cond.notify_all()
         self._fail(leftover, Unavailable(why))
 
-    def form(self, index: int) -> tuple[_Batch | None, float | None]:
+    def form(self, index: int) -> tuple[list[_Row] | None, float | None]:
         """Rows for instance ``index`` (its slots, or the oldest sequences), or how long to wait."""
         now = time.monotonic_ns()
         reap_ns, refused = self._table.reap(now)
@@ -342,8 +333,9 @@ class SequenceScheduler:
                     seq.pending.popleft()
                     self._queued -= 1
                     self._in_flight += 1
-            self._formed += 1
-            return _Batch(rows, self._formed - 1), None
+            if self._order is not None:
+                self._order.running(request for _, request in rows if request is not None)
+            return rows, None
         waits = [w for w in (wait_ns, reap_ns) if w]
         return None, (min(waits) / 1e9 if waits else None)
 
@@ -393,25 +385,16 @@ class SequenceScheduler:
 
     # -- execution ------------------------------------------------------------------------------
 
-    def run(self, backend: Backend, batch: _Batch) -> None:
-        try:
-            self._run(backend, batch.rows, batch.number)
-        finally:
-            with self._lock:
-                self._delivered += 1  # the next batch's turn (preserve_ordering), whatever happened
-                if self._preserve_ordering:
-                    self._cond.notify_all()
-
-    def _run(self, backend: Backend, rows: list[_Row], number: int) -> None:
+    def run(self, backend: Backend, rows: list[_Row]) -> None:
         start_ns = time.monotonic_ns()
         live: list[tuple[Sequence, SequenceRequest]] = []
-        cancelled: list[Sequence] = []
+        cancelled: list[tuple[Sequence, SequenceRequest]] = []
         for seq, request in rows:
             if seq is not None and request is not None:
                 if request.rescheduled or request.future.set_running_or_notify_cancel():
                     live.append((seq, request))
                 else:
-                    cancelled.append(seq)
+                    cancelled.append((seq, request))
         results: list[Result] = []
         timing = Timing()
         if live:
@@ -422,35 +405,41 @@ class SequenceScheduler:
                 results = [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(live)
         end_ns = time.monotonic_ns()
         results = [self._end_reschedule(r, res, end_ns) for (_, r), res in zip(live, results, strict=True)]
-        again: list[SequenceRequest] = []
+        answers: list[tuple[SequenceRequest, Result]] = []  # Rescheduled ones queued again have none
         with self._lock:
             for (seq, request), result in zip(live, results, strict=True):
-                if isinstance(result, Rescheduled):
-                    if seq in self._table.held:  # the same request runs again, first of its sequence
-                        request.rescheduled = True
-                        seq.pending.appendleft(request)
-                        self._queued += 1
-                    else:  # unloaded while it ran
-                        again.append(request)
-            for seq in [s for s, _ in live] + cancelled:
+                if not isinstance(result, Rescheduled):
+                    answers.append((request, result))
+                elif seq in self._table.held:  # the same request runs again, first of its sequence
+                    request.rescheduled = True
+                    seq.pending.appendleft(request)
+                    self._queued += 1
+                else:  # unloaded while it ran
+                    unloaded = f"model {self._name!r} was unloaded; the request was rescheduled"
+                    answers.append((request, ServerShuttingDown(unloaded)))
+            for seq, _ in live + cancelled:
                 seq.busy = False
                 seq.last_ns = end_ns
                 self._in_flight -= 1
                 if seq.ending and not seq.pending and seq in self._table.held:
                     self._release(seq, expired=False)
             self._cond.notify_all()
-            while self._preserve_ordering and self._delivered != number:
-                self._cond.wait()  # an earlier batch, on another instance, answers first
-        for (_, request), result in zip(live, results, strict=True):
-            if isinstance(result, Exception):
-                request.future.set_exception(result)
-            elif isinstance(result, Rescheduled):
-                if request in again:
-                    request.future.set_exception(
-                        ServerShuttingDown(f"model {self._name!r} was unloaded; the request was rescheduled")
-                    )
-            else:
-                request.future.set_result(result)
+            if self._order is not None:
+                done = dict(answers)
+                for _, request in live + cancelled:
+                    self._order.finished(request, done.get(request))
+                answers = self._order.take(self._first_queued()) or []
+        while answers:
+            for request, result in answers:
+                if isinstance(result, Exception):
+                    request.future.set_exception(result)
+                else:
+                    request.future.set_result(result)
+            if self._order is None:
+                break
+            with self._lock:  # earlier ones may have finished on another instance meanwhile
+                self._order.delivered()
+                answers = self._order.take(self._first_queued()) or []
         if live:
             self._stats.record_batch(
                 batch_size=len(live),
@@ -459,6 +448,11 @@ class SequenceScheduler:
                 succeeded=[not isinstance(r, Exception) for r in results],
                 timing=timing,
             )
+
+    def _first_queued(self) -> int | None:
+        """The arrival of the earliest request queued on a sequence with a candidate place (lock held)."""
+        heads = [s.pending[0].arrival for places in self._table.candidates for s in places if s.pending]
+        return min(heads, default=None)
 
     def _end_reschedule(self, request: SequenceRequest, result: Result, now: int) -> Result:
         """What becomes of a request the model rescheduled: run again, or end it (its answer here).

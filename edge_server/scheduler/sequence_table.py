@@ -40,6 +40,7 @@ class SequenceRequest:
     enqueue_ns: int
     rescheduled: bool = False  # the model released it with RESCHEDULE: its future is already running
     restarts: bool = False  # a START on a live sequence: its state starts afresh when it runs
+    arrival: int = 0  # its place in arrival order, where preserve_ordering counts (sequence_order)
 
     @property
     def batch_size(self) -> int:
