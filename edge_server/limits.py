@@ -10,15 +10,19 @@ once at start-up and handed to every frontend, holds:
   :attr:`Limits.max_connections` (``--max-connections``, and never more than the descriptors left after
   a reserve), and at most :attr:`Limits.max_client_connections` for one uid
   (``--max-client-connections``), so that one local user cannot lock everyone else out.  A listener asks
-  :meth:`Limits.connect` when it accepts and refuses (closes) the connection there when told no;
-  gRPC's share is set aside whole (:meth:`Limits.set_aside`), since grpcio accepts by itself and only
-  takes a cap on its connections;
-* the memory budget of request bodies while they arrive (:meth:`Limits.reserve`): all clients
-  together at most ``--max-body-bytes-in-flight``, one uid at most ``--max-client-body-bytes``;
+  :meth:`Limits.connect` when it accepts and refuses (closes) the connection there when told no
+  (gRPC's port too, accepted by the daemon and handed to grpc); where grpc must accept by itself, its
+  share is set aside whole (:meth:`Limits.set_aside`), since grpc then takes only a cap on its total;
+* the memory budget of request bodies while they arrive and until they are answered
+  (:meth:`Limits.reserve`; HTTP bodies as they arrive, IPC messages and gRPC stream requests once
+  libzmq or grpc hands them over, :meth:`Limits.hold`): all
+  clients together at most ``--max-body-bytes-in-flight``, one uid at most ``--max-client-body-bytes``;
 * the timeouts every listener applies: a connection must send its request headers within
   ``--header-timeout-secs`` and its body within ``--body-timeout-secs``, and one idle that long
   between requests (``--idle-timeout-secs``) is closed;
 * gRPC streams one uid may hold open (``--max-client-streams``);
+* the replies produced for a uid and not yet taken, over IPC and gRPC together, at most
+  ``--max-client-reply-bytes`` (:attr:`Limits.replies`, a :class:`~edge_server.reply_budget.ReplyBudget`);
 * the penalty box (:meth:`Limits.penalize`): a uid whose request cost the daemon much work before it
   could be refused (a gzip body inflating to a JSON bomb, an IPC message of a million frames) has its
   connections refused, and its compressed bodies answered 503 unread, for :data:`PENALTY_S` seconds,
@@ -42,7 +46,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge_server import flag_types
+from edge_server.errors import Unavailable
 from edge_server.memory import DeferredTrim
+from edge_server.reply_budget import ReplyBudget
 
 #: Descriptors kept free for everything but connections and regions: models, files, hand-offs, and
 #: the connections the kernel queued before a listener could refuse them.
@@ -79,7 +85,7 @@ class LimitOptions:
     max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
     max_client_body_bytes: int = DEFAULT_MAX_CLIENT_BODY_BYTES
     max_client_streams: int = DEFAULT_MAX_CLIENT_STREAMS
-    # --max-client-requests and --max-client-reply-bytes: IPC's, and each gRPC stream's
+    # --max-client-requests (IPC's, and each gRPC stream's) and --max-client-reply-bytes (per uid)
     max_client_requests: int = DEFAULT_MAX_CLIENT_REQUESTS
     max_client_reply_bytes: int = DEFAULT_MAX_CLIENT_REPLY_BYTES
 
@@ -109,6 +115,25 @@ class Connection:
     refusal: str | None
 
 
+class BodyHold:
+    """One request's body, counted by :meth:`Limits.hold` until :meth:`release` (called once or more).
+
+    No heap trim follows: the frames of an IPC message are libzmq's, reused while its client sends on.
+    """
+
+    __slots__ = ("_limits", "_uid", "_nbytes")
+
+    def __init__(self, limits: Limits, uid: int | None, nbytes: int) -> None:
+        self._limits = limits
+        self._uid = uid
+        self._nbytes = nbytes
+
+    def release(self) -> None:
+        nbytes, self._nbytes = self._nbytes, 0
+        if nbytes:
+            self._limits.release(self._uid, nbytes, trim=False)
+
+
 class Limits:
     """The daemon's one descriptor and memory budget (see the module's docstring)."""
 
@@ -131,6 +156,7 @@ class Limits:
         self.max_client_streams = options.max_client_streams
         self.max_client_requests = options.max_client_requests
         self.max_client_reply_bytes = options.max_client_reply_bytes
+        self.replies = ReplyBudget(options.max_client_reply_bytes)
         self._lock = threading.Lock()
         self._aside = 0  # connections set aside for listeners that accept by themselves (gRPC)
         self._connections = 0
@@ -245,6 +271,13 @@ class Limits:
             self._bodies += nbytes
         return None
 
+    def hold(self, uid: int | None, nbytes: int) -> BodyHold:
+        """:meth:`reserve` for one whole request (IPC, gRPC streams); raises UNAVAILABLE (HTTP's 503)."""
+        refusal = self.reserve(uid, nbytes)
+        if refusal is not None:
+            raise Unavailable(refusal)
+        return BodyHold(self, uid, nbytes)
+
     def room(self, uid: int | None) -> int:
         """Bytes :meth:`reserve` would grant ``uid`` now (for inflating a compressed body no further)."""
         with self._lock:
@@ -256,8 +289,12 @@ class Limits:
                 ),
             )
 
-    def release(self, uid: int | None, nbytes: int) -> None:
-        """Bytes counted by :meth:`reserve` are spent (the request was answered, or its connection closed)."""
+    def release(self, uid: int | None, nbytes: int, *, trim: bool = True) -> None:
+        """Bytes counted by :meth:`reserve` are spent (the request was answered, or its connection closed).
+
+        ``trim``: ask for a heap trim after a large one (an HTTP body: Python's buffers; not an IPC
+        message, whose frames libzmq frees and reuses while its client keeps sending).
+        """
         if nbytes <= 0:
             return
         with self._lock:
@@ -267,7 +304,7 @@ class Limits:
             else:
                 self._body_by_uid.pop(uid, None)
             self._bodies -= nbytes
-        if nbytes >= TRIM_AFTER_BYTES:  # a large body's pages go back once its request is done
+        if trim and nbytes >= TRIM_AFTER_BYTES:  # a large body's pages go back once its request is done
             self.trimmer.request()
 
     # -- penalties ----------------------------------------------------------------------------------
@@ -319,9 +356,11 @@ class Limits:
             self._streams[uid] = held + 1
         return None
 
-    def stream_cut_off(self) -> None:
+    def stream_cut_off(self, uid: int | None, why: str) -> None:
+        """A gRPC stream was cancelled for not reading its responses (``why``): penalize its uid."""
         with self._lock:
             self.cut_off_streams += 1
+        self.penalize(uid, why)  # as over IPC: its client would open the next stream at once
         self.trimmer.request()  # its replies are freed as grpc drops them
 
     def close_stream(self, uid: int | None) -> None:
@@ -389,13 +428,15 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes-in-flight",
         type=flag_types.positive,
         default=DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
-        help="HTTP: bytes of request bodies arriving from all clients together; more are refused (503)",
+        help="HTTP, IPC and gRPC streams: bytes of request bodies in flight from all clients together; more "
+        "are refused (503, UNAVAILABLE)",
     )
     group.add_argument(
         "--max-client-body-bytes",
         type=flag_types.positive,
         default=DEFAULT_MAX_CLIENT_BODY_BYTES,
-        help="HTTP: bytes of request bodies arriving from one user (uid); more are refused (503)",
+        help="HTTP, IPC and gRPC streams: bytes of request bodies in flight from one user (uid); more are "
+        "refused (503, UNAVAILABLE)",
     )
     group.add_argument(
         "--max-client-streams",

@@ -239,11 +239,13 @@ class ResponseSink(abc.ABC):
     any thread and must not block.  :meth:`cancel` is the consumer going away: later responses are
     dropped and the model can see it (``request.is_cancelled()``), unless the consumer
     :attr:`keeps_reading` (a BLS response iterator's ``cancel()``: the model is told, and what it
-    still sends, its final response included, is delivered).
+    still sends, its final response included, is delivered).  :attr:`on_final` runs once the final
+    response is put, delivered or dropped: the request is over (a frontend gives its body back then).
     """
 
     keeps_reading = False
     on_cancel: Callable[[], None] | None = None
+    on_final: Callable[[], None] | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -268,6 +270,8 @@ class ResponseSink(abc.ABC):
             if outputs is not None and type(outputs) is not Outputs:
                 outputs = dict(outputs)
             self.deliver(outputs, error, final)  # type: ignore[arg-type]
+        if final and self.on_final is not None:
+            self.on_final()
         return True
 
     def cancel(self) -> None:

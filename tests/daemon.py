@@ -462,7 +462,12 @@ def daemon(ipc_root: Path, ipc_repository: Path) -> Iterator[Daemon]:
 
 
 def start_daemon(
-    root: Path, repository: Path, socket_name: str, *args: str, nofile: int | None = None
+    root: Path,
+    repository: Path,
+    socket_name: str,
+    *args: str,
+    nofile: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Daemon:
     proc = Daemon(
         repository,
@@ -478,6 +483,7 @@ def start_daemon(
     )
     proc.gate = Gate(root)
     proc.nofile = nofile
+    proc.env = env
     try:
         proc.start()
     except BaseException:

@@ -24,6 +24,7 @@ from edge_server.errors import (
 )
 from edge_server.ipc import addresses, peers
 from edge_server.ipc.handoff import inspect_fd
+from edge_server.reply_budget import ReplyBudget
 from edge_server.shm import MappedRegion, Owner, Registry, Segment, check_name
 
 
@@ -302,7 +303,7 @@ def test_prepare_bind_sees_a_socket_renamed_away_at_the_connection_cap(tmp_path:
 def test_peer_table_probes_only_clients_that_hold_state(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr(peers.time, "monotonic", lambda: now[0])
-    table = peers.PeerTable(probe_interval=10.0)
+    table = peers.PeerTable(probe_interval=10.0, replies=ReplyBudget(1 << 20), on_over=lambda _identity: None)
     idle = table.get(b"idle")
     busy = table.get(b"busy")
     busy.in_flight.add(concurrent.futures.Future())

@@ -1,20 +1,28 @@
 """Issue 23 item 1 on gRPC: one user's idle connections never hold the gRPC port against everyone else.
 
-grpcio caps only the total of its connections; edge_server.kserve.grpc_connections adds the per-user
-cap by pairing each connection with its client's uid in the kernel's socket table.  The hostile user is
-a forked child dropped to uid 65534 (root only); its connections sent HTTP/2's preface and settings,
-so grpc's handshake timeout does not close them, and the test ends before the idle timeout would.
+The daemon accepts the gRPC port's connections itself and counts them in its one budget (total, per
+uid) before grpc sees them (edge_server.kserve.grpc_accept).  Where it cannot (or is told not to),
+grpcio accepts and caps only its total, and
+edge_server.kserve.grpc_connections adds the per-user cap by pairing each connection with its client's
+uid in the kernel's socket table.  The hostile user is a forked child dropped to uid 65534 (root
+only); its connections sent HTTP/2's preface and settings, so grpc's handshake timeout does not close
+them, and the test ends before the idle timeout would.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from edge_server.kserve.grpc_connections import Link, links, over_cap
+from edge_server.client import Client
+from edge_server.kserve import grpc_accept
+from edge_server.kserve.frontends import GRPC_ACCEPT_ENV
+from edge_server.kserve.grpc_connections import Link, links, over_cap, sockets_held, tcp_sockets
 from tests.daemon import (
     Daemon,
     build_repository,
@@ -35,6 +43,50 @@ def test_each_user_keeps_its_oldest_connections_up_to_the_cap() -> None:
     assert over_cap(found, 4) == []
 
 
+def test_a_penalized_user_keeps_none_of_its_connections() -> None:
+    found = [Link(inode, uid) for inode, uid in [(5, 1), (9, 1), (3, 2), (8, 2)]]
+    assert sorted(link.inode for link in over_cap(found, 4, penalized={1})) == [5, 9]
+
+
+def test_the_kernels_answer_pairs_the_same_connections_as_its_text_tables() -> None:
+    """sock_diag (filtered by port in the kernel) and /proc/net/tcp{,6} see the same links."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)
+        port = server.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        accepted = [server.accept()[0] for _ in clients]
+        try:
+            found = links(port)
+            assert sorted(found, key=lambda link: link.inode) == sorted(
+                links(port, "/proc/net"), key=lambda link: link.inode
+            )
+            assert {link.inode for link in found} == {os.fstat(sock.fileno()).st_ino for sock in accepted}
+            assert {link.uid for link in found} == {os.geteuid()}
+        finally:
+            for sock in clients + accepted:
+                sock.close()
+
+
+def test_the_cheap_count_adds_both_families_tcp_sockets(tmp_path: Path) -> None:
+    (tmp_path / "sockstat").write_text("sockets: used 22\nTCP: inuse 4 orphan 0 tw 1814 alloc 7 mem 54\n")
+    (tmp_path / "sockstat6").write_text("TCP6: inuse 3\nUDP6: inuse 9\n")
+    assert tcp_sockets(str(tmp_path)) == 7
+    assert tcp_sockets(str(tmp_path / "missing")) == 0
+
+
+def test_the_sockets_this_process_holds_are_counted() -> None:
+    """The pass reads the kernel's tables only past the cap; this count is what it compares."""
+    before = sockets_held()
+    pair = socket.socketpair()
+    try:
+        assert sockets_held() == before + 2
+    finally:
+        for sock in pair:
+            sock.close()
+    assert sockets_held() == before
+
+
 def open_http2(port: int, count: int) -> Callable[[], list[socket.socket]]:
     def hold() -> list[socket.socket]:
         kept = []
@@ -50,23 +102,36 @@ def open_http2(port: int, count: int) -> Callable[[], list[socket.socket]]:
     return hold
 
 
-@pytest.fixture
-def grpc_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # noqa: F811 - the fixture above
-    """RLIMIT_NOFILE 256: a budget of 16 connections, 8 of them gRPC's, 4 per user there."""
+def _grpc_daemon(directory: Path, env: dict[str, str] | None) -> Iterator[tuple[Daemon, int]]:
+    """RLIMIT_NOFILE 256: a budget of 16 connections, 4 per user."""
     grpc_port = free_port()
     proc = start_daemon(
-        public_dir,
-        build_repository(public_dir),
+        directory,
+        build_repository(directory),
         "g.sock",
         *kserve_flags(free_port(), grpc_port),
         "--max-client-connections",
         "4",
         nofile=256,
+        env=env,
     )
     try:
         yield proc, grpc_port
     finally:
         assert stop_daemon(proc) == 0, proc.log()
+
+
+@pytest.fixture
+def grpc_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # noqa: F811 - the fixture above
+    """The daemon accepts gRPC's connections itself."""
+    yield from _grpc_daemon(public_dir, None)
+
+
+@pytest.fixture
+def grpc_accepting_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # noqa: F811
+    """grpc accepts by itself (the operator's escape hatch): 8 of the 16 connections are gRPC's, 4 per
+    user there, kept by looking."""
+    yield from _grpc_daemon(public_dir, {**os.environ, GRPC_ACCEPT_ENV: "grpc"})
 
 
 def live(port: int) -> bool:
@@ -76,14 +141,35 @@ def live(port: int) -> bool:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
-            return bool(stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=2).live)
+            return bool(stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=10).live)
         except grpc.RpcError:
             return False
 
 
 @needs_root
-def test_idle_http2_connections_of_one_user_are_cut_to_its_cap(grpc_daemon: tuple[Daemon, int]) -> None:
+def test_one_users_idle_connections_never_keep_another_users_new_connections_out(
+    grpc_daemon: tuple[Daemon, int],
+) -> None:
+    """Refused at accept past the user's cap: no moment when grpc's total is full of them."""
     proc, port = grpc_daemon
+    attacker = OtherUser(open_http2(port, 40))
+    try:
+        assert all(live(port) for _ in range(20))  # each a new connection, right after the flood
+        assert sum(link.uid == NOBODY for link in links(port)) <= 4
+        with Client(proc.address, timeout=10) as client:
+            assert client.ipc_status()["limits"]["refused_connections"] >= 36
+        assert "gRPC: connection refused" in proc.log()
+        assert "the limit for one user (--max-client-connections)" in proc.log()
+    finally:
+        attacker.close()
+    assert proc.proc is not None and proc.proc.poll() is None, proc.log()
+
+
+@needs_root
+def test_idle_http2_connections_of_one_user_are_cut_to_its_cap(
+    grpc_accepting_daemon: tuple[Daemon, int],
+) -> None:
+    proc, port = grpc_accepting_daemon
     attacker = OtherUser(open_http2(port, 40))
     try:
         wait_for(
@@ -92,7 +178,59 @@ def test_idle_http2_connections_of_one_user_are_cut_to_its_cap(grpc_daemon: tupl
             what="the other user's connections cut to its cap",
         )
         wait_for(lambda: live(port), timeout=20, what="another user's gRPC call answered")
-        assert "held more than 4 connections" in proc.log()
+        assert "more than 4 (--max-client-connections" in proc.log()
     finally:
         attacker.close()
     assert proc.proc is not None and proc.proc.poll() is None, proc.log()
+
+
+@needs_root
+def test_a_user_over_its_cap_is_penalized_and_loses_every_grpc_connection(
+    grpc_accepting_daemon: tuple[Daemon, int],
+) -> None:
+    """Cut to the cap it could refill at once, between two looks, and hold grpc's total against new
+    clients; penalized, it keeps none (and the other listeners refuse it while the penalty lasts)."""
+    proc, port = grpc_accepting_daemon
+    attacker = OtherUser(open_http2(port, 40))
+    try:
+        wait_for(
+            lambda: not any(link.uid == NOBODY for link in links(port)),
+            timeout=20,
+            what="every connection of the user over its cap shut down",
+        )
+        with Client(proc.address, timeout=10) as client:
+            assert client.ipc_status()["limits"]["penalized"] >= 1
+        assert live(port)
+    finally:
+        attacker.close()
+    assert proc.proc is not None and proc.proc.poll() is None, proc.log()
+
+
+def test_a_grpc_that_does_not_serve_handed_connections_accepts_by_itself(
+    tmp_path: Path,
+    example_repository: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handed connection that grpc never serves (here: dropped on the way) is seen at start, and the
+    frontend binds grpc's own port instead of leaving every client waiting."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from edge_server.kserve.grpc_frontend import GrpcFrontend
+    from edge_server.kserve.service import KServeService
+    from edge_server.server import Server
+
+    monkeypatch.setattr(grpc_accept.ExternalPort, "hand", lambda _self, _listener, fd: os.close(fd))
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository / "identity", repo / "identity")
+    with Server(repo) as server:
+        frontend = GrpcFrontend(KServeService(server), host="127.0.0.1", port=0)
+        frontend.start()
+        try:
+            assert "grpc accepts by itself instead" in caplog.text
+            with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as channel:
+                stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=10).live
+        finally:
+            frontend.close()

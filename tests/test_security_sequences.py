@@ -11,10 +11,12 @@ from __future__ import annotations
 import http.client
 import json
 from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import pytest
 
-from tests.daemon import build_repository, start_daemon, stop_daemon
+from edge_server.client import Client
+from tests.daemon import build_repository, start_daemon, stop_daemon, wait_for
 from tests.kserve_daemon import KServeDaemon, start_kserve_daemon
 from tests.sequence_models import DIRECT, accumulate_config, accumulate_onnx, write_model
 from tests.users import STRANGER, needs_root, open_socket, public_directory, run_as
@@ -108,6 +110,39 @@ def test_a_start_that_finds_every_slot_held_gets_queue_full(server: KServeDaemon
     finally:
         assert total(step(server, 7, 1, "e")) == 2
     assert total(step(server, 9, 4, "se")) == 4  # the slot is free again
+
+
+@needs_root
+def test_a_users_flood_of_starts_does_not_make_anothers_wait_for_all_of_it(server: KServeDaemon) -> None:
+    """Sequences waiting for a slot take it user after user, as the dynamic batcher's queue serves them.
+
+    One user holds the only slot and queues three more STARTs; a stranger's START queued after them
+    gets the slot after one of them, not after all three (first come, first served, it waited for each
+    of them to idle out and was refused at its own bound).
+    """
+    with Client(server.daemon.address, timeout=60) as observer:
+
+        def backlog() -> int:
+            return int(observer.statistics("acc")[0]["sequence_stats"]["backlog"])
+
+        assert total(step(server, 20, 1, "s")) == 1  # holds the only slot
+        with ThreadPoolExecutor(4) as pool:
+            flood = {}
+            for corrid in (21, 22, 23):
+                flood[corrid] = pool.submit(step, server, corrid, corrid, "s")
+                wait_for(lambda n=corrid - 20: backlog() == n, 60, what="the flood's starts to wait")
+            theirs = pool.submit(stranger_step, server, 30, 5, "s")
+            wait_for(lambda: backlog() == 4, 60, what="the stranger's start to wait")
+            assert total(step(server, 20, 1, "e")) == 2
+            assert total(flood[21].result(timeout=120)) == 21  # the flooder's turn
+            assert total(step(server, 21, 0, "e")) == 21
+            done, _ = wait([theirs, flood[22]], timeout=120, return_when=FIRST_COMPLETED)
+            assert done == {theirs}, "the flood's next start took the slot before the stranger's"
+            assert total(theirs.result()) == 5
+            assert total(stranger_step(server, 30, 1, "e")) == 6
+            for corrid in (22, 23):
+                assert total(flood[corrid].result(timeout=120)) == corrid
+                assert total(step(server, corrid, 0, "e")) == corrid
 
 
 def test_the_same_id_names_different_sequences_for_different_clients(tmp_path: object) -> None:

@@ -13,6 +13,7 @@ and its sibling modules into a package of its own, registered here while the ins
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import logging
 import sys
@@ -24,7 +25,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from edge_server.request import ModelAccess
+    from edge_server.request import ClientKey, ModelAccess
 
 _log = logging.getLogger("edge_server.models")
 
@@ -95,6 +96,31 @@ def mark(context: ModelContext | None) -> ModelContext | None:
 
 def current() -> ModelContext | None:
     return getattr(_current, "context", None)
+
+
+# The client whose request the model's code works on now (a context variable: each thread, and each
+# task of an ``async def execute``, has its own; a task started in ``execute`` inherits it).
+_acting_for: contextvars.ContextVar[ClientKey | None] = contextvars.ContextVar(
+    "edge_acting_for", default=None
+)
+
+
+def act_for(client: ClientKey | None) -> contextvars.Token[ClientKey | None]:
+    """From now on this thread (or task) works for ``client``; ``stop_acting(token)`` undoes it.
+
+    Set to the batch's first request's client for ``execute``, and to a request's client each time the
+    model reads that request's inputs, so that a BLS call built then waits its turn as that client's
+    (``scheduler.queue``) instead of as an anonymous one beside every other user's calls.
+    """
+    return _acting_for.set(client)
+
+
+def stop_acting(token: contextvars.Token[ClientKey | None]) -> None:
+    _acting_for.reset(token)
+
+
+def acting_for() -> ClientKey | None:
+    return _acting_for.get()
 
 
 def get_model_dir() -> str:

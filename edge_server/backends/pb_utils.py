@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_server.backends import pb_bls
+from edge_server.backends import pb_bls, pb_context
 from edge_server.backends.pb_autocomplete import ModelConfig as ModelConfig
 from edge_server.backends.pb_context import Logger as Logger
 from edge_server.backends.pb_context import LogLevel as LogLevel
@@ -30,7 +30,7 @@ from edge_server.backends.pb_tensor import serialize_byte_tensor as serialize_by
 from edge_server.backends.pb_tensor import triton_string_to_numpy as triton_string_to_numpy
 from edge_server.backends.pb_tensor import triton_to_numpy_type as triton_to_numpy_type
 from edge_server.errors import EdgeServerError
-from edge_server.request import InferRequest, ModelAccess, response_parameters
+from edge_server.request import ClientKey, InferRequest, ModelAccess, response_parameters
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -162,6 +162,9 @@ class InferenceRequest:
         self._sender: InferenceResponseSender | None = None
         self._sender_factory: Callable[[InferenceRequest], InferenceResponseSender] | None = None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        # a BLS call waits its turn as the client the model works for now (pb_context.act_for)
+        self._client = pb_context.acting_for()
+        self._from_client = False
 
     @classmethod
     def _incoming(
@@ -177,11 +180,13 @@ class InferenceRequest:
         timeout: int = 0,
         sender: InferenceResponseSender | None = None,
         sender_factory: Callable[[InferenceRequest], InferenceResponseSender] | None = None,
+        client: ClientKey | None = None,
     ) -> InferenceRequest:
         """A request the backend hands to ``execute`` (no checks: the data plane validated it).
 
         ``sender_factory``: makes the response sender of a non-decoupled model's request, only when
-        the model asks for one (most never do).
+        the model asks for one (most never do).  ``client``: who sent it; reading its inputs makes
+        the model's code work for that client (BLS calls built afterwards take its turns).
         """
         request = cls.__new__(cls)
         request._model_name = model_name
@@ -196,9 +201,13 @@ class InferenceRequest:
         request._sender = sender
         request._sender_factory = sender_factory
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        request._client = client
+        request._from_client = True
         return request
 
     def inputs(self) -> list[Tensor]:
+        if self._from_client:  # the model works on this request now (until it reads another's)
+            pb_context.act_for(self._client)
         return list(self._inputs)
 
     def requested_output_names(self) -> list[str]:
@@ -298,6 +307,7 @@ class InferenceRequest:
             correlation_id=self._correlation_id,
             sequence_start=bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START),
             sequence_end=bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END),
+            client=self._client,
         )
         return request, (self._timeout / 1e6 if self._timeout else None)
 

@@ -302,6 +302,8 @@ class PythonBackend(Backend):
         t0 = time.perf_counter_ns()
         try:
             previous = pb_context.mark(self._executing)  # pb_context.running(), minus a generator
+            # BLS calls take the turns of the request the model reads, else of the batch's first
+            acting = pb_context.act_for(batch[0].client if batch else None)
             try:
                 responses = self._model.execute(requests)
                 if inspect.iscoroutine(responses):  # ``async def execute``: on the model's loop, as Triton
@@ -311,6 +313,7 @@ class PythonBackend(Backend):
                     else:
                         responses = self._loop.run(responses, self._executing)
             finally:
+                pb_context.stop_acting(acting)
                 pb_context.mark(previous)
         except Exception as exc:
             if not isinstance(exc, pb_utils.TritonError):  # raised instead of returned: fails every request
@@ -417,6 +420,7 @@ class PythonBackend(Backend):
             timeout=item.timeout_us,
             sender=sender,
             sender_factory=None if sender is not None else pb_single.make_sender,
+            client=item.client,
         )
 
     def _convert(self, response: Any, item: BatchItem) -> Result:

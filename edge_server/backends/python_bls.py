@@ -10,11 +10,13 @@ models get :class:`PipeModels`, which sends each call over the instance's privat
 
 The daemon treats a ``bls`` message as what it is, a request from model code: every field is checked
 (:func:`decode_request`), the request goes through the data plane like any other (validated, batched,
-counted), and a malformed one is answered with an error, never trusted.  The daemon reads these
-messages while the instance executes, and at any time for decoupled models (their pipe has a reader
-thread): a non-decoupled model's own threads that call other models outside ``execute`` wait until
-its next execution.  Model control (``is_model_ready``, ``load_model``, ``unload_model``) is not
-forwarded.
+counted), and a malformed one is answered with an error, never trusted.  A call takes the turns of the
+client whose request the model works on (``u``: that request's position in the batch the daemon sent
+last; the daemon looks its client up, so the child can only name one of that batch's clients).  The
+daemon reads these messages while the instance executes, and at any time for decoupled models (their
+pipe has a reader thread): a non-decoupled model's own threads that call other models outside
+``execute`` wait until its next execution.  Model control (``is_model_ready``, ``load_model``,
+``unload_model``) is not forwarded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from functools import partial
 from typing import Any
@@ -30,7 +33,7 @@ import numpy as np
 
 from edge_server.backends.python_wire import Channel, pack_inline, unpack_inline
 from edge_server.errors import EdgeServerError, InvalidArgument, Unsupported
-from edge_server.request import InferRequest, ModelAccess, ResponseSink
+from edge_server.request import ClientKey, InferRequest, ModelAccess, ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,18 @@ def error_from(entry: Any) -> EdgeServerError:
     return _by_code().get(code, EdgeServerError)(message)
 
 
+_IN_BATCH = "position in the batch"  # a child's stand-in for a request's client (see position)
+
+
+def position(index: int) -> ClientKey:
+    """In the child: the client of the batch's ``index``-th request, as the daemon will look it up."""
+    return (_IN_BATCH, index)
+
+
 def encode_request(request: InferRequest) -> dict[str, Any]:
+    client = request.client
     return {
+        "u": client[1] if client is not None and client[0] == _IN_BATCH else None,
         "m": request.model,
         "v": request.version,
         "i": pack_inline(request.inputs.items()),
@@ -76,8 +89,13 @@ def _typed(message: dict[str, Any], key: str, kinds: type | tuple[type, ...], *,
     raise InvalidArgument(f"BLS call from an isolated model: field {key!r} is malformed")
 
 
-def decode_request(message: dict[str, Any]) -> InferRequest:
-    """The request a child asked for; raises InvalidArgument for anything malformed."""
+def decode_request(message: dict[str, Any], clients: Sequence[ClientKey | None] = ()) -> InferRequest:
+    """The request a child asked for; raises InvalidArgument for anything malformed.
+
+    ``clients``: those of the batch the daemon sent last, by position; the call takes the turns of the
+    one it names (none: an anonymous client's).
+    """
+    index = _typed(message, "u", int, none=True)
     outputs = _typed(message, "o", list, none=True)
     if outputs is not None and not all(isinstance(o, str) for o in outputs):
         raise InvalidArgument("BLS call from an isolated model: output names must be strings")
@@ -100,6 +118,7 @@ def decode_request(message: dict[str, Any]) -> InferRequest:
         correlation_id=_typed(message, "c", (int, str)),
         sequence_start=_typed(message, "ss", bool),
         sequence_end=_typed(message, "se", bool),
+        client=clients[index] if index is not None and 0 <= index < len(clients) else None,
     )
 
 
@@ -150,11 +169,16 @@ def _reply(
 
 
 def serve_call(
-    message: dict[str, Any], access: ModelAccess | None, channel: Channel, streams: dict[int, ResponseSink]
+    message: dict[str, Any],
+    access: ModelAccess | None,
+    channel: Channel,
+    streams: dict[int, ResponseSink],
+    clients: Sequence[ClientKey | None] = (),
 ) -> None:
     """Run one ``bls`` message through ``access``; the answer goes back over ``channel`` when it comes.
 
     A ``blsc`` message cancels the streamed call it names (``streams``: the instance's open ones).
+    ``clients``: those of the batch sent last, by position (see :func:`decode_request`).
     """
     call = message.get("q")
     if not isinstance(call, int):
@@ -168,7 +192,7 @@ def serve_call(
     try:
         if access is None:
             raise Unsupported("this model has no way to other models here")
-        request = decode_request(message)
+        request = decode_request(message, clients)
         if message.get("s"):
             sink = _ReplySink(channel, call, streams)
             try:

@@ -45,7 +45,7 @@ from edge_server.errors import (
     Unavailable,
     Unsupported,
 )
-from edge_server.request import Rescheduled, ResponseSink
+from edge_server.request import ClientKey, Rescheduled, ResponseSink
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,8 @@ class IsolatedPythonBackend(Backend):
         # decoupled: the open streams by token (requests whose final response has not come yet)
         self._streams: dict[int, ResponseSink] = {}
         self._bls_streams: dict[int, ResponseSink] = {}  # the model's open streamed BLS calls, by id
+        # the clients of the batch sent last, by position: whose turns the model's BLS calls take
+        self._bls_clients: list[ClientKey | None] = []
         self._tokens = itertools.count(1)
         self._closing = False
         self._requests = Arena.create(f"edge-{self._name}-requests")
@@ -173,7 +175,7 @@ class IsolatedPythonBackend(Backend):
     def _on_bls(self, message: dict[str, Any]) -> None:
         """A BLS call from the model's process: through the data plane; the answer goes back later."""
         if self._child is not None:
-            serve_call(message, self._models, self._child.channel, self._bls_streams)
+            serve_call(message, self._models, self._child.channel, self._bls_streams, self._bls_clients)
 
     def _on_send(self, message: dict[str, Any]) -> None:
         """A streamed response from the model (reader thread): hand it to its request's stream."""
@@ -246,6 +248,7 @@ class IsolatedPythonBackend(Backend):
         assert self._child is not None
         named = [pair for item in batch for pair in item.inputs.items()]
         descs = iter(put(named, self._requests))
+        self._bls_clients = [item.client for item in batch]
         requests = []
         for item in batch:
             request = {

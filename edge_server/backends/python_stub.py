@@ -46,7 +46,7 @@ import numpy as np
 
 from edge_server.backends import python as python_backend
 from edge_server.backends.base import BatchItem, Timing
-from edge_server.backends.python_bls import PipeModels
+from edge_server.backends.python_bls import PipeModels, position
 from edge_server.backends.python_wire import Arena, Channel, ChannelClosed, pack_inline, put, read
 from edge_server.errors import EdgeServerError, ServerShuttingDown
 from edge_server.request import Rescheduled, ResponseSink
@@ -182,8 +182,9 @@ class _Stub:
                 flags=r["f"],
                 timeout_us=r["t"],
                 stream=self._sink(r["k"], r["x"]) if "k" in r else None,
+                client=position(index),  # BLS calls name it; the daemon knows who sent it
             )
-            for r in requests
+            for index, r in enumerate(requests)
         ]
         timing = Timing()
         results = self._backend.execute(items, timing)

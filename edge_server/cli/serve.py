@@ -90,8 +90,8 @@ def add_serve_parser(commands: Any) -> None:
         "--max-client-reply-bytes",
         type=positive,
         default=protocol.DEFAULT_MAX_CLIENT_REPLY_BYTES,
-        help="IPC and gRPC streams: a client (a stream) with more bytes of replies waiting for it (it does "
-        "not read) is disconnected (cancelled)",
+        help="IPC and gRPC streams: bytes of replies one user (uid) may leave unread over all its "
+        "connections and streams; past it the one holding the most is disconnected (cancelled)",
     )
     serve.add_argument(
         "--max-client-requests",

@@ -51,8 +51,9 @@ class IpcFrontend:
     drops the connection of a peer that sends a single frame over twice that (ZMQ_MAXMSGSIZE), so a
     hostile client cannot make the daemon allocate without bound; the ``live`` reply tells clients the
     limit, so that ours refuse such requests before sending them.  ``shm_prefix`` is the only name
-    prefix clients may register shared memory under.  ``max_reply_bytes``: a client with more bytes
-    of replies waiting for it than this (it sends requests and does not read) is disconnected.
+    prefix clients may register shared memory under.  ``max_reply_bytes``: a user with more bytes of
+    replies waiting for it than this (it sends requests and does not read) has its connection holding
+    the most disconnected (``limits``' bound when ``limits`` is given: it counts every frontend).
     """
 
     def __init__(
@@ -77,7 +78,6 @@ class IpcFrontend:
         self.address = address or addresses.default_address()
         self.max_message_bytes = max_message_bytes
         self.drain_timeout = drain_timeout
-        self._peers = PeerTable(probe_interval=probe_interval, max_client_regions=max_client_regions)
         self._handoff: FdHandoff | None = None
         self._wake_fd = -1
         self._wake_lock = threading.Lock()
@@ -87,11 +87,19 @@ class IpcFrontend:
         self._thread: threading.Thread | None = None
         self._stopping = False
         # The daemon's one descriptor budget, shared with its other listeners; alone: one of its own.
-        self._limits = limits or Limits(LimitOptions(max_connections=max_connections or 0))
+        self._limits = limits or Limits(
+            LimitOptions(max_connections=max_connections or 0, max_client_reply_bytes=max_reply_bytes)
+        )
+        self._peers = PeerTable(
+            probe_interval=probe_interval,
+            replies=self._limits.replies,
+            on_over=self._over_reply_budget,
+            max_client_regions=max_client_regions,
+        )
         self.max_connections = self._limits.max_connections
         self.max_regions = self._limits.regions
         self._gate = ConnectionGate(self._limits, self.address)
-        self._replies = Replies(self._peers, self._limits, max_reply_bytes=max_reply_bytes, wake=self._wake)
+        self._replies = Replies(self._peers, self._limits, wake=self._wake)
         self._requests = RequestHandler(
             server,
             self._peers,
@@ -103,6 +111,7 @@ class IpcFrontend:
             max_frames=max_frames,
             max_client_requests=max_client_requests,
             max_requests=max_requests,
+            limits=self._limits,
         )
         self.max_frames = max_frames
         self._socket_file: tuple[int, int] | None = None
@@ -210,6 +219,9 @@ class IpcFrontend:
         self._wake()
 
     # -- the frontend thread --------------------------------------------------------------------
+
+    def _over_reply_budget(self, identity: bytes) -> None:
+        self._replies.recheck_later(identity)
 
     def _wake(self) -> None:
         if threading.current_thread() is self._thread:

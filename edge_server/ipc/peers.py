@@ -13,8 +13,10 @@ ending in :meth:`PeerTable.drop` (unmap every region of that client, cancel its 
 Clients that hold nothing are simply forgotten when idle.  All of it runs on the frontend thread.
 
 Each peer also counts the bytes of replies handed to ZeroMQ that it has not taken yet
-(:class:`ReplyBacklog`): the frontend disconnects a client whose backlog passes
-``--max-client-reply-bytes``, so that one that asks and never reads cannot pin the daemon's memory.
+(:class:`ReplyBacklog`), in its uid's share of the daemon's :class:`~edge_server.reply_budget.ReplyBudget`
+(with the uid's gRPC streams): the frontend disconnects the client that holds the most once its uid
+passes ``--max-client-reply-bytes``, so that one that asks and never reads cannot pin the daemon's
+memory, however many connections it opens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +35,7 @@ from typing import Any
 import zmq
 
 from edge_server.ipc import protocol
+from edge_server.reply_budget import ReplyBudget, ReplyHolder
 from edge_server.request import ClientKey, ResponseSink, client_key
 from edge_server.shm import ClientRegions, Owner, Registry
 
@@ -46,7 +50,7 @@ DISCONNECT_PROBE_DELAY = 0.2
 MARK_EVERY_BYTES = 1 << 20
 
 
-class ReplyBacklog:
+class ReplyBacklog(ReplyHolder):
     """Bytes of replies sent to one client that ZeroMQ still holds (queued, not yet written to it).
 
     ZeroMQ says when a zero-copy frame is freed (pyzmq's ``MessageTracker``), and it writes one
@@ -54,36 +58,54 @@ class ReplyBacklog:
     is gone too.  Replies with a frame of at least ZeroMQ's copy threshold are sent zero-copy and
     tracked anyway; among small replies (copied by ZeroMQ) one in every :data:`MARK_EVERY_BYTES` gets
     a tracked header.  The backlog is then exact to within that, at the cost of one tracker per MiB.
+    What is freed is learnt when :meth:`pending` looks, so the budget may count a little too much
+    until then (the frontend looks before it cuts anyone off).
     """
 
-    __slots__ = ("_marks", "sent", "freed", "_since_mark")
-
-    def __init__(self) -> None:
+    def __init__(
+        self, budget: ReplyBudget, uid: int, identity: bytes, on_over: Callable[[bytes], None]
+    ) -> None:
+        super().__init__(uid)
+        self._budget = budget
+        self.identity = identity
+        self._on_over = on_over
+        self.recheck_queued = False  # the frontend thread was asked to look at this client's uid
         self._marks: collections.deque[tuple[zmq.MessageTracker, int]] = collections.deque()
         self.sent = 0  # bytes of replies handed to ZeroMQ
         self.freed = 0  # of which ZeroMQ has freed at least this many
         self._since_mark = 0
 
+    def over_budget(self, why: str) -> None:
+        if not self.recheck_queued:  # the frontend thread looks again and cuts it off if still over
+            self.recheck_queued = True
+            self._on_over(self.identity)
+
     def wants_mark(self, nbytes: int) -> bool:
         """Whether the next reply (of ``nbytes``) should carry a tracked frame although it is small."""
         return self._since_mark + nbytes >= MARK_EVERY_BYTES
 
-    def sent_reply(self, nbytes: int, tracker: zmq.MessageTracker | None) -> None:
+    def sent_reply(self, nbytes: int, tracker: zmq.MessageTracker | None) -> bool:
+        """Count a reply handed to ZeroMQ; True: its uid now holds more than the budget allows."""
         self.sent += nbytes
         if tracker is None:
             self._since_mark += nbytes
         else:
             self._since_mark = 0
             self._marks.append((tracker, self.sent))
+        return self._budget.add(self, nbytes)
 
     def pending(self) -> int:
         """Bytes still held for this client (at most :data:`MARK_EVERY_BYTES` over the truth)."""
         marks = self._marks
+        freed = self.freed
         while marks and marks[0][0].done:
-            self.freed = marks.popleft()[1]
+            freed = marks.popleft()[1]
         if not marks:
-            self.freed = self.sent - self._since_mark
-        return self.sent - self.freed
+            freed = self.sent - self._since_mark
+        if freed != self.freed:
+            self._budget.sent(self, freed - self.freed)
+            self.freed = freed
+        return self.sent - freed
 
     def __bool__(self) -> bool:
         """Whether a tracked reply is still held (small untracked rest: not enough to keep a peer)."""
@@ -96,9 +118,9 @@ class Peer:
     identity: bytes
     registry: ClientRegions  # its shared-memory regions: owned by its uid and this connection
     last_seen: float
+    backlog: ReplyBacklog  # its replies ZeroMQ still holds, in its uid's reply budget
     in_flight: set[Future] = field(default_factory=set)
     streams: dict[Any, ResponseSink] = field(default_factory=dict)  # open streams by request id
-    backlog: ReplyBacklog = field(default_factory=ReplyBacklog)
     #: its connection (ZMQ_SRCFD and the socket's inode, to be sure the number was not reused);
     #: None: not asked yet, (-1, -1): libzmq did not say
     connection: tuple[int, int] | None = None
@@ -113,10 +135,23 @@ class Peer:
 
 
 class PeerTable:
+    """The IPC clients known.
+
+    ``replies``: the daemon's reply budget; ``on_over``: a client's uid went over it (called with the
+    identity of the client holding the most, on any thread).
+    """
+
     def __init__(
-        self, *, probe_interval: float, max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS
+        self,
+        *,
+        probe_interval: float,
+        replies: ReplyBudget,
+        on_over: Callable[[bytes], None],
+        max_client_regions: int = protocol.DEFAULT_MAX_CLIENT_REGIONS,
     ) -> None:
         self._probe_interval = probe_interval
+        self._replies = replies
+        self._on_over = on_over
         # Every IPC client's regions, each owned by its connection; the daemon-wide bound is the
         # descriptor budget (set when the frontend starts).
         self.shm = Registry(max_regions=1 << 30, max_per_user=None, max_per_client=max_client_regions)
@@ -158,6 +193,7 @@ class PeerTable:
                 identity=identity,
                 registry=self.shm.client(owner),
                 last_seen=now,
+                backlog=ReplyBacklog(self._replies, uid, identity, self._on_over),
                 connection=connection,
                 uid=uid,
                 client=client_key(uid, identity),
@@ -169,6 +205,10 @@ class PeerTable:
 
     def find(self, identity: bytes) -> Peer | None:
         return self._peers.get(identity)
+
+    def of_uid(self, uid: int | None) -> list[Peer]:
+        """The clients of ``uid`` (None: those whose uid is unknown)."""
+        return [p for p in self._peers.values() if p.backlog.uid == uid]
 
     def busy(self) -> bool:
         """Whether any client still waits for a reply."""
@@ -182,6 +222,7 @@ class PeerTable:
         peer = self._peers.pop(identity, None)
         if peer is None:
             return []
+        self._replies.leave(peer.backlog)  # ZeroMQ frees what it still holds with the connection
         self.requests -= len(peer.in_flight) + len(peer.streams)
         cancelled = sum(1 for f in list(peer.in_flight) if f.cancel())
         for stream in peer.streams.values():
@@ -229,13 +270,15 @@ class PeerTable:
             if not peer.holds_state:
                 if peer.last_seen < idle_before:
                     del self._peers[identity]
+                    self._replies.leave(peer.backlog)
                 continue
             if probe_all or peer.last_seen < idle_before:
                 due.append(identity)
         return due
 
     def total_backlog(self) -> int:
-        return sum(p.backlog.pending() for p in list(self._peers.values()))
+        """Bytes of replies ZeroMQ holds for every client, as last looked (any thread: no refresh)."""
+        return sum(p.backlog.unsent for p in list(self._peers.values()))
 
     def close(self) -> None:
         for identity in list(self._peers):

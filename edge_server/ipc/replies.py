@@ -1,14 +1,16 @@
-"""Replies to IPC clients: queued from any thread, sent by the frontend thread, bounded per client.
+"""Replies to IPC clients: queued from any thread, sent by the frontend thread, bounded per user.
 
 Requests complete on scheduler threads, whose done-callbacks encode the reply there and :meth:`Replies.put`
 it; the frontend thread sends what is queued each loop turn (ZeroMQ sockets are not thread-safe).
 Sends are non-blocking, and each client's backlog of replies handed to ZeroMQ and not yet taken is
-counted (:class:`~edge_server.ipc.peers.ReplyBacklog`): a client that stops reading is disconnected
-once it passes ``max_reply_bytes`` (or loses replies past ZeroMQ's 10,000-message queue), instead of
-stalling everyone or pinning the daemon's memory.  A vanished client is noticed (ZMQ_ROUTER_MANDATORY)
-and its state released.  Clients are also cut off here after a message over the frame limit, once
-its error reply has left.  Either way their uid is penalized in the daemon's budget
-(:meth:`~edge_server.limits.Limits.penalize`), and the heap is trimmed once their buffers are freed.
+counted (:class:`~edge_server.ipc.peers.ReplyBacklog`) in its uid's share of the daemon's reply budget
+(:class:`~edge_server.reply_budget.ReplyBudget`, with the uid's gRPC streams): once the uid passes
+``--max-client-reply-bytes`` the client holding the most is disconnected (a client also loses replies
+past ZeroMQ's 10,000-message queue), instead of stalling everyone or pinning the daemon's memory.
+A vanished client is noticed (ZMQ_ROUTER_MANDATORY) and its state released.  Clients are also cut
+off here after a message over the frame limit, once its error reply has left.  Either way their uid
+is penalized in the daemon's budget (:meth:`~edge_server.limits.Limits.penalize`), and the heap is
+trimmed once their buffers are freed.
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ import zmq
 
 from edge_server.ipc import protocol, zmqio
 from edge_server.ipc.admission import refuse_connection
-from edge_server.ipc.peers import Peer, PeerTable, connection_of, connection_uid, same_connection
+from edge_server.ipc.peers import (
+    Peer,
+    PeerTable,
+    ReplyBacklog,
+    connection_of,
+    connection_uid,
+    same_connection,
+)
 from edge_server.limits import Limits
+from edge_server.reply_budget import ReplyBudget
 from edge_server.request import ResponseSink
 
 log = logging.getLogger(__name__)
@@ -37,6 +47,8 @@ _SNDMORE = int(zmq.SNDMORE)
 #: A connection cut off for a message over the frame limit is closed this long after its error reply was
 #: handed to ZeroMQ, so that the reply leaves first.
 CUT_OFF_DELAY_S = 0.2
+#: A queued entry that asks the frontend thread to look at a client's uid against the reply budget.
+_RECHECK = object()
 
 
 class Replies:
@@ -45,12 +57,10 @@ class Replies:
     ``wake`` wakes the frontend thread after a reply was queued from another thread.
     """
 
-    def __init__(
-        self, peers: PeerTable, limits: Limits, *, max_reply_bytes: int, wake: Callable[[], None]
-    ) -> None:
+    def __init__(self, peers: PeerTable, limits: Limits, *, wake: Callable[[], None]) -> None:
         self._peers = peers
         self._limits = limits
-        self.max_reply_bytes = max_reply_bytes
+        self._budget: ReplyBudget = limits.replies
         self._wake = wake
         self._pack = protocol.packer()  # the frontend thread's own
         # (client, frames, the request it answers or None, the stream id when that is a stream's end)
@@ -82,6 +92,10 @@ class Replies:
         self._queued.append((identity, frames, done, stream))
         self._wake()
 
+    def recheck_later(self, identity: bytes) -> None:
+        """From any thread: ``identity``'s uid went over the reply budget; look again on this thread."""
+        self.put(identity, [], None, _RECHECK)
+
     def queue(self, identity: bytes, header: dict[str, Any]) -> None:
         """Queue a header-only reply on the frontend thread (sent in this loop turn)."""
         self._queued.append((identity, [self._pack(header)], None, None))
@@ -101,6 +115,9 @@ class Replies:
                 self._peers.settle(peer, done, stream)
             if frames:
                 self.send(sock, identity, frames, peer)
+            elif stream is _RECHECK and peer is not None:
+                peer.backlog.recheck_queued = False
+                self._enforce(peer.uid)
 
     def send(self, sock: zmq.Socket, identity: bytes, frames: list[Any], peer: Peer | None = None) -> None:
         """Send one reply now, counted in ``peer``'s backlog when given."""
@@ -137,7 +154,8 @@ class Replies:
         backlog = peer.backlog
         if tracked < 0 and not backlog.wants_mark(nbytes):
             zmqio.send_frames(sock, [peer.identity, *frames], _NOBLOCK)
-            backlog.sent_reply(nbytes, None)
+            if backlog.sent_reply(nbytes, None):
+                self._enforce(peer.uid)
             return
         if tracked < 0:  # a small reply that marks the backlog: its header goes zero-copy, tracked
             tracked = 0
@@ -152,13 +170,34 @@ class Replies:
                 tracker = send(sock, frame, flags, track=True)
             else:
                 send(sock, frame, flags)
-        backlog.sent_reply(nbytes, tracker)
-        if backlog.sent - backlog.freed > self.max_reply_bytes:
-            pending = backlog.pending()
-            if pending > self.max_reply_bytes:
-                self._disconnect_slow(peer, pending)
+        if backlog.sent_reply(nbytes, tracker):
+            self._enforce(peer.uid)
 
     # -- cutting clients off ----------------------------------------------------------------------
+
+    def _enforce(self, uid: int) -> None:
+        """``uid`` may hold more unsent replies than the budget allows: cut off who holds the most.
+
+        Its clients' backlogs are looked at first (ZeroMQ may have freed replies since they were
+        counted); a gRPC stream of the uid that holds the most is told to stop, on its own threads.
+        """
+        budget = self._budget
+        key = None if uid < 0 else uid
+        if not budget.over(key):
+            return
+        peers = self._peers.of_uid(key)
+        for peer in peers:
+            peer.backlog.pending()
+        for _ in range(len(peers) + 1):
+            if not budget.over(key):
+                return
+            heaviest = budget.heaviest(key)
+            client = self._peers.find(heaviest.identity) if isinstance(heaviest, ReplyBacklog) else None
+            if client is None or client.backlog is not heaviest:
+                if heaviest is not None:
+                    heaviest.over_budget(budget.why)  # a gRPC stream: it stops on its own
+                return
+            self._disconnect_slow(client, heaviest.unsent)
 
     def _disconnect_slow(self, peer: Peer, pending: int) -> None:
         """Shut down the connection of a client that does not read; ZeroMQ then frees its replies.
@@ -168,14 +207,13 @@ class Replies:
         burst of memory before the cut-off.
         """
         self.slow_clients += 1
-        why = f"left over {self.max_reply_bytes} bytes of IPC replies unread (--max-client-reply-bytes)"
-        self._limits.penalize(None if peer.uid < 0 else peer.uid, why)
+        self._limits.penalize(None if peer.uid < 0 else peer.uid, self._budget.why)
         log.warning(
-            "client %s is not reading its replies: %d bytes wait for it, over --max-client-reply-bytes "
-            "(%d); disconnecting it",
+            "client %s is not reading its replies: %d bytes wait for it, its uid is over "
+            "--max-client-reply-bytes (%d); disconnecting it",
             peer.identity.hex(),
             pending,
-            self.max_reply_bytes,
+            self._budget.max_bytes,
         )
         if peer.connection is not None and same_connection(peer.connection):
             refuse_connection(peer.connection[0])

@@ -1,7 +1,9 @@
 """What the IPC frontend does with one received message: check it, decode it, hand it on, reply.
 
 Checks come before memory is spent: the frame count, the header's size and the message's size, then
-the client's and the daemon's in-flight limits, and only then the tensors are decoded.  Inference
+the client's and the daemon's in-flight limits, and the message's bytes in its uid's (and the
+daemon's) body budget, which HTTP bodies count in too (:meth:`~edge_server.limits.Limits.reserve`:
+held until the request is answered, when its inputs are let go); only then the tensors are decoded.  Inference
 goes to the data plane; load and unload may take seconds, so they run on a small control executor,
 never on the frontend thread; everything else is answered at once.  Requests complete on scheduler
 threads, whose done-callbacks encode the reply there (including the copy of an output into the
@@ -31,6 +33,7 @@ from edge_server.ipc import handlers, protocol
 from edge_server.ipc.handoff import FdHandoff
 from edge_server.ipc.peers import Peer, PeerTable
 from edge_server.ipc.replies import Replies
+from edge_server.limits import Limits
 from edge_server.request import InferRequest, ResponseSink
 from edge_server.scheduler import inline
 
@@ -62,8 +65,10 @@ class RequestHandler:
         max_frames: int,
         max_client_requests: int,
         max_requests: int,
+        limits: Limits,
     ) -> None:
         self.server = server
+        self._limits = limits
         self._dataplane = server.dataplane
         self._peers = peers
         self._replies = replies
@@ -128,10 +133,10 @@ class RequestHandler:
                 op = protocol.field(header, "op", str)
             peer = self._peers.get(identity, head)
             if op == "infer":
-                self._infer(sock, peer, identity, header, frames[2:])
+                self._infer(sock, peer, identity, header, frames[2:], total)
                 return
             if op == "stream":
-                self._stream(peer, identity, rid, header, frames[2:])
+                self._stream(peer, identity, rid, header, frames[2:], total)
                 return
             if len(frames) > 2:
                 raise MalformedMessage(f"operation {op!r} takes no tensor frames, got {len(frames) - 2}")
@@ -178,30 +183,52 @@ class RequestHandler:
                 f"the daemon has {self.max_requests} requests in flight, its limit (--max-requests)"
             )
 
-    def _infer(self, sock: zmq.Socket, peer: Peer, identity: bytes, header: dict, frames: list) -> None:
+    def _reserve(self, peer: Peer, nbytes: int) -> Callable[[], None]:
+        """Count a request's ``nbytes`` in its uid's body budget; the callable gives them back."""
+        return self._limits.hold(None if peer.uid < 0 else peer.uid, nbytes).release
+
+    def _infer(
+        self, sock: zmq.Socket, peer: Peer, identity: bytes, header: dict, frames: list, nbytes: int
+    ) -> None:
         self._admit(peer)
-        request, ctx = _decode(peer, header, frames)
-        future = self._dataplane.run_here(request, inline.FRONTEND)
+        release = self._reserve(peer, nbytes)
+        try:
+            request, ctx = _decode(peer, header, frames)
+            future = self._dataplane.run_here(request, inline.FRONTEND)
+        except BaseException:
+            release()
+            raise
         if future.done():  # it ran on this thread: answer now (its error raises), nothing to track
+            release()
             self._replies.send(sock, identity, handlers.encode_result(ctx, future.result(), self._pack), peer)
             return
         self._peers.track(peer, future)
-        future.add_done_callback(partial(self._infer_done, identity, ctx))
+        future.add_done_callback(partial(self._infer_done, identity, ctx, release))
 
-    def _stream(self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list) -> None:
+    def _stream(
+        self, peer: Peer, identity: bytes, rid: int | str | None, header: dict, frames: list, nbytes: int
+    ) -> None:
         self._admit(peer)
-        request, ctx = _decode(peer, header, frames)
-        if ctx.shm_outputs:
-            raise InvalidArgument("the responses of a stream travel inline; leave out 'shm' in 'outputs'")
-        if rid is None or rid in peer.streams:
-            raise MalformedMessage("a stream needs an 'id' of its own, not one of a stream still open")
-        sink = IpcStream(self._replies, identity, ctx)
-        self._dataplane.stream(request, sink)
+        release = self._reserve(peer, nbytes)
+        try:
+            request, ctx = _decode(peer, header, frames)
+            if ctx.shm_outputs:
+                raise InvalidArgument("the responses of a stream travel inline; leave out 'shm' in 'outputs'")
+            if rid is None or rid in peer.streams:
+                raise MalformedMessage("a stream needs an 'id' of its own, not one of a stream still open")
+            sink = IpcStream(self._replies, identity, ctx, release)
+            self._dataplane.stream(request, sink)
+        except BaseException:
+            release()
+            raise
         # Even if it already finished: its final reply is taken off on this thread, after this.
         self._peers.track(peer, (rid, sink))
 
-    def _infer_done(self, identity: bytes, ctx: handlers.InferContext, future: Future) -> None:
+    def _infer_done(
+        self, identity: bytes, ctx: handlers.InferContext, release: Callable[[], None], future: Future
+    ) -> None:
         """Runs on the scheduler thread that finished the request: encode here, send on the frontend."""
+        release()  # the request's inputs are let go: its body no longer counts
         self._replies.put(identity, _reply_frames(ctx, future), future)
 
     def _control_done(self, identity: bytes, rid: int | str | None, future: Future) -> None:
@@ -231,13 +258,19 @@ def _reply_frames(ctx: handlers.InferContext, future: Future) -> list[Any]:
 
 
 class IpcStream(ResponseSink):
-    """The responses of one ``stream`` request, encoded on the model's thread and sent by the frontend."""
+    """The responses of one ``stream`` request, encoded on the model's thread and sent by the frontend.
 
-    def __init__(self, replies: Replies, identity: bytes, ctx: handlers.InferContext) -> None:
+    ``release`` gives the request's body back to the budget at its final response (delivered or not).
+    """
+
+    def __init__(
+        self, replies: Replies, identity: bytes, ctx: handlers.InferContext, release: Callable[[], None]
+    ) -> None:
         super().__init__()
         self.replies = replies
         self.identity = identity
         self.ctx = ctx
+        self.on_final = release
 
     def deliver(self, outputs: dict[str, Any] | None, error: EdgeServerError | None, final: bool) -> None:
         rid = self.ctx.rid

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+GRPC_ACCEPT_ENV = "EDGE_SERVER_GRPC_ACCEPT"
+
 
 @dataclass(frozen=True)
 class KServeOptions:
@@ -36,6 +39,9 @@ class KServeOptions:
     allow_client_shm: bool = False
     log_verbose: int | None = None  # --log-verbose and --log-format, as /v2/logging reports them
     log_format: str = "default"
+    #: the daemon accepts gRPC's connections and hands them to grpc (edge_server.kserve.grpc_accept);
+    #: EDGE_SERVER_GRPC_ACCEPT=grpc lets grpc accept by itself, should it ever misserve handed ones
+    grpc_own_accept: bool = True
 
 
 def add_kserve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +80,7 @@ def kserve_options(args: Any) -> KServeOptions:
         allow_client_shm=args.allow_client_shm,
         log_verbose=getattr(args, "log_verbose", None),
         log_format=getattr(args, "log_format", "default"),
+        grpc_own_accept=os.environ.get(GRPC_ACCEPT_ENV, "daemon") != "grpc",
     )
 
 
@@ -136,6 +143,7 @@ class KServeFrontends:
                 port=options.grpc_port,
                 max_message_bytes=self.max_message_bytes,
                 limits=self.limits,
+                own_accept=options.grpc_own_accept,
             )
             self.grpc.start()
             host = loopback(self.grpc.host)

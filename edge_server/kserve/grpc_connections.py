@@ -1,18 +1,34 @@
-"""A per-user cap on the gRPC server's connections, which grpcio accepts on its own threads.
+"""A per-user cap on the gRPC server's connections, for when grpcio accepts on its own threads.
 
-grpcio takes only a total (``grpc.max_allowed_incoming_connections``): it cannot be handed accepted
-descriptors (the C core's ``grpc_server_add_channel_from_fd`` is not exported by the Python package,
-whose extension module exports nothing but its init function), and it never tells who connected
-before a call arrives.  So one local user holding the total with idle connections that sent HTTP/2's
-preface (the handshake timeout closes those that did not) turned every other client away.
+The daemon normally accepts the gRPC port itself and counts every connection in its budget
+(:mod:`edge_server.kserve.grpc_accept`).  Where it cannot (grpc's handler missing or not answering, or
+``EDGE_SERVER_GRPC_ACCEPT=grpc``), grpcio accepts and takes only a total
+(``grpc.max_allowed_incoming_connections``), and never tells who connected before a call arrives; so one
+local user holding the total with idle connections that sent HTTP/2's preface (the handshake timeout
+closes those that did not) would turn every other client away.  This module keeps the per-user cap then.
 
 The kernel knows both ends of a loopback connection: the client's socket, owned by its uid, and the
-daemon's, by its inode.  :class:`ConnectionCap` reads the socket tables (``/proc/net/tcp{,6}``) every
-``interval`` seconds, pairs each connection to the gRPC port with its client's uid, and shuts down
-(``shutdown(2)`` on the daemon's descriptor, which grpc then closes as after any peer reset) the
-newest connections of a user past its cap.  Connections from other hosts have no uid here and obey
-only the total.  A descriptor is matched to its socket by inode on a duplicate of it, so a number
-that grpc closed and reused meanwhile is never touched.
+daemon's, by its inode.  :class:`ConnectionCap` asks the kernel for the sockets of the gRPC port
+whenever the host's count of TCP sockets changes, checked every :data:`TICK_S` (``sock_diag`` netlink,
+filtered by port in the kernel: well under a millisecond with thousands of sockets on the host; where
+it is missing, the text tables ``/proc/net/tcp{,6}`` every :data:`SLOW_INTERVAL_S`, ~10 ms per 2,000
+sockets), pairs each connection with its client's uid, and shuts down (``shutdown(2)`` on the
+daemon's descriptor, which grpc then closes as after any peer reset) the connections of a user past
+its cap.  Connections from other hosts have no uid here and obey only the total.  A descriptor is
+matched to its socket by inode on a duplicate of it, so a number that grpc closed and reused
+meanwhile is never touched.
+
+Between two looks a user can fill grpc's total, and every other client's new connection is refused
+then (grpc core accepts and closes it; grpc clients wait about a second before they try again).  So
+the look is frequent, and a user found over its cap is penalized
+(:meth:`~edge_server.limits.Limits.penalize`): while the penalty lasts every one of its gRPC connections
+is shut down at each look, and the other listeners refuse it at accept, so that reconnecting at once
+does not let it hold the total either.
+
+Reading the text tables costs what the whole host holds (the kernel prints every socket: on a box
+with 8,400 of them a pass took 25-30 ms of CPU with the GIL held), hence sock_diag, which filters by
+port in the kernel; where only the tables are left, a pass first counts the daemon's own sockets
+(:func:`sockets_held`) and reads them only when that count is past the cap.
 """
 
 from __future__ import annotations
@@ -21,15 +37,23 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import defaultdict
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
+
+from edge_server.kserve import sock_diag
+from edge_server.kserve.sock_diag import Socket
+from edge_server.limits import Limits
 
 log = logging.getLogger(__name__)
 
-ESTABLISHED = "01"
-MAPPED = "0000000000000000FFFF0000"  # an IPv4 address in tcp6 (grpc listens on 127.0.0.1 that way)
-LISTEN = "0A"
-INTERVAL_S = 0.5
+ESTABLISHED = 1  # TCP states as the kernel numbers them
+LISTEN = 10
+TIME_WAIT = 6
+MAPPED_TEXT = "0000000000000000FFFF0000"  # an IPv4 address in /proc/net/tcp6 (::ffff:a.b.c.d)
+TICK_S = 0.02
+SLOW_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,49 +64,109 @@ class Link:
     uid: int
 
 
-def _rows(proc_net: str) -> list[list[str]]:
-    rows = []
+def tcp_sockets(proc_net: str = "/proc/self/net") -> int:
+    """TCP sockets in use on the host, both families (``sockstat``: one small read, ~20 us)."""
+    total = 0
+    for name in ("sockstat", "sockstat6"):
+        try:
+            with open(os.path.join(proc_net, name)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            fields = line.split()
+            if fields[:1] in (["TCP:"], ["TCP6:"]) and "inuse" in fields:
+                total += int(fields[fields.index("inuse") + 1])
+    return total
+
+
+def _diag_sockets(port: int) -> Iterator[Socket]:
+    """The host's TCP sockets whose local or remote port is ``port``, both families (sock_diag)."""
+    states = sock_diag.ALL_STATES & ~((1 << LISTEN) | (1 << TIME_WAIT))
+    bytecode = sock_diag.port_filter(port)
+    for family in (socket.AF_INET, socket.AF_INET6):
+        yield from sock_diag.sockets(family, states=states, bytecode=bytecode)
+
+
+def _table_sockets(proc_net: str) -> Iterator[Socket]:
+    """The same from the text tables (``/proc/net/tcp{,6}``: every socket of the host, as text)."""
     for table in ("tcp", "tcp6"):
         try:
             with open(os.path.join(proc_net, table)) as f:
                 next(f, None)
-                rows += [line.split() for line in f]
+                lines = [line.split() for line in f]
         except OSError:
             continue
-    return rows
+        for row in lines:
+            if len(row) < 10:
+                continue
+            local, lport = _text_endpoint(row[1])
+            remote, rport = _text_endpoint(row[2])
+            yield Socket(int(row[3], 16), local, lport, remote, rport, int(row[7]), int(row[9]))
 
 
-def _endpoint(text: str) -> str:
-    """``ADDRESS:PORT`` as the table prints it, an IPv4-mapped IPv6 address as its IPv4 form."""
-    return text[len(MAPPED) :] if text.startswith(MAPPED) else text
+def _text_endpoint(text: str) -> tuple[bytes, int]:
+    """``ADDRESS:PORT`` as the table prints it; an IPv4-mapped IPv6 address as its IPv4 form."""
+    address, port = text.split(":")
+    return address.removeprefix(MAPPED_TEXT).encode(), int(port, 16)
 
 
-def links(port: int, proc_net: str = "/proc/net") -> list[Link]:
-    """The connections to ``port`` on this host whose client end is on this host too."""
-    suffix = f":{port:04X}"
-    server: dict[tuple[str, str], int] = {}  # (client address, server address) -> the daemon's inode
-    client: dict[tuple[str, str], int] = {}  # the same key -> the client's uid
-    for row in _rows(proc_net):
-        if len(row) < 10 or row[3] == LISTEN:
+def links(port: int, proc_net: str | None = None) -> list[Link]:
+    """The connections to ``port`` on this host whose client end is on this host too.
+
+    From sock_diag; from the text tables in ``proc_net`` when given or when sock_diag is missing.
+    """
+    if proc_net is None:
+        try:
+            return _pair(_diag_sockets(port), port)
+        except OSError:
+            proc_net = "/proc/net"
+    return _pair(_table_sockets(proc_net), port)
+
+
+def _pair(found: Iterable[Socket], port: int) -> list[Link]:
+    server: dict[tuple[bytes, int, bytes], int] = {}  # (client address, its port, server address): inode
+    client: dict[tuple[bytes, int, bytes], int] = {}  # the same key: the client's uid
+    for sock in found:
+        if sock.state == LISTEN:
             continue
-        local, remote = _endpoint(row[1]), _endpoint(row[2])
-        if local.endswith(suffix):
-            server[(remote, local)] = int(row[9])
-        elif remote.endswith(suffix) and row[3] == ESTABLISHED:
-            client[(local, remote)] = int(row[7])
+        if sock.local_port == port:
+            server[(sock.remote, sock.remote_port, sock.local)] = sock.inode
+        elif sock.remote_port == port and sock.state == ESTABLISHED:
+            client[(sock.local, sock.local_port, sock.remote)] = sock.uid
     return [Link(inode, client[key]) for key, inode in server.items() if key in client and inode]
 
 
-def over_cap(found: list[Link], cap: int) -> list[Link]:
-    """Each user's connections past ``cap``, newest first (a larger inode is a later socket)."""
+def over_cap(found: list[Link], cap: int, penalized: Collection[int] = ()) -> list[Link]:
+    """Each user's connections past ``cap``, newest first (a larger inode is a later socket).
+
+    A ``penalized`` user keeps none.
+    """
     by_uid: dict[int, list[Link]] = defaultdict(list)
     for link in found:
         by_uid[link.uid].append(link)
     excess: list[Link] = []
-    for held in by_uid.values():
-        if len(held) > cap:
-            excess += sorted(held, key=lambda link: link.inode)[cap:]
+    for uid, held in by_uid.items():
+        keep = 0 if uid in penalized else cap
+        if len(held) > keep:
+            excess += sorted(held, key=lambda link: link.inode)[keep:]
     return excess
+
+
+def sockets_held(fd_dir: str = "/proc/self/fd") -> int:
+    """How many of this process's descriptors are sockets (of any kind: an upper bound on gRPC's)."""
+    held = 0
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return -1  # not known: the caller reads the tables
+    for name in names:
+        try:
+            if os.readlink(os.path.join(fd_dir, name)).startswith("socket:["):
+                held += 1
+        except OSError:
+            continue
+    return held
 
 
 def shut_down(inodes: set[int], fd_dir: str = "/proc/self/fd") -> int:
@@ -124,11 +208,12 @@ def shut_down(inodes: set[int], fd_dir: str = "/proc/self/fd") -> int:
 class ConnectionCap:
     """Keeps each local user at ``cap`` connections to ``port`` (see the module docstring)."""
 
-    def __init__(self, port: int, cap: int, interval: float = INTERVAL_S) -> None:
-        self.port, self.cap, self.interval = port, max(1, cap), interval
+    def __init__(self, port: int, cap: int, limits: Limits, *, tick: float = TICK_S) -> None:
+        self.port, self.cap, self.limits, self.tick = port, max(1, cap), limits, tick
         self.shed = 0  # connections shut down so far
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="edge-grpc-connections", daemon=True)
+        self._diag = True  # sock_diag answers (else the text tables, every SLOW_INTERVAL_S)
 
     def start(self) -> None:
         self._thread.start()
@@ -139,25 +224,57 @@ class ConnectionCap:
             self._thread.join(timeout=5)
 
     def check(self) -> int:
-        """One pass: shut down what is over the cap; returns how many."""
-        excess = over_cap(links(self.port), self.cap)
+        """One look: penalize users over the cap, shut down what they may not hold; returns how many."""
+        found = self._links()
+        held: dict[int, int] = defaultdict(int)
+        for link in found:
+            held[link.uid] += 1
+        penalized = {uid for uid in held if self.limits.penalty(uid) is not None}
+        for uid in sorted(held.keys() - penalized):
+            if held[uid] > self.cap:
+                self.limits.penalize(uid, f"held {held[uid]} gRPC connections, more than {self.cap}")
+                if self.limits.penalty(uid) is not None:  # the daemon's own uid is never penalized
+                    penalized.add(uid)
+                log.warning(
+                    "gRPC: uid %d held %d connections, more than %d (--max-client-connections, at most "
+                    "half of gRPC's share): shutting them down%s",
+                    uid,
+                    held[uid],
+                    self.cap,
+                    ", all of them while its penalty lasts" if uid in penalized else "",
+                )
+        excess = over_cap(found, self.cap, penalized)
         if not excess:
             return 0
         done = shut_down({link.inode for link in excess})
         self.shed += done
-        uids = sorted({link.uid for link in excess})
-        log.warning(
-            "gRPC: uid %s held more than %d connections (--max-client-connections, at most half of "
-            "gRPC's share): shut down %d",
-            ", ".join(map(str, uids)),
-            self.cap,
-            done,
-        )
         return done
 
+    def _links(self) -> list[Link]:
+        if self._diag:
+            try:
+                return _pair(_diag_sockets(self.port), self.port)
+            except OSError as exc:
+                log.warning("gRPC connection cap: sock_diag failed (%s); reading /proc/net/tcp instead", exc)
+                self._diag = False
+        if 0 <= sockets_held() <= self.cap:  # nobody can be over it: the tables are not read
+            return []
+        return links(self.port, "/proc/net")
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        """Look when the host's count of TCP sockets changed since the last look, else every 0.5 s.
+
+        Any change, not only a rise: while grpc closes what was shut down, a user reconnecting at once
+        leaves the count flat or falling.  The count is cheap (:func:`tcp_sockets`); with the text
+        tables, look only every :data:`SLOW_INTERVAL_S`.
+        """
+        base, due = -1, 0.0
+        while not self._stop.wait(self.tick if self._diag else SLOW_INTERVAL_S):
+            count = tcp_sockets()
+            if self._diag and count == base and time.monotonic() < due:
+                continue
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - the watcher never dies; the total cap still holds
                 log.exception("gRPC connection cap: check failed")
+            base, due = tcp_sockets(), time.monotonic() + SLOW_INTERVAL_S

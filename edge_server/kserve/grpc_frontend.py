@@ -1,12 +1,18 @@
 """The KServe v2 gRPC frontend: Triton's ``GRPCInferenceService`` on grpcio's threaded server.
 
 This module runs the server (options, registration, start and stop, the worker accounting); the RPCs
-are in edge_server.kserve.grpc_servicer, ``ModelStreamInfer`` in edge_server.kserve.grpc_stream, and the
-per-user connection cap grpcio lacks in edge_server.kserve.grpc_connections.
+are in edge_server.kserve.grpc_servicer, ``ModelStreamInfer`` in edge_server.kserve.grpc_stream.  The
+port's connections are accepted and counted by the daemon (edge_server.kserve.grpc_accept); where that
+cannot be, grpc accepts with a total and edge_server.kserve.grpc_connections keeps the per-user cap.
 
 Why the threaded server and not grpc.aio: a unary call costs less (a bare server answering
 ``ModelInfer`` with a canned response, called by tritonclient: 377 against 446 us with or without
 uvloop, one interleaved run on the 2-core VM), and the data plane is synchronous anyway.
+
+Neither matches Triton's C++ frontend on a small call: a ``ServerLive`` costs grpcio's thread-pool
+server about 260 us of CPU and 410 us end to end, Triton 80 and 220, and ours what the bare server's
+costs (bench/bench_kserve_cost.py; docs/benchmarks.md).  That floor, not the handler, is what the
+tiny gRPC row lacks against Triton.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edge_server.errors import AddressInUse, TooManyRequests
+from edge_server.kserve.grpc_accept import PORT_NAME, ExternalPort, GrpcAcceptor
 from edge_server.kserve.grpc_connections import ConnectionCap
 from edge_server.kserve.grpc_servicer import Servicer
 from edge_server.kserve.grpc_wire import parse_infer_request
+from edge_server.kserve.probes import loopback
 from edge_server.kserve.service import KServeService
 from edge_server.limits import Limits
 
@@ -34,6 +42,8 @@ MAX_WORKERS = 128  # calls served at once (an open stream counts as one); more w
 RESERVED_WORKERS = 8
 #: Connections the gRPC server may hold, set aside from the daemon's budget (grpcio accepts by itself).
 GRPC_CONNECTIONS = 512
+#: How long the start waits for grpc to answer on a connection the daemon handed it.
+SELF_TEST_S = 10.0
 
 
 def server_options(
@@ -41,11 +51,10 @@ def server_options(
 ) -> list[tuple[str, Any]]:
     """The server's options: message bounds, no port sharing; with ``limits``, its connections bounded.
 
-    grpcio accepts on its own threads, so the daemon's budget cannot refuse there: the server gets a
-    fixed share of it (``connections``, refused by grpc core at accept), a connection that has not sent
-    HTTP/2's preface and settings within the header timeout is closed, and so is one without a call for
-    the idle timeout.  The per-user cap grpcio has no option for is kept by
-    :class:`~edge_server.kserve.grpc_connections.ConnectionCap`.
+    ``connections`` is grpc core's own total (refused at its accept): the whole budget as a backstop when
+    the daemon accepts and counts every connection itself, a share set aside from it when grpc accepts.
+    A connection that has not sent HTTP/2's preface and settings within the header timeout is closed,
+    and so is one without a call for the idle timeout.
 
     Flow-control and latency options (``grpc.http2.lookahead_bytes`` 16 MiB, ``grpc.http2.bdp_probe``
     off, ``grpc.optimization_target`` latency) changed nothing measurable on a bare grpcio server
@@ -98,6 +107,17 @@ def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
     server.add_registered_method_handlers(captured.name, handlers)
 
 
+def _answers(host: str, port: int) -> bool:
+    """Whether ``ServerLive`` is answered on ``host:port`` (a new connection) within :data:`SELF_TEST_S`."""
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            return bool(stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=SELF_TEST_S).live)
+        except grpc.RpcError:
+            return False
+
+
 class GrpcFrontend:
     """Runs the servicer on grpcio's threaded server; ``port`` 0 picks a free one."""
 
@@ -111,6 +131,7 @@ class GrpcFrontend:
         drain_timeout: float = 5.0,
         max_workers: int = MAX_WORKERS,
         limits: Limits | None = None,
+        own_accept: bool = True,
     ) -> None:
         self.service = service
         self.limits = limits or Limits()  # the daemon's; alone, one of the frontend's own
@@ -126,15 +147,17 @@ class GrpcFrontend:
         self._server: grpc.Server | None = None
         self._stopped: threading.Event | None = None
         self._cap: ConnectionCap | None = None
+        self._acceptor: GrpcAcceptor | None = None
+        #: the daemon accepts the port's connections itself (see edge_server.kserve.grpc_accept)
+        self.own_accept = own_accept
 
     def start(self) -> None:
         """Bind (a failure raises here) and serve."""
+        if self.own_accept and self._start_accepting():
+            log.info("gRPC frontend (KServe v2) listening on %s:%d", self.host, self.port)
+            return
         connections = self.limits.set_aside(GRPC_CONNECTIONS)
-        server = grpc.server(
-            ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="edge-grpc"),
-            options=server_options(self.max_message_bytes, self.limits, connections),
-        )
-        _add_servicer(Servicer(self.service, self), server)
+        server = self._build(server_options(self.max_message_bytes, self.limits, connections))
         address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         try:
             port = server.add_insecure_port(address)
@@ -146,9 +169,60 @@ class GrpcFrontend:
         server.start()
         self._server = server
         # One user may hold at most half of gRPC's connections (and never more than its cap overall).
-        self._cap = ConnectionCap(port, min(self.limits.max_client_connections, connections // 2))
+        self._cap = ConnectionCap(
+            port, min(self.limits.max_client_connections, connections // 2), self.limits
+        )
         self._cap.start()
-        log.info("gRPC frontend (KServe v2) listening on %s:%d", self.host, self.port)
+        log.info(
+            "gRPC frontend (KServe v2) listening on %s:%d (grpc accepts; per-user cap by looking)",
+            self.host,
+            self.port,
+        )
+
+    def _build(self, options: list[tuple[str, Any]]) -> grpc.Server:
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="edge-grpc"),
+            options=options,
+        )
+        _add_servicer(Servicer(self.service, self), server)
+        return server
+
+    def _start_accepting(self) -> bool:
+        """Serve connections the daemon accepts and counts itself (edge_server.kserve.grpc_accept).
+
+        grpc's own total stays as a backstop at the whole budget.  False (nothing left running) when grpc
+        has no such port, its handler is not the one expected, or it does not answer on a connection
+        handed to it; a bind failure raises.
+        """
+        external = ExternalPort()
+        options = server_options(self.max_message_bytes, self.limits, self.limits.max_connections)
+        server = self._build([*options, external.option])
+        try:
+            server.add_insecure_port(PORT_NAME)
+        except RuntimeError as exc:  # a grpcio without external ports
+            log.warning("gRPC: grpc takes no connections from the daemon (%s)", exc)
+            server.stop(None)
+            return False
+        if not external.bind():
+            server.stop(None)
+            return False
+        try:
+            acceptor = GrpcAcceptor(self.host, self.port, self.limits, external)
+        except OSError as exc:
+            server.stop(None)
+            raise AddressInUse(f"the gRPC frontend cannot bind {self.host}:{self.port}: {exc}") from None
+        server.start()
+        acceptor.start()
+        if not _answers(loopback(self.host), acceptor.port):
+            log.error(
+                "gRPC: grpc did not answer on a connection the daemon handed it; grpc accepts by itself "
+                "instead (the per-user cap then holds by looking)"
+            )
+            acceptor.close()
+            server.stop(None).wait(5)
+            return False
+        self._server, self._acceptor, self.port = server, acceptor, acceptor.port
+        return True
 
     def take_worker(self) -> None:
         """Count a worker for inference, or refuse: :data:`RESERVED_WORKERS` stay for everything else."""
@@ -174,6 +248,8 @@ class GrpcFrontend:
 
     def refuse_new(self) -> None:
         """Refuse new calls; those in flight have the drain timeout to finish, then are cancelled."""
+        if self._acceptor is not None:  # first: nothing is handed to grpc once it stops
+            self._acceptor.close()
         if self._server is not None and self._stopped is None:
             self._stopped = self._server.stop(self.drain_timeout)
 

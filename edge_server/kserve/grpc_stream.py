@@ -12,9 +12,13 @@ of the same model (their p99 6x idle).  So:
   flight, and a request's slot is given back when its last response has been sent (grpc's sync server
   resumes the response generator only once a send has completed), not when the model produced it: a
   stream that does not read stops being read after that many, and grpc's flow control holds the client;
-* the bytes of responses produced and not yet sent are counted, and past ``max_client_reply_bytes``
-  (as over IPC; a decoupled model can send many responses to one request) the stream is cancelled, what
-  waited for it dropped, and the heap trimmed.
+* each request counts in its user's body budget (``--max-client-body-bytes``, with its HTTP and IPC
+  bodies) until its final response, and one past it is answered UNAVAILABLE, the stream going on;
+* the bytes of responses produced and not yet sent are counted in the client's uid's share of the
+  daemon's reply budget (:class:`~edge_server.reply_budget.ReplyBudget`, with its other streams and
+  its IPC connections; a decoupled model can send many responses to one request), and once the uid
+  passes ``--max-client-reply-bytes`` the stream (or IPC client) holding the most is cancelled, what
+  waited for it dropped, the heap trimmed and the uid penalized, as over IPC.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from edge_server.kserve.service import KServeService, OutputWant, error_status
 from edge_server.kserve.shm import Peer
 from edge_server.limits import Limits
 from edge_server.memory import trim_heap
+from edge_server.reply_budget import ReplyHolder
 from edge_server.request import InferRequest, ResponseSink
 
 if TYPE_CHECKING:
@@ -67,19 +72,19 @@ class StreamError:
         return len(self.message)
 
 
-class StreamCall:
-    """The response queue of one stream, with its slots and byte bound (see the module docstring)."""
+class StreamCall(ReplyHolder):
+    """The response queue of one stream, with its slots; its unsent bytes count in its uid's reply budget."""
 
-    def __init__(self, context: Any, limits: Limits) -> None:
+    def __init__(self, context: Any, limits: Limits, uid: int | None) -> None:
+        super().__init__(uid)
         self._context = context
         self._limits = limits
-        max_requests, max_reply_bytes = limits.max_client_requests, limits.max_client_reply_bytes
+        self._budget = limits.replies
         self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
-        self._slots = threading.BoundedSemaphore(min(max_requests, RUNNING_PER_STREAM))
+        self._slots = threading.BoundedSemaphore(min(limits.max_client_requests, RUNNING_PER_STREAM))
         self._ended = False
-        self._max_reply_bytes = max_reply_bytes
+        self._closed = False
         self._lock = threading.Lock()
-        self._pending = 0  # bytes of responses queued or being sent
         self.cut_off = False
 
     def acquire(self) -> bool:
@@ -99,46 +104,45 @@ class StreamCall:
         """
         nbytes = held if held is not None else response.ByteSize() if response is not None else 0
         with self._lock:
-            if self.cut_off:
+            if self.cut_off or self._closed:
                 if ends_request:
                     self._slots.release()
                 return
             over = False
             if held is None:
-                self._pending += nbytes
-                over = self._pending > self._max_reply_bytes
-                if over:
-                    self.cut_off = True
+                over = self._budget.add(self, nbytes)
         self._queue.put((response, nbytes, ends_request))
-        if over:
-            self._cut_off()
+        if over:  # its user holds too much: whoever holds the most (this stream or another) stops
+            self._budget.enforce(self.uid)
 
     def hold(self, response: Any) -> int | None:
         """Count ``response``, held back for the stream's order, and free its request's slot.
 
         Its request is done: the slot goes back now, so that a stream whose earlier request waits
-        (a sequence waiting for a place, say) is still read; the bytes count as queued ones do.
-        Returns the bytes counted (for :meth:`put`), None when the stream is cut off.
+        (a sequence waiting for a place, say) is still read; the bytes count in the reply budget as
+        queued ones do.  Returns the bytes counted (for :meth:`put`), None when the stream is over.
         """
         nbytes = response.ByteSize() if response is not None else 0
         with self._lock:
-            if self.cut_off:
+            if self.cut_off or self._closed:
                 self._slots.release()
                 return None
-            self._pending += nbytes
-            over = self._pending > self._max_reply_bytes
-            if over:
-                self.cut_off = True
+            over = self._budget.add(self, nbytes)
         self._slots.release()
         if over:
-            self._cut_off()
-            return None
+            self._budget.enforce(self.uid)
         return nbytes
 
     def end(self) -> None:
         """No more responses: the reader is done and every request answered, or the call ended."""
         self._ended = True
         self._queue.put(None)
+
+    def close(self) -> None:
+        """The call is over: what it still held is dropped with it, and counts no more."""
+        with self._lock:
+            self._closed = True
+            self._budget.leave(self)
 
     def responses(self) -> Iterator[Any]:
         """The responses to yield to grpc, in order; a slot is freed once a request's last one is sent."""
@@ -153,18 +157,25 @@ class StreamCall:
             with self._lock:
                 if self.cut_off:
                     break
-                self._pending -= nbytes
+                self._budget.sent(self, nbytes)
             if ends_request:
                 self._slots.release()
 
-    def _cut_off(self) -> None:
+    def over_budget(self, why: str) -> None:
+        """Its user holds too many unsent replies and this stream the most: cancel it, drop its queue."""
+        with self._lock:
+            if self.cut_off:
+                return
+            self.cut_off = True
         log.warning(
-            "gRPC stream from %s is not reading its responses: over --max-client-reply-bytes (%d) wait "
-            "for it; cancelling it",
+            "gRPC stream from %s is not reading its responses: %d bytes wait for it, its uid is over "
+            "--max-client-reply-bytes (%d); cancelling it",
             self._context.peer(),
-            self._max_reply_bytes,
+            self.unsent,
+            self._budget.max_bytes,
         )
-        self._limits.stream_cut_off()
+        self._budget.leave(self)
+        self._limits.stream_cut_off(self.uid, why)
         self._context.cancel()
         dropped = 0
         while True:  # free what waited for it now; the reader and sinks see cut_off and stop queuing
@@ -217,6 +228,11 @@ class InOrder:
             while (waiting := self._waiting.pop(self._next, None)) is not None:
                 self._call.put(waiting[0], ends_request=False, held=waiting[1])
                 self._next += 1
+
+
+def wire_bytes(wire: WireRequest) -> int:
+    """The bytes a received request holds: its message, and its raw tensors where kept apart."""
+    return wire.message.ByteSize() + (sum(len(view) for view in wire.raw) if wire.raw else 0)
 
 
 def _grpc_error_mode(context: Any) -> bool:
@@ -317,7 +333,7 @@ def serve_stream(
     service: KServeService, frontend: GrpcFrontend, requests: Iterator[WireRequest], context: Any, peer: Peer
 ) -> Iterator[Any]:
     """One ``ModelStreamInfer`` call: requests read on a thread of their own, responses yielded in order."""
-    call = StreamCall(context, frontend.limits)
+    call = StreamCall(context, frontend.limits, peer.uid)
     in_order = InOrder(call)
     lock = threading.Lock()
     open_sinks: set[StreamSink] = set()
@@ -335,28 +351,35 @@ def serve_stream(
         request = wire.message
         place: int | None = None
         try:
-            infer, wants = grpc_codec.decode(service, request, peer, wire.raw)
-            if not _decoupled(service, infer):
-                place = in_order.place()
-            empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
-            sink = StreamSink(
-                service,
-                call,
-                infer,
-                wants,
-                peer,
-                empty_final,
-                finished,
-                ends_stream,
-                None if place is None else (in_order, place),
-            )
-            with lock:
-                open_sinks.add(sink)
+            # counted in the user's body budget (with its HTTP and IPC bodies) until its final response
+            body = frontend.limits.hold(peer.uid, wire_bytes(wire))
             try:
-                service.dataplane.stream(infer, sink)
-            except BaseException:
+                infer, wants = grpc_codec.decode(service, request, peer, wire.raw)
+                if not _decoupled(service, infer):
+                    place = in_order.place()
+                empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
+                sink = StreamSink(
+                    service,
+                    call,
+                    infer,
+                    wants,
+                    peer,
+                    empty_final,
+                    finished,
+                    ends_stream,
+                    None if place is None else (in_order, place),
+                )
+                sink.on_final = body.release
                 with lock:
-                    open_sinks.discard(sink)
+                    open_sinks.add(sink)
+                try:
+                    service.dataplane.stream(infer, sink)
+                except BaseException:
+                    with lock:
+                        open_sinks.discard(sink)
+                    raise
+            except BaseException:
+                body.release()
                 raise
         except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
             error = _stream_error(request, exc, ends_stream)
@@ -384,6 +407,7 @@ def serve_stream(
     try:
         yield from call.responses()
     finally:
+        call.close()
         frontend.stream_opened(-1)
         with lock:
             left = list(open_sinks)

@@ -28,7 +28,6 @@ import os
 import re
 import socket
 import stat
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +40,7 @@ from edge_server.errors import (
     ShmUnavailable,
     TensorSizeMismatch,
 )
+from edge_server.kserve import sock_diag
 from edge_server.shm import Lease, Owner, Registry, Segment, may_access, may_use, user_groups
 
 __all__ = ["InputBudget", "Peer", "SystemSharedMemory", "may_access", "peer_uid", "user_groups"]
@@ -107,16 +107,6 @@ def peer_uid(peer: Peer, proc_net: str = "/proc/net") -> int | None:
     return _scan_uid(want, peer.port, peer.server_port, proc_net)
 
 
-_NETLINK_SOCK_DIAG = 4
-_SOCK_DIAG_BY_FAMILY = 20
-_NLM_F_REQUEST = 1
-_NLMSG_ERROR = 2
-_NLMSG = struct.Struct("=IHHII")
-_DIAG_REQ = struct.Struct("=BBBBI")  # family, protocol, ext, pad, states; then the socket id
-_SOCKID = struct.Struct(">HH16s16s")  # sport, dport, src, dst (network order); then if, cookie
-_DIAG_MSG_UID = 4 + 48 + 12  # inet_diag_msg: 4 bytes, the socket id, expires/rqueue/wqueue; then uid
-
-
 def _diag_uid(
     client: ipaddress.IPv4Address | ipaddress.IPv6Address,
     client_port: int,
@@ -124,30 +114,17 @@ def _diag_uid(
     server_port: int,
 ) -> int | None:
     family = socket.AF_INET if client.version == 4 else socket.AF_INET6
-    request = (
-        _DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
-        + _SOCKID.pack(
-            client_port, server_port, client.packed.ljust(16, b"\0"), server.packed.ljust(16, b"\0")
-        )
-        + struct.pack("=III", 0, 0xFFFFFFFF, 0xFFFFFFFF)  # any interface, no cookie
+    exact = sock_diag.SOCKID.pack(
+        client_port,
+        server_port,
+        client.packed.ljust(16, b"\0"),
+        server.packed.ljust(16, b"\0"),
+        0,  # any interface
+        sock_diag.ANY_COOKIE,
     )
-    message = _NLMSG.pack(_NLMSG.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + request
-    with socket.socket(
-        socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG
-    ) as sock:
-        sock.settimeout(1.0)
-        sock.send(message)
-        reply = sock.recv(8192)
-    length, kind, _flags, _seq, _pid = _NLMSG.unpack_from(reply)
-    if kind == _NLMSG_ERROR:
-        (errno,) = struct.unpack_from("=i", reply, _NLMSG.size)
-        if errno in (0, -2):  # ENOENT: no such socket (not on this host, or already gone)
-            return None
-        raise OSError(-errno, "sock_diag refused the query")
-    if kind != _SOCK_DIAG_BY_FAMILY or length < _NLMSG.size + _DIAG_MSG_UID + 4:
-        raise OSError("unexpected sock_diag reply")
-    (uid,) = struct.unpack_from("=I", reply, _NLMSG.size + _DIAG_MSG_UID)
-    return int(uid)
+    for found in sock_diag.sockets(family, exact=exact):
+        return found.uid
+    return None
 
 
 def _scan_uid(

@@ -13,10 +13,11 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from edge_server.config.model import QueuePolicy
 from edge_server.errors import QueueFull, RequestTimeout
-from edge_server.request import BatchItem
+from edge_server.request import BatchItem, ClientKey
 
 
 @dataclass(eq=False)
@@ -36,7 +37,14 @@ class QueuedRequest:
         return self.item.batch_size
 
 
-class Turns:
+T = TypeVar("T")
+
+
+def _client_of_request(request: QueuedRequest) -> ClientKey | None:
+    return request.item.client
+
+
+class Turns(Generic[T]):
     """One queue whose clients take turns: user after user, and one user's connections in turn.
 
     Each connection's requests stay in arrival order; a user (or connection) that has a request
@@ -44,18 +52,22 @@ class Turns:
     taken.  So a client's burst delays another client by one of its requests per turn, not the whole
     burst, and a user cannot buy more turns by opening more connections.  Requests without a client
     (the in-process API) are one client: first in, first out, as without turns.
+
+    ``client_of`` says whose an entry is (:func:`~edge_server.request.client_key`): the dynamic
+    batcher queues requests, the sequence batcher its sequences waiting for a slot and their heads.
     """
 
-    def __init__(self) -> None:
-        # user -> connection -> requests; both dicts in rotation order (next to serve first)
-        self._users: dict[Hashable, dict[Hashable, deque[QueuedRequest]]] = {}
+    def __init__(self, client_of: Callable[[T], ClientKey | None]) -> None:
+        self._client_of = client_of
+        # user -> connection -> entries; both dicts in rotation order (next to serve first)
+        self._users: dict[Hashable, dict[Hashable, deque[T]]] = {}
         self.size = 0
 
     def __len__(self) -> int:
         return self.size
 
-    def append(self, request: QueuedRequest) -> None:
-        user, connection = request.item.client or _NO_CLIENT
+    def append(self, request: T) -> None:
+        user, connection = self._client_of(request) or _NO_CLIENT
         lanes = self._users.get(user)
         if lanes is None:
             lanes = self._users[user] = {}
@@ -65,7 +77,7 @@ class Turns:
         lane.append(request)
         self.size += 1
 
-    def __iter__(self) -> Iterator[QueuedRequest]:
+    def __iter__(self) -> Iterator[T]:
         """Every request in the order :meth:`popleft` would take them (the queue left as it is)."""
         users = self._users
         if len(users) == 1:
@@ -74,7 +86,7 @@ class Turns:
                 return iter(next(iter(lanes.values())))  # one client: its own order
         return _in_turn([_in_turn([iter(lane) for lane in lanes.values()]) for lanes in users.values()])
 
-    def popleft(self) -> QueuedRequest:
+    def popleft(self) -> T:
         user, lanes = next(iter(self._users.items()))
         connection, lane = next(iter(lanes.items()))
         request = lane.popleft()
@@ -87,9 +99,18 @@ class Turns:
         self.size -= 1
         return request
 
-    def remove_if(self, expired: Callable[[QueuedRequest], bool]) -> list[QueuedRequest]:
+    def clear(self) -> None:
+        self._users.clear()
+        self.size = 0
+
+    def remove(self, entry: T) -> None:
+        """Take ``entry`` out (it must be here); the rotation is kept."""
+        taken = self.remove_if(lambda queued: queued is entry)
+        assert taken, "not in the queue"
+
+    def remove_if(self, expired: Callable[[T], bool]) -> list[T]:
         """Take out the requests ``expired`` accepts (in turn order by client); the rotation is kept."""
-        taken: list[QueuedRequest] = []
+        taken: list[T] = []
         for user, lanes in list(self._users.items()):
             for connection, lane in list(lanes.items()):
                 if not any(expired(r) for r in lane):
@@ -109,7 +130,7 @@ class Turns:
 _NO_CLIENT = (None, None)
 
 
-def _in_turn(iterators: list[Iterator[QueuedRequest]]) -> Iterator[QueuedRequest]:
+def _in_turn(iterators: list[Iterator[T]]) -> Iterator[T]:
     """One item from each iterator in turn, dropping the exhausted ones (round robin)."""
     turn = deque(iterators)
     while turn:
@@ -133,8 +154,8 @@ class RequestQueue:
 
     def __init__(self, levels: int, policies: dict[int, QueuePolicy]) -> None:
         count = max(levels, 1)
-        self._main = [Turns() for _ in range(count)]
-        self._delayed = [Turns() for _ in range(count)]
+        self._main = [Turns(_client_of_request) for _ in range(count)]
+        self._delayed = [Turns(_client_of_request) for _ in range(count)]
         self._policies = policies
         self._with_deadline = 0  # requests in main queues with a deadline: skip expiry scans without
         #: requests queued at every level (a plain attribute: the scheduler asks it twice per request)
@@ -175,7 +196,7 @@ class RequestQueue:
         self.size -= len(rejected)
         return rejected
 
-    def _ordered(self) -> Iterator[Turns]:
+    def _ordered(self) -> Iterator[Turns[QueuedRequest]]:
         for main, delayed in zip(self._main, self._delayed, strict=True):
             yield main
             yield delayed

@@ -65,6 +65,7 @@ from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE
 from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
+from edge_server.scheduler.queue import Turns
 from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.sequence_order import ArrivalOrder
 from edge_server.scheduler.sequence_table import Sequence, SequenceRequest, SequenceTable
@@ -88,6 +89,16 @@ class _Head:
         self.shape_key = shape_key
         self.enqueue_ns = seq.pending[0].enqueue_ns
         self.batch_size = 1
+
+
+def in_turns(heads: list[_Head]) -> list[_Head]:
+    """``heads`` (oldest first) in the order users, and each user's connections, take turns."""
+    if len(heads) < 2:
+        return heads
+    turns: Turns[_Head] = Turns(lambda head: head.seq.client)
+    for head in heads:
+        turns.append(head)
+    return list(turns)
 
 
 # A batch as taken from the queues: per row, the sequence and its request (None: a filler row).
@@ -182,7 +193,8 @@ class SequenceScheduler:
             elif start:
                 if not self._accepting:
                     raise SchedulerClosed(f"model {self._name!r} is being replaced or unloaded")
-                seq = table.start(key, now, self._tensors.initial_state(), timeout_us or item.timeout_us)
+                state = self._tensors.initial_state()
+                seq = table.start(key, now, state, timeout_us or item.timeout_us, item.client)
             elif seq is None:
                 raise table.unknown(key)
             assert seq is not None
@@ -376,7 +388,8 @@ class SequenceScheduler:
         ready = self._ready(self._table.candidates[instance])
         if not ready:
             return [], 0
-        heads = sorted((_Head(s, self._key(s)) for s in ready), key=lambda h: h.enqueue_ns)
+        # oldest first, users (and their connections) in turn: one user's many sequences take one turn
+        heads = in_turns(sorted((_Head(s, self._key(s)) for s in ready), key=lambda h: h.enqueue_ns))
         settings = self._settings if self._accepting else BatchSettings(self._settings.max_batch_size)
         decision = next_batch(heads, now, settings)
         if not decision.count:

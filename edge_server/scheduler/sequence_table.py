@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_server.errors import InvalidArgument, QueueFull, shorten
-from edge_server.request import BatchItem
+from edge_server.request import BatchItem, ClientKey
+from edge_server.scheduler.queue import Turns
 from edge_server.scheduler.sequence_tensors import State
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Sequence:
     corrid: int | str
     last_ns: int
     owner: int | None = None
+    client: ClientKey | None = None  # who sent its START: its turn in the backlog and among heads
     backlog_until_ns: int = 0  # in the backlog: when its wait for a slot ends with QUEUE_FULL
     pending: collections.deque[SequenceRequest] = field(default_factory=collections.deque)
     busy: bool = False
@@ -85,21 +87,25 @@ class SequenceTable:
         self.live: dict[Key, Sequence] = {}  # sequences that take requests (END not yet sent)
         self.held: set[Sequence] = set()  # every sequence not yet released (live or ending)
         self._expired: collections.OrderedDict[Key, None] = collections.OrderedDict()
-        self.backlog: collections.deque[Sequence] = collections.deque()
+        # waiting for a slot or place, users (and their connections) in turn: one user's flood of STARTs
+        # does not make another's wait for all of it (the dynamic batcher's rule, scheduler.queue)
+        self.backlog: Turns[Sequence] = Turns(client_of)
         # oldest: each instance's admitted sequences, in admission order.  As in Triton, a sequence
         # runs on one instance for its lifetime: a model may keep a sequence's state in the instance.
         self.candidates: list[list[Sequence]] = [[] for _ in range(instances)]
         self.slots: list[list[Sequence | None]] = [[None] * slots_per_instance for _ in range(instances)]
         self.counts = {"started": 0, "ended": 0, "expired": 0}
 
-    def start(self, key: Key, now: int, state: State, timeout_us: int | None) -> Sequence:
-        """A new live sequence, admitted or backlogged; QUEUE_FULL when the table is full."""
+    def start(
+        self, key: Key, now: int, state: State, timeout_us: int | None, client: ClientKey | None = None
+    ) -> Sequence:
+        """A new live sequence of ``client``, admitted or backlogged; QUEUE_FULL when the table is full."""
         if len(self.held) >= self._max_sequences:
             raise QueueFull(
                 f"model {self._name!r} has {len(self.held)} live sequences, the most it keeps; "
                 "end sequences (sequence_end) or let them idle out before starting more"
             )
-        seq = Sequence(key[1], now, key[0], state=state)
+        seq = Sequence(key[1], now, key[0], client, state=state)
         self.live[key] = seq
         self.held.add(seq)
         self._expired.pop(key, None)
@@ -247,3 +253,8 @@ class SequenceTable:
         seq.state = None
         log.warning("%s: sequence %r found no free slot in time; refused", self._name, shorten(seq.corrid))
         return requests
+
+
+def client_of(seq: Sequence) -> ClientKey | None:
+    """Whose turn ``seq`` takes (:class:`~edge_server.scheduler.queue.Turns`)."""
+    return seq.client
