@@ -33,7 +33,7 @@ from edge_server.request import InferRequest, RequestOptions
 from edge_server.routing import Routing, RoutingView
 from edge_server.scheduler import inline
 from edge_server.scheduler.summaries import SummaryOptions
-from edge_server.status_index import Listener, StatusIndex, VersionStatus
+from edge_server.status_index import Listener, NotLoaded, StatusIndex, VersionStatus
 from edge_server.streaming import AsyncResponseIterator, ResponseIterator
 from edge_server.versions import parse_version
 from edge_server.watcher import RepositoryWatcher
@@ -245,6 +245,18 @@ class Server:
     def models(self) -> list[VersionStatus]:
         """Every model version the server knows, with its state and, when not ready, why."""
         return self._routing.index()
+
+    def repository_index(self) -> list[VersionStatus | NotLoaded]:
+        """The index every frontend answers with: :meth:`models`, and the repositories' other models.
+
+        As in Triton, a model never loaded (explicit mode) is listed by name alone; sorted by name,
+        a model's versions in :meth:`models`' order.
+        """
+        rows: list[VersionStatus | NotLoaded] = list(self.models())
+        known = {row.name for row in rows}
+        rows += [NotLoaded(name) for name in self.repositories.scan() if name not in known]
+        rows.sort(key=lambda row: row.name)  # stable
+        return rows
 
     def model_config(self, model: str, version: int | None = None) -> ModelConfig:
         return self._dataplane.config(model, parse_version(version))

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,42 @@ class VersionStatus:
     version: int | None  # None: the model failed before any version could be named
     state: ModelState
     reason: str = ""
+
+
+#: the reason of a row whose version (or model) was unloaded on purpose: through the API, or because
+#: it left the repository.  Triton keeps such rows in its index as UNAVAILABLE, with this reason.
+UNLOADED = "unloaded"
+
+
+@dataclass(frozen=True)
+class NotLoaded:
+    """A model in the repositories that the server never loaded (explicit mode).
+
+    Triton's index lists it by name alone, so that a client sees what it can load.
+    """
+
+    name: str
+
+
+def _kept(status: VersionStatus) -> bool:
+    """A version row that outlives a new publication of its model: retiring, or unloaded."""
+    if status.version is None:
+        return False
+    return status.state is ModelState.UNLOADING or (
+        status.state is ModelState.UNAVAILABLE and status.reason == UNLOADED
+    )
+
+
+def index_row(status: VersionStatus | NotLoaded) -> dict[str, Any]:
+    """One row of the index as plain data (IPC, the CLI): a model never loaded has its name alone."""
+    if isinstance(status, NotLoaded):
+        return {"name": status.name}
+    return {
+        "name": status.name,
+        "version": status.version,
+        "state": status.state.value,
+        "reason": status.reason,
+    }
 
 
 Listener = Callable[[VersionStatus], None]
@@ -78,13 +115,15 @@ class StatusIndex:
             self._notify(status)
 
     def publish(self, name: str, rows: list[VersionStatus]) -> None:
-        """Replace every row of ``name`` with ``rows`` (versions being retired keep theirs)."""
+        """Replace every row of ``name`` with ``rows``.
+
+        Versions being retired keep their rows, and so do versions unloaded before (UNAVAILABLE,
+        "unloaded"): Triton's index lists every version it unloaded until it loads again.
+        """
         keep = {(r.name, r.version) for r in rows}
         with self.lock:
             stale = [
-                key
-                for key, s in self._rows.items()
-                if key[0] == name and key not in keep and s.state is not ModelState.UNLOADING
+                key for key, s in self._rows.items() if key[0] == name and key not in keep and not _kept(s)
             ]
             for key in stale:
                 del self._rows[key]
@@ -94,12 +133,18 @@ class StatusIndex:
         for row in changed:
             self._notify(row)
 
-    def forget_unloading(self, name: str, version: int) -> None:
-        """A retired version is gone: drop its UNLOADING row (a newer row of that version stays)."""
+    def unloaded(self, name: str, version: int) -> None:
+        """A retired version is gone: its UNLOADING row becomes UNAVAILABLE, "unloaded", as in Triton.
+
+        A newer row of that version (loading or serving again) stays as it is.
+        """
+        status = VersionStatus(name, version, ModelState.UNAVAILABLE, UNLOADED)
         with self.lock:
-            status = self._rows.get((name, version))
-            if status is not None and status.state is ModelState.UNLOADING:
-                del self._rows[(name, version)]
+            row = self._rows.get((name, version))
+            if row is None or row.state is not ModelState.UNLOADING:
+                return
+            self._rows[(name, version)] = status
+        self._notify(status)
 
     def _notify(self, status: VersionStatus) -> None:
         for listener in self._listeners:

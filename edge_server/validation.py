@@ -47,13 +47,14 @@ class _InputRule:
     reshape: tuple[int, ...] | None
     optional: bool
     where: str
+    ragged: bool  # allow_ragged_batch: its shape does not split batches
 
     def expected_shape(self, batched: bool) -> str:
         dims = ["-1" if d < 0 else str(d) for d in self.dims]
         return "[" + ", ".join((["batch"] if batched else []) + dims) + "]"
 
 
-def _rule(model: str, spec: TensorSpec) -> _InputRule:
+def _rule(model: str, spec: TensorSpec, *, batched: bool) -> _InputRule:
     return _InputRule(
         name=spec.name,
         data_type=spec.data_type,
@@ -63,6 +64,7 @@ def _rule(model: str, spec: TensorSpec) -> _InputRule:
         reshape=spec.reshape,
         optional=spec.optional,
         where=f"model {shorten(model)} input {spec.name!r}",
+        ragged=spec.allow_ragged_batch and batched,
     )
 
 
@@ -97,12 +99,15 @@ class RequestValidator:
     """Checks inputs and requested outputs against one config; returns the batch item and its shape key.
 
     The shape key groups requests whose tensors may be stacked into one batch.  A model whose inputs
-    are all fixed-size and required has one key for every request.
+    are all fixed-size (or ragged) and required has one key for every request: an input with
+    ``allow_ragged_batch`` leaves its shape out of the key, as Triton's batcher does.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         self.model = config.name
-        self._rules = tuple(_rule(config.name, spec) for spec in config.inputs)
+        self._rules = tuple(
+            _rule(config.name, spec, batched=config.max_batch_size > 0) for spec in config.inputs
+        )
         self._by_name = {rule.name: rule for rule in self._rules}
         self._names = frozenset(self._by_name)
         self._required = tuple(rule.name for rule in self._rules if not rule.optional)
@@ -117,7 +122,7 @@ class RequestValidator:
         self._corrid_type = corrid.control.data_type if corrid else ""
         self._iterative = bool(seq and seq.iterative_sequence)
         self._fixed_key: Hashable | None = None
-        if not any(rule.variable or rule.optional for rule in self._rules):
+        if not any((rule.variable and not rule.ragged) or rule.optional for rule in self._rules):
             self._fixed_key = tuple((rule.name, rule.dims) for rule in self._rules)
 
     def __call__(self, request: InferRequest) -> tuple[BatchItem, Hashable]:
@@ -135,7 +140,7 @@ class RequestValidator:
                 continue
             array = self._check(rule, inputs[rule.name])
             if shapes is not None:
-                shapes.append((rule.name, array.shape[1:] if batched else array.shape))
+                shapes.append((rule.name, () if rule.ragged else array.shape[1:] if batched else array.shape))
             if batched:
                 rows = array.shape[0]
                 if batch_size and rows != batch_size:

@@ -186,8 +186,13 @@ def ipc_answer(client: Any, name: str = "m") -> float:
     return float(client.infer(name, {"INPUT0": ZEROS})["OUTPUT0"][0, 0])
 
 
+def live(rows: Any) -> list[Any]:
+    """The index rows but those of versions unloaded (Triton keeps them, UNAVAILABLE "unloaded")."""
+    return [r for r in rows if (r.get("reason") if isinstance(r, dict) else r.reason) != "unloaded"]
+
+
 def ipc_state(client: Any, name: str, version: int | None) -> tuple[str, str] | None:
     for row in client.models():
-        if row["name"] == name and row["version"] == version:
+        if row["name"] == name and row.get("version") == version:
             return str(row["state"]), str(row.get("reason", ""))
     return None

@@ -414,8 +414,8 @@ def test_sequence_batching_is_parsed_and_other_ignored_fields_warn() -> None:
     assert config.sequence_batching is not None
     assert config.sequence_batching.strategy == "oldest"
     assert config.server_inputs() == ("START", "CORRID", "INPUT_STATE")
+    assert config.inputs[0].allow_ragged_batch  # test_ragged_batching.py
     expected = [
-        "input.allow_ragged_batch",
         "instance_group.rate_limiter",
         "optimization.graph",
         "optimization.input_pinned_memory",

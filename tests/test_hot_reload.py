@@ -26,7 +26,7 @@ from watchdog.events import (
 
 from edge_server import ModelState, Server, VersionStatus
 from edge_server.client import Client
-from edge_server.errors import EdgeServerError, ModelNotFound
+from edge_server.errors import EdgeServerError, ModelNotReady
 from edge_server.watcher import ChangeTracker, RepositoryWatcher
 from tests.daemon import Daemon, start_pyzmq_gc
 from tests.onnx_factory import affine_model
@@ -36,6 +36,7 @@ from tests.reload_helpers import (
     answer,
     ipc_answer,
     ipc_state,
+    live,
     loads_of,
     model_bytes,
     reason_of,
@@ -157,7 +158,7 @@ def test_renamed_version_serves_with_no_failed_request(server: Server, repo: Pat
     assert load.errors == []
     assert set(load.values_since(0)) == {1.0, 2.0}
     assert set(load.values_since(cutoff)) == {2.0}
-    assert [(s.version, s.state.value) for s in server.models()] == [(2, "READY")]
+    assert [(s.version, s.state.value) for s in live(server.models())] == [(2, "READY")]
 
 
 def _empty_version_dir(server: Server, path: Path) -> None:
@@ -229,7 +230,7 @@ def test_broken_drops_keep_the_good_version_and_never_wedge_the_watcher(
         wait_until(lambda: answer(server) == 3.0, what="the good version 3")
     assert load.errors == []
     assert set(load.values_since(0)) == {1.0, 2.0, 3.0}
-    assert [(s.version, s.state.value) for s in server.models()] == [(3, "READY")]
+    assert [(s.version, s.state.value) for s in live(server.models())] == [(3, "READY")]
 
 
 def test_removed_version_hands_over_to_the_previous_one(server: Server, repo: Path, staging: Path) -> None:
@@ -239,7 +240,7 @@ def test_removed_version_hands_over_to_the_previous_one(server: Server, repo: Pa
         shutil.rmtree(repo / "m" / "2")
         wait_until(lambda: answer(server) == 1.0, what="version 1 back")
     assert load.errors == []
-    assert [(s.version, s.state.value) for s in server.models()] == [(1, "READY")]
+    assert [(s.version, s.state.value) for s in live(server.models())] == [(1, "READY")]
 
 
 def test_replaced_model_file_and_changed_config(server: Server, repo: Path) -> None:
@@ -266,10 +267,16 @@ def test_new_and_removed_model_directories(server: Server, repo: Path, staging: 
     wait_until(lambda: server.is_ready("fresh"), what="the new model")
     assert answer(server, "fresh") == 4.0
     shutil.rmtree(repo / "fresh")
-    wait_until(lambda: "fresh" not in {s.name for s in server.models()}, what="the removed model to unload")
-    with pytest.raises(ModelNotFound):
+    # as in Triton, it stays in the index, unloaded, and a request says it has no available versions
+    wait_until(
+        lambda: "fresh" not in {s.name for s in live(server.models())}, what="the removed model to unload"
+    )
+    with pytest.raises(ModelNotReady, match="has no available versions"):
         answer(server, "fresh")
-    assert [s.name for s in server.models()] == ["m"]
+    assert [(s.name, s.version, s.reason) for s in server.models()] == [
+        ("fresh", 4, "unloaded"),
+        ("m", 1, ""),
+    ]
 
 
 def test_hidden_and_temporary_files_are_ignored(server: Server, repo: Path) -> None:
@@ -320,7 +327,7 @@ def test_changes_arriving_during_a_load_are_queued(server: Server, repo: Path, s
     rename_into_place(stage_version(staging, 2), repo / "m" / "2")
     wait_until(lambda: answer(server) == 3.0, what="version 3")
     assert dropped
-    assert [(s.version, s.state.value) for s in server.models()] == [(3, "READY")]
+    assert [(s.version, s.state.value) for s in live(server.models())] == [(3, "READY")]
 
 
 def test_explicit_rescan_retries_what_the_watcher_will_not(server: Server, repo: Path) -> None:
@@ -439,7 +446,7 @@ def test_daemon_swaps_under_load_from_several_ipc_clients(
             wait_until(lambda: ipc_answer(control) == 2.0, what="version 2 back")
         assert load.errors == []
         assert set(load.values_since(0)) == {1.0, 2.0, 3.0}
-        assert [(r["version"], r["state"]) for r in control.models()] == [(2, "READY")]
+        assert [(r["version"], r["state"]) for r in live(control.models())] == [(2, "READY")]
 
 
 def test_daemon_rescans_on_sighup(daemon_repo: Path, staging: Path, tmp_path: Path) -> None:
@@ -460,7 +467,7 @@ def test_daemon_explicit_control_over_ipc(daemon_repo: Path, tmp_path: Path) -> 
         client = connect(daemon, clients)
         assert ipc_answer(client, "other") == 3.0
         client.unload_model("other")
-        assert ipc_state(client, "other", None) == ("UNAVAILABLE", "unloaded")
+        assert ipc_state(client, "other", 3) == ("UNAVAILABLE", "unloaded")  # as in Triton: per version
         with pytest.raises(EdgeServerError):
             ipc_answer(client, "other")
         affine_model(daemon_repo / "other" / "4" / "model.onnx", offset=4.0)

@@ -52,14 +52,25 @@ def test_bytes_match_tritonclient_serialization() -> None:
     assert codec.from_json(["a", "b\u00e9"], "BYTES", (2,), "s").tolist() == [b"a", "b\u00e9".encode()]
 
 
-def test_bytes_buffers_that_lie_are_refused() -> None:
+def test_bytes_buffers_that_lie_are_refused_in_tritons_words() -> None:
     good = struct.pack("<I", 3) + b"abc"
-    with pytest.raises(TensorSizeMismatch, match="declares 100 bytes"):
-        codec.from_raw(struct.pack("<I", 100) + b"abc", "BYTES", (1,), "s")
-    with pytest.raises(TensorSizeMismatch, match="left over"):
-        codec.from_raw(good + b"x", "BYTES", (1,), "s")
-    with pytest.raises(TensorSizeMismatch, match="need at least"):
-        codec.from_raw(good, "BYTES", (1000,), "s")  # refused before any item is allocated
+    where = "for inference input 's' for model 'm'"
+    with pytest.raises(
+        TensorSizeMismatch, match=f"incomplete string data {where}, expecting string of length 100"
+    ):
+        codec.from_raw(struct.pack("<I", 100) + b"abc", "BYTES", (1,), "s", "m")
+    with pytest.raises(
+        TensorSizeMismatch, match=f"incomplete string length indicator {where}, expecting 4 bytes"
+    ):
+        codec.from_raw(good + b"x", "BYTES", (1,), "s", "m")
+    with pytest.raises(
+        TensorSizeMismatch, match=f"unexpected number of string elements 2 {where}, expecting 1"
+    ):
+        codec.from_raw(good + good, "BYTES", (1,), "s", "m")
+    with pytest.raises(TensorSizeMismatch, match=f"expected 1000 string elements {where}, got 1"):
+        codec.from_raw(good, "BYTES", (1000,), "s", "m")  # refused before any item is allocated
+    with pytest.raises(TensorSizeMismatch, match=f"expected 3 string elements {where}, got 2"):
+        codec.from_raw(good * 2, "BYTES", (3,), "s", "m")  # 14 bytes: past the first check
     with pytest.raises(InvalidArgument, match="must be strings"):
         codec.from_json([1], "BYTES", (1,), "s")
 

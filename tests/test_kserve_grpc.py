@@ -130,9 +130,19 @@ def test_stream_many_in_flight_with_errors_inline(client: grpcclient.InferenceSe
 
 
 def test_stream_requests_overlap(client: grpcclient.InferenceServerClient, kserve: KServeDaemon) -> None:
-    """Two requests on one stream are in the model at once: the second is not held behind the first."""
+    """Two requests on one stream are in the model at once: the second is not held behind the first.
+
+    Their answers are written in the order the requests came, as Triton's stream handler does for a
+    model that is not decoupled (test_kserve_response_order.py).
+    """
     gate = kserve.daemon.gate
     assert isinstance(gate, Gate)
+
+    def identity_count() -> int:
+        stats = client.get_inference_statistics("identity", as_json=True)["model_stats"][0]
+        return int(stats["inference_stats"]["success"]["count"])
+
+    before = identity_count()
     results: queue.Queue[tuple[object, object]] = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
@@ -145,11 +155,13 @@ def test_stream_requests_overlap(client: grpcclient.InferenceServerClient, kserv
         client.async_stream_infer("gate", [tensor], request_id="gated")
         gate.wait_started(1)
         client.async_stream_infer("identity", [tensor], request_id="after")
-        first = [results.get(timeout=10) for _ in range(3)]
-        assert sorted(r.get_response().id for r, _ in first) == ["after", "i0", "i1"]  # type: ignore[attr-defined]
+        first = [results.get(timeout=10) for _ in range(2)]
+        assert [r.get_response().id for r, _ in first] == ["i0", "i1"]  # type: ignore[attr-defined]
+        wait_for(lambda: identity_count() == before + 3, what="'after' to run beside the gated request")
+        assert results.empty()  # its answer waits for the gated one's
         gate.release(1)
-        result, error = results.get(timeout=10)
-        assert error is None and result.get_response().id == "gated"  # type: ignore[attr-defined]
+        last = [results.get(timeout=10) for _ in range(2)]
+        assert [(r.get_response().id, e) for r, e in last] == [("gated", None), ("after", None)]  # type: ignore[attr-defined]
     finally:
         gate.settle()
         client.stop_stream()

@@ -19,11 +19,13 @@ import textwrap
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.error import HTTPError
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from edge_server import Server
@@ -78,6 +80,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (repo / "three" / "1").mkdir(parents=True)
     (repo / "three" / "config.pbtxt").write_text(textwrap.dedent(THREE_CONFIG))
     (repo / "three" / "1" / "model.py").write_text(textwrap.dedent(THREE_MODEL))
+    (repo / "strings" / "1").mkdir(parents=True)
+    (repo / "strings" / "config.pbtxt").write_text(textwrap.dedent(STRINGS_CONFIG))
+    (repo / "strings" / "1" / "model.py").write_text(textwrap.dedent(THREE_MODEL))
     return repo
 
 
@@ -114,6 +119,17 @@ class TritonPythonModel:
     def execute(self, requests):
         out = pb_utils.Tensor("COUNT", np.array([len(requests)], np.int32))
         return [pb_utils.InferenceResponse([out]) for _ in requests]
+"""
+
+STRINGS_CONFIG = """
+name: "strings"
+backend: "python"
+max_batch_size: 8
+input [
+  { name: "INPUT0", data_type: TYPE_STRING, dims: [ -1 ] },
+  { name: "INPUT1", data_type: TYPE_STRING, dims: [ -1 ] }
+]
+output [ { name: "COUNT", data_type: TYPE_INT32, dims: [ 1 ] } ]
 """
 
 
@@ -272,3 +288,43 @@ def test_a_body_over_the_limit_is_refused_with_tritons_text(ports: tuple[int, in
     assert body["error"].startswith(
         "request JSON size of 2863311617 bytes exceeds the maximum allowed input size of"
     )
+
+
+def _strings(module: Any, sent: int, claimed: int) -> list[Any]:
+    """Two BYTES inputs of ``sent`` elements each whose shape claims ``claimed`` (as Triton's QA sends)."""
+    values = np.array([str(i).encode() for i in range(sent)], dtype=object).reshape(1, sent)
+    tensors = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = module.InferInput(name, [1, sent], "BYTES")
+        tensor.set_data_from_numpy(values)
+        tensor.set_shape([1, claimed])
+        tensors.append(tensor)
+    return tensors
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_bytes_element_count_is_refused_in_tritons_words(ports: tuple[int, int], protocol: str) -> None:
+    """L0_input_validation's string shapes: the text names input and model, and, as in Triton, the
+    input reported is the last bad one of the request (Triton walks a request's inputs in its hash
+    map's order, which for a request's few inputs is the reverse of the order they came in)."""
+    if protocol == "grpc":
+        module: Any = grpcclient
+        client: Any = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
+    else:
+        module = httpclient
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
+    try:
+        with pytest.raises(InferenceServerException) as fewer:
+            client.infer("strings", _strings(module, 14, 16))
+        assert "expected 16 string elements for inference input 'INPUT1' for model 'strings', got 14" in str(
+            fewer.value
+        )
+        with pytest.raises(InferenceServerException) as more:
+            client.infer("strings", _strings(module, 18, 16))
+        assert (
+            "unexpected number of string elements 17 for inference input 'INPUT1' for model 'strings', "
+            "expecting 16"
+        ) in str(more.value)
+        assert client.infer("strings", _strings(module, 16, 16)).as_numpy("COUNT").tolist() == [1]
+    finally:
+        client.close()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge_server import ModelState, Server, VersionStatus
-from edge_server.errors import ModelNotFound
+from edge_server.errors import ModelNotReady
 from tests.onnx_factory import affine_model
 from tests.reload_helpers import (
     ALL,
@@ -46,10 +46,19 @@ def test_new_version_loads_beside_the_old_then_swaps(repo: Path) -> None:
         affine_model(repo / "m" / "2" / "model.onnx", offset=2.0)
         server.load_model("m")
         assert answer(server) == 2.0
-        assert [(s.version, s.state) for s in server.models()] == [(2, ModelState.READY)]
+        # the version it replaced stays in the index, unloaded, as in Triton
+        assert [(s.version, s.state, s.reason) for s in server.models()] == [
+            (2, ModelState.READY, ""),
+            (1, ModelState.UNAVAILABLE, "unloaded"),
+        ]
         seen = [(e.version, e.state) for e in events]
-        # v2 is loaded and published before v1 starts to drain; v1 is gone at the end
-        assert seen == [(2, ModelState.LOADING), (2, ModelState.READY), (1, ModelState.UNLOADING)]
+        # v2 is loaded and published before v1 starts to drain; v1 is unloaded at the end
+        assert seen == [
+            (2, ModelState.LOADING),
+            (2, ModelState.READY),
+            (1, ModelState.UNLOADING),
+            (1, ModelState.UNAVAILABLE),
+        ]
         assert old.scheduler._pool.workers_alive() == 0
 
 
@@ -102,7 +111,7 @@ def test_removing_the_latest_version_brings_the_previous_one_back(repo: Path) ->
         (repo / "m" / "2").rmdir()
         server.rescan()
         assert answer(server) == 1.0
-        assert [(s.version, s.state.value) for s in server.models()] == [(1, "READY")]
+        assert [(s.version, s.state.value) for s in server.models()] == [(2, "UNAVAILABLE"), (1, "READY")]
 
 
 def test_broken_latest_version_at_startup_falls_back_to_the_next(repo: Path) -> None:
@@ -147,7 +156,8 @@ def test_changed_config_reloads_and_a_broken_one_keeps_serving(repo: Path) -> No
         assert rows[2][0] == "READY" and "still serving" in rows[2][1]
 
 
-def test_removed_model_is_unloaded_and_forgotten(repo: Path) -> None:
+def test_removed_model_is_unloaded_and_listed_as_unloaded(repo: Path) -> None:
+    """As in Triton: the index keeps it, UNAVAILABLE, and a request says it has no available versions."""
     write_model(repo, "a")
     write_model(repo, "b")
     with Server(repo) as server:
@@ -157,8 +167,10 @@ def test_removed_model_is_unloaded_and_forgotten(repo: Path) -> None:
         (repo / "a").rmdir()
         server.rescan()
         assert not _instance_threads("a")
-        assert [s.name for s in server.models()] == ["b"]
-        with pytest.raises(ModelNotFound):
+        assert [(s.name, s.state.value, s.reason) for s in server.models() if s.name == "a"] == [
+            ("a", "UNAVAILABLE", "unloaded")
+        ]
+        with pytest.raises(ModelNotReady, match="has no available versions"):
             answer(server, "a")
 
 
@@ -169,7 +181,7 @@ def test_explicit_load_star_unload_and_reload(repo: Path) -> None:
         assert {s.name for s in server.models() if s.state is ModelState.READY} == {"a", "b"}
         server.unload_model("a")
         assert not _instance_threads("a")
-        assert state_of(server, "a", None) == ("UNAVAILABLE", "unloaded")
+        assert state_of(server, "a", 1) == ("UNAVAILABLE", "unloaded")  # per version, as in Triton
         statuses = server.load_model("a")
         assert [(s.version, s.state) for s in statuses] == [(1, ModelState.READY)]
         assert answer(server, "a") == 1.0

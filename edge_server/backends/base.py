@@ -10,6 +10,7 @@ backend that wants the individual requests (Python models) implements :meth:`Bac
 from __future__ import annotations
 
 import abc
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_server.backends.ragged import RaggedPlan
 from edge_server.config.model import ModelConfig
 from edge_server.errors import InstanceFailed, ModelExecutionError
 from edge_server.request import BatchItem, ModelAccess, OutputBuffer, Result, Timing
@@ -164,6 +166,8 @@ class TensorBackend(Backend):
     output_names: tuple[str, ...] = ()
     #: whether tensors carry a leading batch axis (max_batch_size > 0)
     batched: bool = True
+    #: ragged inputs, batch inputs and batch outputs (``RaggedPlan.of(config)``); set by subclasses
+    ragged: RaggedPlan | None = None
 
     def run_into(
         self,
@@ -181,6 +185,8 @@ class TensorBackend(Backend):
         return self.run(inputs, output_names)
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        if self.ragged is not None:
+            return self._execute_ragged(self.ragged, batch, timing)
         if len(batch) == 1:  # nothing to stack or split: the outputs are this request's own
             item = batch[0]
             t0 = time.perf_counter_ns()
@@ -206,6 +212,23 @@ class TensorBackend(Backend):
         results = scatter(outputs, batch, batched=self.batched)
         # A batch of several requests runs into the backend's own buffers; then each request's rows are
         # copied into its own client's destinations (never one client's rows into another's region).
+        for item, result in zip(batch, results, strict=True):
+            if item.destinations is not None and not isinstance(result, Exception):
+                fill_destinations(result, item.destinations)
+        t3 = time.perf_counter_ns()
+        timing.compute_input_ns += t1 - t0
+        timing.compute_infer_ns += t2 - t1
+        timing.compute_output_ns += t3 - t2
+        return results
+
+    def _execute_ragged(self, plan: RaggedPlan, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
+        """:meth:`execute` for a model with ragged batching's settings, one request or many."""
+        t0 = time.perf_counter_ns()
+        inputs = plan.gather(batch)
+        t1 = time.perf_counter_ns()
+        outputs = self.run(inputs, _union_outputs(batch, self.output_names))
+        t2 = time.perf_counter_ns()
+        results = scatter(outputs, batch, batched=self.batched, by_shape=plan.by_shape)
         for item, result in zip(batch, results, strict=True):
             if item.destinations is not None and not isinstance(result, Exception):
                 fill_destinations(result, item.destinations)
@@ -241,22 +264,54 @@ def _union_outputs(batch: Sequence[BatchItem], all_outputs: tuple[str, ...]) -> 
     return [name for name in all_outputs if name in wanted]
 
 
-def scatter(outputs: dict[str, np.ndarray], batch: Sequence[BatchItem], *, batched: bool) -> list[Result]:
-    """Split stacked outputs back into each request's rows, after checking the row count."""
-    if len(batch) == 1:
+def scatter(
+    outputs: dict[str, np.ndarray],
+    batch: Sequence[BatchItem],
+    *,
+    batched: bool,
+    by_shape: Mapping[str, str] | None = None,
+) -> list[Result]:
+    """Split stacked outputs back into each request's rows, after checking the row count.
+
+    ``by_shape`` (ragged batching's ``batch_output``): output -> input; each request takes as many of
+    that output's elements as its input has, in its input's shape.
+    """
+    if len(batch) == 1 and not by_shape:
         item = batch[0]
         return [{name: outputs[name] for name in item.requested_outputs}]
+    by_shape = by_shape or {}
     total = sum(item.batch_size for item in batch)
     for name, array in outputs.items():
-        if not batched or array.ndim == 0 or array.shape[0] != total:
+        source = by_shape.get(name)
+        if source is not None:
+            need = sum(item.inputs[source].size for item in batch if source in item.inputs)
+            if array.size != need:
+                raise ModelExecutionError(
+                    f"output {name!r} has {array.size} elements; expected {need}, the elements of input "
+                    f"{source!r} of the batch's requests (batch_output)"
+                )
+        elif not batched or array.ndim == 0 or array.shape[0] != total:
             raise ModelExecutionError(
                 f"output {name!r} has shape {list(array.shape)}; expected {total} rows for a batch of "
                 f"{len(batch)} requests"
             )
     results: list[Result] = []
     start = 0
+    offsets = dict.fromkeys(by_shape.values(), 0)  # where each source input's elements start
     for item in batch:
         stop = start + item.batch_size
-        results.append({name: outputs[name][start:stop] for name in item.requested_outputs})
+        result: dict[str, np.ndarray] = {}
+        for name in item.requested_outputs:
+            source = by_shape.get(name)
+            if source is None:
+                result[name] = outputs[name][start:stop]
+            else:
+                shape = item.inputs[source].shape
+                first = offsets[source]
+                result[name] = outputs[name].reshape(-1)[first : first + math.prod(shape)].reshape(shape)
+        results.append(result)
+        for source in offsets:
+            if source in item.inputs:
+                offsets[source] += item.inputs[source].size
         start = stop
     return results

@@ -28,6 +28,7 @@ from edge_server.backends.base import (
     TensorBackend,
 )
 from edge_server.backends.onnxruntime_config import complete_from_graph
+from edge_server.backends.ragged import RaggedPlan
 from edge_server.config.model import ModelConfig
 from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError, ShmOutOfBounds
 
@@ -189,6 +190,7 @@ class OnnxRuntimeBackend(TensorBackend):
         self.thread_settings = threads
         self.output_names = tuple(t.name for t in config.outputs) + config.state_outputs()
         self.batched = config.max_batch_size > 0
+        self.ragged = RaggedPlan.of(config)
         strings = [t.name for t in config.inputs if t.data_type == "TYPE_STRING"]
         string_outputs = [t.name for t in config.outputs if t.data_type == "TYPE_STRING"]
         if config.sequence_batching is not None:  # a string CONTROL_SEQUENCE_CORRID, string states

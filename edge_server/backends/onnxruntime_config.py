@@ -50,6 +50,7 @@ def complete_from_graph(config: ModelConfig, model_path: Path) -> ModelConfig:
             if config.dynamic_batching is None and config.sequence_batching is None:
                 changes["dynamic_batching"] = DynamicBatching()
     batched = max_batch > 0
+    inputs, outputs = _split_ragged_tensors(config, inputs, outputs)
     changes["inputs"] = _check_or_fill(
         config.inputs, inputs, role="input", batched=batched, source=config.source
     )
@@ -130,6 +131,61 @@ def _fill_from_graph(spec: TensorSpec, dtype: str, dims: list[int], *, batched: 
     if not spec.dims and spec.reshape is None:
         changes["dims"] = tuple(dims[1:] if batched and dims else dims)
     return dataclasses.replace(spec, **changes) if changes else spec
+
+
+def _split_ragged_tensors(
+    config: ModelConfig, inputs: list[_Graph], outputs: list[_Graph]
+) -> tuple[list[_Graph], list[_Graph]]:
+    """The graph's tensors checked as a batch of stacked requests, after checking the ragged ones.
+
+    A ragged input reaches the model as one 1-D tensor of every request's elements, a batch input as
+    a tensor the server makes (``batch_input``, not listed in ``input``), and a batch output is any
+    tensor whose elements go back to the requests by their inputs' shapes: as in Triton, their dims
+    are not compared with the config's (their types are).
+    """
+    ragged = {t.name: t.data_type for t in config.inputs if t.allow_ragged_batch and config.max_batch_size}
+    ragged.update((name, b.data_type) for b in config.batch_inputs for name in b.target_names)
+    scattered = {name for o in config.batch_outputs for name in o.target_names}
+    if not ragged and not scattered:
+        return inputs, outputs
+    graph_in = {name: (dtype, dims) for name, dtype, dims in inputs}
+    for name, dtype in ragged.items():
+        if name not in graph_in:
+            raise ConfigError(
+                f"{config.source}: batch input {name!r} is not an input of the ONNX model; its inputs are "
+                f"{sorted(graph_in)}"
+            )
+        model_type, dims = graph_in[name]
+        if dtype not in ("TYPE_INVALID", model_type) or len(dims) != 1:
+            raise ConfigError(
+                f"{config.source}: input {name!r} of a ragged batch reaches the model as a 1-D "
+                f"{dtype} tensor, but the ONNX model has {model_type} {dims}"
+            )
+    batch_targets = {name for b in config.batch_inputs for name in b.target_names}
+    kept_in = [t for t in inputs if t[0] not in batch_targets]  # the server's, not the client's
+    for spec in config.outputs:
+        found = next((t for t in outputs if t[0] == spec.name), None)
+        if spec.name in scattered and found is not None and spec.data_type not in ("TYPE_INVALID", found[1]):
+            raise ConfigError(
+                f"{config.source}: output {spec.name!r} has data_type {spec.data_type} but the ONNX model "
+                f"has {found[1]}"
+            )
+    # the config's own dims stand for ragged inputs and batch outputs: the graph's are not compared
+    loose = set(ragged) | scattered
+    return (
+        [(n, d, _as_config(config, n) if n in loose else dims) for n, d, dims in kept_in],
+        [(n, d, _as_config(config, n) if n in loose else dims) for n, d, dims in outputs],
+    )
+
+
+def _as_config(config: ModelConfig, name: str) -> list[int]:
+    """Dims that agree with the config's dims of ``name`` (``[-1]`` where it gives none), batch axis first."""
+    spec = config.input(name) or config.output(name)
+    if spec is None or (not spec.dims and spec.reshape is None):
+        own = [-1]
+    else:
+        own = list(spec.reshape if spec.reshape is not None else spec.dims)
+    return [-1, *own] if config.max_batch_size > 0 else own
 
 
 def _split_sequence_tensors(

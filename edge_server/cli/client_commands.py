@@ -15,6 +15,7 @@ import numpy as np
 from edge_server.cli.arguments import RepeatedFlag, UsageError
 from edge_server.cli.image_input import CHANNEL_ORDERS, image_tensor
 from edge_server.errors import EdgeServerError, InvalidArgument
+from edge_server.status_index import index_row
 
 _TARGET_HELP = (
     "Asks the running daemon (found at $EDGE_SERVER_IPC, else /run/edge-server/edge-server.sock, else "
@@ -80,10 +81,17 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[Any, bool]]:
 
 def run_models(args: argparse.Namespace) -> int:
     with _target(args) as (target, remote):
-        if remote:
-            rows = [(m["name"], m["version"], m["state"], m.get("reason", "")) for m in target.models()]
-        else:
-            rows = [(s.name, s.version, s.state.value, s.reason) for s in target.models()]
+        # the repository index, as every frontend gives it: a model never loaded has a name alone
+        index = target.models() if remote else [index_row(s) for s in target.repository_index()]
+        rows = [
+            (
+                m["name"],
+                m.get("version"),
+                m.get("state", "-"),
+                m.get("reason", "not loaded" if "state" not in m else ""),
+            )
+            for m in index
+        ]
     print(f"{'MODEL':<24} {'VERSION':<8} {'STATE':<12} REASON")
     for name, version, state, reason in rows:
         print(f"{name:<24} {'-' if version is None else version!s:<8} {state:<12} {reason}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, cast
 
-from edge_server.config import sequence
+from edge_server.config import ragged, sequence
 from edge_server.config.model import (
     BACKEND_TO_PLATFORM,
     PLATFORM_TO_BACKEND,
@@ -96,6 +96,8 @@ class _Converter:
             ),
             dynamic_batching=dynamic_batching,
             sequence_batching=sequence_batching,
+            batch_inputs=ragged.convert_inputs(msg.batch_input, self.enum_name),
+            batch_outputs=ragged.convert_outputs(msg.batch_output, self.enum_name),
             version_policy=self.version_policy(msg),
             parameters={key: p.string_value for key, p in sorted(msg.parameters.items())},
             model_warmup=self.warmups(msg.model_warmup),
@@ -115,6 +117,7 @@ class _Converter:
             # Presence matters: "reshape { shape: [ ] }" means a scalar, no reshape means None.
             reshape=tuple(msg.reshape.shape) if msg.HasField("reshape") else None,
             optional=msg.optional if is_input else False,
+            allow_ragged_batch=msg.allow_ragged_batch if is_input else False,
             format=self.enum_name(msg, "format", f"{path}.format") if is_input else "FORMAT_NONE",
             label_filename="" if is_input else msg.label_filename,
         )

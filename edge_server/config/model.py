@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from edge_server.config.ragged import BatchInput, BatchOutput
 from edge_server.config.sequence import SequenceBatching
 from edge_server.config.triton_json import default_dict
 from edge_server.errors import ConfigError
@@ -73,6 +74,8 @@ class TensorSpec:
     optional: bool = False
     format: str = "FORMAT_NONE"
     label_filename: str = ""
+    #: inputs only: requests that differ in this input's shape still batch (see config.ragged)
+    allow_ragged_batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,8 @@ class ModelConfig:
     default_model_filename: str = ""
     gpu_accelerators: tuple[Accelerator, ...] = ()
     cpu_accelerators: tuple[Accelerator, ...] = ()
+    batch_inputs: tuple[BatchInput, ...] = ()  # ragged batching (config.ragged)
+    batch_outputs: tuple[BatchOutput, ...] = ()
     decoupled: bool = False  # model_transaction_policy: responses are streamed, zero or many per request
     source: str = ""
     #: the whole config as written, in Triton's JSON form (config.triton_json): the fields edge-server
@@ -271,7 +276,7 @@ def _tensor_dict(t: TensorSpec, base: dict[str, Any]) -> dict[str, Any]:
     else:
         base.pop("reshape", None)
     if "optional" in base:  # inputs only
-        base.update(optional=t.optional, format=t.format)
+        base.update(optional=t.optional, format=t.format, allow_ragged_batch=t.allow_ragged_batch)
     if "label_filename" in base:  # outputs only
         base["label_filename"] = t.label_filename
     return base

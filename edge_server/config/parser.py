@@ -22,7 +22,7 @@ from typing import get_args
 from google.protobuf import json_format, text_format
 
 from edge_server import dtypes
-from edge_server.config import schema, sequence
+from edge_server.config import ragged, schema, sequence
 from edge_server.config.convert import Proto, to_model_config
 from edge_server.config.model import (
     OTHER_TRITON_PLATFORMS,
@@ -42,7 +42,11 @@ _SUPPORTED: Mapping[str, object] = {
     "platform": True,
     "backend": True,
     "max_batch_size": True,
-    "input": dict.fromkeys(("name", "data_type", "dims", "reshape", "optional", "format"), True),
+    "input": dict.fromkeys(
+        ("name", "data_type", "dims", "reshape", "optional", "format", "allow_ragged_batch"), True
+    ),
+    "batch_input": True,
+    "batch_output": True,
     "output": dict.fromkeys(("name", "data_type", "dims", "reshape", "label_filename"), True),
     "instance_group": dict.fromkeys(("name", "kind", "count", "gpus", "secondary_devices", "passive"), True),
     "dynamic_batching": True,
@@ -177,6 +181,15 @@ def validate_config(config: ModelConfig, *, completed: bool = True) -> None:
     _validate_tensors(config, "output", config.outputs, completed=completed)
     _validate_instance_groups(config)
     _validate_dynamic_batching(config)
+    problem = ragged.problems(
+        config.batch_inputs,
+        config.batch_outputs,
+        max_batch_size=config.max_batch_size,
+        inputs=tuple(t.name for t in config.inputs),
+        outputs=tuple(t.name for t in config.outputs),
+    )
+    if problem:
+        raise _fail(config, *problem)
     if config.sequence_batching is not None:
         problem = sequence.problems(
             config.sequence_batching,

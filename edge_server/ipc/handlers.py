@@ -27,6 +27,7 @@ from edge_server.ipc import protocol
 from edge_server.ipc.handoff import FdHandoff
 from edge_server.request import InferRequest, OutputBuffer, response_parameters
 from edge_server.shm import ClientRegions, Lease, Owner, Region, Registry, check_name
+from edge_server.status_index import index_row
 from edge_server.versions import parse_version
 
 if TYPE_CHECKING:
@@ -291,8 +292,8 @@ def control(
     version = parse_version(header.get("version"))
     if op == "ready":
         return {"ready": server.is_ready(model, version)}
-    if op == "models":
-        return {"models": [_status(s) for s in server.models()]}
+    if op == "models":  # the index of every frontend: never-loaded models by name alone
+        return {"models": [index_row(s) for s in server.repository_index()]}
     if op == "metadata":
         return {"metadata": server.model_metadata(model, version)}
     if op == "config":
@@ -302,7 +303,7 @@ def control(
     if op == "stats":
         return {"stats": server.statistics(model, version)}
     if op in ("load", "reload"):
-        return {"models": [_status(s) for s in server.load_model(model)]}
+        return {"models": [index_row(s) for s in server.load_model(model)]}
     if op == "unload":
         server.unload_model(model)
         return {}
@@ -334,12 +335,3 @@ def control(
     raise UnknownOperation(
         f"unknown operation {op!r}; protocol {protocol.PROTOCOL_VERSION} has {sorted(protocol.OPS)}"
     )
-
-
-def _status(status: Any) -> dict[str, Any]:
-    return {
-        "name": status.name,
-        "version": status.version,
-        "state": status.state.value,
-        "reason": status.reason,
-    }

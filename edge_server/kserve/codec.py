@@ -129,12 +129,19 @@ def wire_itemsize(datatype: str) -> int:
 
 
 def from_raw(
-    buffer: bytes | bytearray | memoryview, datatype: str, shape: tuple[int, ...], name: str
+    buffer: bytes | bytearray | memoryview,
+    datatype: str,
+    shape: tuple[int, ...],
+    name: str,
+    model: str = "",
 ) -> np.ndarray:
-    """Decode ``buffer`` (exactly one tensor's bytes) into an array of ``shape``; no copy for numbers."""
+    """Decode ``buffer`` (exactly one tensor's bytes) into an array of ``shape``; no copy for numbers.
+
+    ``model``: the model the request names, for the texts of a bad BYTES tensor.
+    """
     count = math.prod(shape)
     if datatype == "BYTES":
-        return deserialize_bytes(buffer, count, name).reshape(shape)
+        return deserialize_bytes(buffer, count, name, model).reshape(shape)
     expected = count * _WIRE_ITEMSIZE[datatype]
     if len(buffer) != expected:
         raise TensorSizeMismatch(
@@ -157,31 +164,66 @@ def to_raw(array: np.ndarray, datatype: str) -> bytes:
     return np.ascontiguousarray(array, dtype=_LE[datatype]).tobytes()
 
 
-def deserialize_bytes(buffer: bytes | bytearray | memoryview, count: int, name: str) -> np.ndarray:
+class BytesCountMismatch(TensorSizeMismatch):
+    """A BYTES input whose items disagree with its shape, in Triton's words (its clients match them).
+
+    Triton checks a request's inputs in the order of its hash map, which for a request's few inputs
+    is the reverse of the order they came in, so where several are wrong its clients see the last
+    one: a frontend decodes every input first and raises the last of these.
+    """
+
+
+def deserialize_bytes(
+    buffer: bytes | bytearray | memoryview, count: int, name: str, model: str = ""
+) -> np.ndarray:
     """``count`` items, each a 4-byte little-endian length and that many bytes, filling ``buffer``."""
     view = memoryview(buffer).cast("B")
-    if count * 4 > len(view):
-        raise TensorSizeMismatch(
-            f"tensor {shorten(name)}: {count} BYTES elements need at least {count * 4} bytes, got {len(view)}"
+    where = f"inference input {shorten(name)} for model {shorten(model)}"
+    if count * 4 > len(view):  # checked before the items' array is allocated
+        raise BytesCountMismatch(
+            f"expected {count} string elements for {where}, got {_count_items(view, count)}"
         )
     items = np.empty(count, dtype=np.object_)
     pos = 0
     for i in range(count):
+        if pos == len(view):
+            raise BytesCountMismatch(f"expected {count} string elements for {where}, got {i}")
         if pos + 4 > len(view):
-            raise TensorSizeMismatch(f"tensor {shorten(name)}: BYTES data ends inside element {i} of {count}")
+            raise BytesCountMismatch(_partial_length(where, len(view) - pos))
         (length,) = _LENGTH.unpack_from(view, pos)
         pos += 4
         if pos + length > len(view):
-            raise TensorSizeMismatch(
-                f"tensor {shorten(name)}: BYTES element {i} declares {length} bytes, {len(view) - pos} remain"
+            raise BytesCountMismatch(
+                f"incomplete string data for {where}, expecting string of length {length} but only "
+                f"{len(view) - pos} bytes available"
             )
         items[i] = bytes(view[pos : pos + length])
         pos += length
     if pos != len(view):
-        raise TensorSizeMismatch(
-            f"tensor {shorten(name)}: {len(view) - pos} bytes left over after {count} BYTES elements"
+        if len(view) - pos < 4:
+            raise BytesCountMismatch(_partial_length(where, len(view) - pos))
+        raise BytesCountMismatch(
+            f"unexpected number of string elements {count + 1} for {where}, expecting {count}"
         )
     return items
+
+
+def _partial_length(where: str, left: int) -> str:
+    return (
+        f"incomplete string length indicator for {where}, expecting 4 bytes but only {left} bytes available"
+    )
+
+
+def _count_items(view: memoryview, limit: int) -> int:
+    """How many whole length-prefixed items ``view`` starts with (at most ``limit``)."""
+    pos = found = 0
+    while found < limit and pos + 4 <= len(view):
+        (length,) = _LENGTH.unpack_from(view, pos)
+        pos += 4 + length
+        if pos > len(view):
+            break
+        found += 1
+    return found
 
 
 def serialize_bytes(array: np.ndarray) -> bytes:

@@ -65,6 +65,7 @@ def decode(
     next_raw = 0
     inputs: dict[str, np.ndarray] = {}
     budget: InputBudget | None = None  # inputs read from shared memory, all together
+    bytes_error: codec.BytesCountMismatch | None = None
     for tensor in request.inputs:
         name = tensor.name
         if name in inputs:
@@ -72,23 +73,30 @@ def decode(
         datatype = codec.check_datatype(tensor.datatype, name)
         shape = codec.check_shape(list(tensor.shape), name, datatype)
         ref = shm_reference(parameters(tensor.parameters))
-        if ref is not None:
-            if budget is None:
-                budget = service.input_budget()
-            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget, request.model_name)
-        elif tensor.HasField("contents"):
-            inputs[name] = _from_contents(tensor.contents, datatype, shape, name)
-        else:
-            if next_raw >= len(raw):
-                raise InvalidArgument(
-                    f"input {shorten(name)} has no contents and no raw_input_contents entry"
+        try:
+            if ref is not None:
+                if budget is None:
+                    budget = service.input_budget()
+                inputs[name] = service.read_input(
+                    ref, datatype, shape, name, peer, budget, request.model_name
                 )
-            inputs[name] = codec.from_raw(raw[next_raw], datatype, shape, name)
-            next_raw += 1
+            elif tensor.HasField("contents"):
+                inputs[name] = _from_contents(tensor.contents, datatype, shape, name)
+            else:
+                if next_raw >= len(raw):
+                    raise InvalidArgument(
+                        f"input {shorten(name)} has no contents and no raw_input_contents entry"
+                    )
+                next_raw += 1
+                inputs[name] = codec.from_raw(raw[next_raw - 1], datatype, shape, name, request.model_name)
+        except codec.BytesCountMismatch as exc:
+            bytes_error = exc  # the last one is reported, as Triton does (see BytesCountMismatch)
     if next_raw != len(raw):
         raise InvalidArgument(
             f"raw_input_contents has {len(raw)} entries, but only {next_raw} inputs take raw contents"
         )
+    if bytes_error is not None:
+        raise bytes_error
     wants = None
     if request.outputs:
         wants = []

@@ -23,6 +23,7 @@ of the same model (their p99 6x idle).  So:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -96,18 +97,41 @@ class StreamCall(ReplyHolder):
                 return False
         return not self.cut_off
 
-    def put(self, response: Any, *, ends_request: bool) -> None:
-        """Queue ``response`` (None: nothing to send, only the request's end); counts its bytes."""
-        nbytes = response.ByteSize() if response is not None else 0
+    def put(self, response: Any, *, ends_request: bool, held: int | None = None) -> None:
+        """Queue ``response`` (None: nothing to send, only the request's end); counts its bytes.
+
+        ``held``: the bytes :meth:`hold` counted for it already (its slot is free already).
+        """
+        nbytes = held if held is not None else response.ByteSize() if response is not None else 0
         with self._lock:
             if self.cut_off or self._closed:
                 if ends_request:
                     self._slots.release()
                 return
-            over = self._budget.add(self, nbytes)
+            over = False
+            if held is None:
+                over = self._budget.add(self, nbytes)
         self._queue.put((response, nbytes, ends_request))
         if over:  # its user holds too much: whoever holds the most (this stream or another) stops
             self._budget.enforce(self.uid)
+
+    def hold(self, response: Any) -> int | None:
+        """Count ``response``, held back for the stream's order, and free its request's slot.
+
+        Its request is done: the slot goes back now, so that a stream whose earlier request waits
+        (a sequence waiting for a place, say) is still read; the bytes count in the reply budget as
+        queued ones do.  Returns the bytes counted (for :meth:`put`), None when the stream is over.
+        """
+        nbytes = response.ByteSize() if response is not None else 0
+        with self._lock:
+            if self.cut_off or self._closed:
+                self._slots.release()
+                return None
+            over = self._budget.add(self, nbytes)
+        self._slots.release()
+        if over:
+            self._budget.enforce(self.uid)
+        return nbytes
 
     def end(self) -> None:
         """No more responses: the reader is done and every request answered, or the call ended."""
@@ -172,6 +196,40 @@ class StreamCall(ReplyHolder):
         log.debug("dropped %d responses of a cut-off stream", dropped)
 
 
+class InOrder:
+    """A stream's answers to ordinary (not decoupled) models, written in the order the requests came.
+
+    Triton's stream handler does so (L0_sequence_batcher's ordering test relies on it): a request
+    takes its place when it is read, and its one answer waits for the answers before it.  A decoupled
+    model's responses are written as they come, as in Triton.
+    """
+
+    def __init__(self, call: StreamCall) -> None:
+        self._call = call
+        self._lock = threading.Lock()
+        self._places = itertools.count()
+        self._next = 0
+        self._waiting: dict[int, tuple[Any, int]] = {}  # place -> (answer, its bytes)
+
+    def place(self) -> int:
+        """The next place; the stream's reader takes them, one request after the other."""
+        return next(self._places)
+
+    def put(self, place: int, response: Any) -> None:
+        """The answer of the request at ``place``; it goes to the stream once the earlier ones have."""
+        with self._lock:  # call.put and call.hold only queue and count: nothing calls back in here
+            if place != self._next:
+                held = self._call.hold(response)
+                if held is not None:
+                    self._waiting[place] = (response, held)
+                return
+            self._call.put(response, ends_request=True)
+            self._next += 1
+            while (waiting := self._waiting.pop(self._next, None)) is not None:
+                self._call.put(waiting[0], ends_request=False, held=waiting[1])
+                self._next += 1
+
+
 def wire_bytes(wire: WireRequest) -> int:
     """The bytes a received request holds: its message, and its raw tensors where kept apart."""
     return wire.message.ByteSize() + (sum(len(view) for view in wire.raw) if wire.raw else 0)
@@ -212,8 +270,10 @@ class StreamSink(ResponseSink):
         empty_final: bool,
         finished: Callable[[StreamSink], None],
         ends_stream: bool = False,
+        in_order: tuple[InOrder, int] | None = None,
     ) -> None:
         super().__init__()
+        self._in_order = in_order  # an ordinary model's answer: (the stream's order, its place)
         self._service = service
         self._call = call
         self._request = request
@@ -241,7 +301,7 @@ class StreamSink(ResponseSink):
         except Exception as exc:  # noqa: BLE001 - one response's error is sent; the stream goes on
             _http, code, message = error_status(exc)
             if self._ends_stream:
-                self._call.put(StreamError(code, message), ends_request=final)
+                self._send(StreamError(code, message), final)
                 if final:
                     self._finished(self)
                 return
@@ -250,9 +310,23 @@ class StreamSink(ResponseSink):
             response = service_pb2.ModelStreamInferResponse(error_message=message, infer_response=response)
         # A final without a response still ends the request: its slot is freed when that is taken.
         if response is not None or final:
-            self._call.put(response, ends_request=final)
+            self._send(response, final)
         if final:
             self._finished(self)
+
+    def _send(self, response: Any, final: bool) -> None:
+        if self._in_order is not None and final:  # an ordinary model's one answer
+            self._in_order[0].put(self._in_order[1], response)
+        else:
+            self._call.put(response, ends_request=final)
+
+
+def _decoupled(service: KServeService, request: InferRequest) -> bool:
+    """Whether ``request``'s model is decoupled; False where it is not known (its error keeps its place)."""
+    try:
+        return service.dataplane.config(request.model, request.version).decoupled
+    except EdgeServerError:
+        return False
 
 
 def serve_stream(
@@ -260,6 +334,7 @@ def serve_stream(
 ) -> Iterator[Any]:
     """One ``ModelStreamInfer`` call: requests read on a thread of their own, responses yielded in order."""
     call = StreamCall(context, frontend.limits, peer.uid)
+    in_order = InOrder(call)
     lock = threading.Lock()
     open_sinks: set[StreamSink] = set()
     reading = [True]
@@ -274,13 +349,26 @@ def serve_stream(
 
     def start(wire: WireRequest) -> None:
         request = wire.message
+        place: int | None = None
         try:
             # counted in the user's body budget (with its HTTP and IPC bodies) until its final response
             body = frontend.limits.hold(peer.uid, wire_bytes(wire))
             try:
                 infer, wants = grpc_codec.decode(service, request, peer, wire.raw)
+                if not _decoupled(service, infer):
+                    place = in_order.place()
                 empty_final = infer.parameters.get(EMPTY_FINAL, False) is True
-                sink = StreamSink(service, call, infer, wants, peer, empty_final, finished, ends_stream)
+                sink = StreamSink(
+                    service,
+                    call,
+                    infer,
+                    wants,
+                    peer,
+                    empty_final,
+                    finished,
+                    ends_stream,
+                    None if place is None else (in_order, place),
+                )
                 sink.on_final = body.release
                 with lock:
                     open_sinks.add(sink)
@@ -294,7 +382,8 @@ def serve_stream(
                 body.release()
                 raise
         except Exception as exc:  # noqa: BLE001 - the error goes to the client; the stream stays open
-            call.put(_stream_error(request, exc, ends_stream), ends_request=True)
+            error = _stream_error(request, exc, ends_stream)
+            in_order.put(in_order.place() if place is None else place, error)
 
     def read() -> None:
         try:

@@ -51,6 +51,7 @@ def decode(
         raise InvalidArgument(f"'inputs' must be a list of at most {MAX_TENSORS} tensors")
     inputs: dict[str, np.ndarray] = {}
     budget: InputBudget | None = None  # inputs read from shared memory, all together
+    bytes_error: codec.BytesCountMismatch | None = None
     for entry in entries:
         if not isinstance(entry, dict):
             raise InvalidArgument("each input must be a JSON object with name, shape, datatype and data")
@@ -63,20 +64,25 @@ def decode(
         shape = codec.check_shape(entry.get("shape"), name, datatype)
         params = codec.parameters_of(entry, f"input {shorten(name)}")
         ref = shm_reference(params)
-        if ref is not None:
-            if budget is None:
-                budget = service.input_budget()
-            inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget, model)
-        elif "binary_data_size" in params:
-            chunk = reader.take(params["binary_data_size"], name)
-            inputs[name] = codec.from_raw(chunk, datatype, shape, name)
-        elif "data" in entry:
-            inputs[name] = codec.from_json(entry["data"], datatype, shape, name)
-        else:
-            raise InvalidArgument(
-                f"input {shorten(name)} has no 'data', binary_data_size or shared-memory region"
-            )
+        try:
+            if ref is not None:
+                if budget is None:
+                    budget = service.input_budget()
+                inputs[name] = service.read_input(ref, datatype, shape, name, peer, budget, model)
+            elif "binary_data_size" in params:
+                chunk = reader.take(params["binary_data_size"], name)
+                inputs[name] = codec.from_raw(chunk, datatype, shape, name, model)
+            elif "data" in entry:
+                inputs[name] = codec.from_json(entry["data"], datatype, shape, name)
+            else:
+                raise InvalidArgument(
+                    f"input {shorten(name)} has no 'data', binary_data_size or shared-memory region"
+                )
+        except codec.BytesCountMismatch as exc:
+            bytes_error = exc  # the last one is reported, as Triton does (see BytesCountMismatch)
     reader.check_consumed()
+    if bytes_error is not None:
+        raise bytes_error
 
     params = codec.parameters_of(header, "the request")
     binary_default = params.get("binary_data_output", False)

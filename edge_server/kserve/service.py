@@ -36,7 +36,7 @@ from edge_server.repository import DuplicateModel
 from edge_server.request import NO_PARAMETERS, InferRequest, client_key
 from edge_server.scheduler import inline
 from edge_server.shm import Lease
-from edge_server.status_index import ModelState
+from edge_server.status_index import ModelState, NotLoaded
 from edge_server.validation import check_parameters
 from edge_server.versions import parse_version
 
@@ -187,13 +187,13 @@ class KServeService:
     # -- repository ------------------------------------------------------------------------------
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
-        """Every model the server knows, a row per version, and the repositories' other models.
-
-        As in Triton, models never loaded (explicit mode) are listed by name alone, so that a client
-        can choose what to load.
-        """
+        """Every model the server knows, a row per version, and the repositories' other models by name."""
         rows = []
-        for status in self.server.models():
+        for status in self.server.repository_index():
+            if isinstance(status, NotLoaded):
+                if not ready_only:
+                    rows.append({"name": status.name})
+                continue
             if ready_only and status.state is not ModelState.READY:
                 continue
             row: dict[str, Any] = {"name": status.name, "state": status.state.value}
@@ -202,10 +202,6 @@ class KServeService:
             if status.reason:
                 row["reason"] = status.reason
             rows.append(row)
-        if not ready_only:
-            known = {row["name"] for row in rows}
-            rows += [{"name": name} for name in self.server.repositories.scan() if name not in known]
-            rows.sort(key=lambda row: row["name"])  # stable: a model's versions keep their order
         return rows
 
     def load(self, name: str, parameters: Mapping[str, Any]) -> None:
@@ -353,7 +349,7 @@ class KServeService:
         want = codec.wire_size(datatype, shape)  # compared before a byte is read; None: strings
         where = f"input {shorten(name)}" + (f" for model {shorten(model)}" if model else "")
         data = self.registry().read(region, offset, byte_size, want, peer, where, budget)
-        return codec.from_raw(data, datatype, shape, name)
+        return codec.from_raw(data, datatype, shape, name, model)
 
     def input_budget(self) -> InputBudget | None:
         """One request's budget for inputs read from shared memory (None while it is off)."""

@@ -42,7 +42,7 @@ from edge_server.loader import (
 from edge_server.pipeline.graph import parse_steps
 from edge_server.repository import DuplicateModel, ModelSource, Repositories, check_model_name, scan_model
 from edge_server.routing import Routing
-from edge_server.status_index import ModelState, StatusIndex, VersionStatus
+from edge_server.status_index import UNLOADED, ModelState, StatusIndex, VersionStatus
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,16 @@ class ModelManager:
             if self._file_roots.pop(name, None) is not None:
                 self._staged.drop(name)
             self._unloaded.add(name)  # until loaded again, rescans and file changes leave it unloaded
-            self._index.publish(name, [VersionStatus(name, None, ModelState.UNAVAILABLE, "unloaded")])
+            self._publish_unloaded(name)
+
+    def _publish_unloaded(self, name: str) -> None:
+        """``name``'s rows after an unload: each version it had, UNAVAILABLE "unloaded", as in Triton.
+
+        A model that had no version row (it never loaded one) gets one row without a version.
+        """
+        known = sorted({s.version for s in self._index.of(name).values() if s.version is not None})
+        rows = [VersionStatus(name, v, ModelState.UNAVAILABLE, UNLOADED) for v in known]
+        self._index.publish(name, rows or [VersionStatus(name, None, ModelState.UNAVAILABLE, UNLOADED)])
 
     def rescan(self, names: Iterable[str] | None = None, *, retry_failed: bool = True) -> None:
         """Reload what changed on disk among ``names`` (default: every model); unload removed models.
@@ -268,7 +277,9 @@ class ModelManager:
             if name in self._routing.serving():
                 log.info("model %s was removed from the repository; unloading", name)
                 self._table.remove(name)
-            self._index.publish(name, [])
+            # Triton keeps a model that left the repository in its index, UNAVAILABLE: a request
+            # for it then reads "has no available versions" rather than "is not found"
+            self._publish_unloaded(name)
             self._sync.forget(name)
             return
         serving = self._routing.serving()  # one snapshot: each model counted once

@@ -88,7 +88,7 @@ class ServingTable:
             self.routing.hold([loaded], held=False)
             log.info("%s v%d unloaded", loaded.name, loaded.version)
         for loaded in shown:
-            self._index.forget_unloading(loaded.name, loaded.version)
+            self._index.unloaded(loaded.name, loaded.version)
         shown.clear()
         versions.clear()  # drop our references before the heap is settled
         self._heap_changed = True

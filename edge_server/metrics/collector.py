@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.metrics_core import Metric
 
 from edge_server.scheduler.summaries import Summary
-from edge_server.status_index import ModelState, VersionStatus
+from edge_server.status_index import UNLOADED, ModelState, VersionStatus
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -122,7 +122,7 @@ class LoadCounter:
             elif status.state is ModelState.READY and key in self._loading:
                 self._loading.discard(key)
                 self.loads[status.name] = self.loads.get(status.name, 0) + 1
-            elif status.state is ModelState.UNAVAILABLE and status.reason != "unloaded":
+            elif status.state is ModelState.UNAVAILABLE and status.reason != UNLOADED:
                 self._loading.discard(key)
                 self.failures[status.name] = self.failures.get(status.name, 0) + 1
                 self.loads.setdefault(status.name, 0)

@@ -67,6 +67,7 @@ from edge_server.scheduler.policy import BatchSettings, next_batch
 from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
 from edge_server.scheduler.queue import Turns
 from edge_server.scheduler.scheduler import SchedulerClosed
+from edge_server.scheduler.sequence_order import ArrivalOrder
 from edge_server.scheduler.sequence_table import Sequence, SequenceRequest, SequenceTable
 from edge_server.scheduler.sequence_tensors import SequenceTensors
 from edge_server.scheduler.stats import ModelStats
@@ -132,6 +133,8 @@ class SequenceScheduler:
             preferred_batch_sizes=frozenset(seq.preferred_batch_size),
             max_queue_delay_ns=self._delay_ns,
         )
+        # oldest's preserve_ordering: answers in the order the requests came (sequence_order)
+        self._order = ArrivalOrder() if not self._direct and seq.preserve_ordering else None
         self._pool: InstancePool[list[_Row]] = InstancePool(
             config.name, instances, self, restart=restart, backoff_s=restart_backoff(config)
         )
@@ -197,7 +200,10 @@ class SequenceScheduler:
             assert seq is not None
             if end:
                 table.end(key, seq)
-            seq.pending.append(SequenceRequest(item, shape_key, future, now, restarts=restarts))
+            request = SequenceRequest(item, shape_key, future, now, restarts=restarts)
+            if self._order is not None:
+                self._order.arrived(request)
+            seq.pending.append(request)
             seq.last_ns = now
             self._queued += 1
             self._cond.notify_all()
@@ -331,7 +337,7 @@ class SequenceScheduler:
         if self._refused:
             self._fail_refused()  # lets go of the lock while it answers: look again afterwards
             return None, 0.0
-        rows, wait_ns = self._form_direct(index, now) if self._direct else self._form_oldest(now)
+        rows, wait_ns = self._form_direct(index, now) if self._direct else self._form_oldest(index, now)
         if rows:
             for seq, request in rows:
                 if seq is not None and request is not None:
@@ -339,6 +345,8 @@ class SequenceScheduler:
                     seq.pending.popleft()
                     self._queued -= 1
                     self._in_flight += 1
+            if self._order is not None:
+                self._order.running(request for _, request in rows if request is not None)
             return rows, None
         waits = [w for w in (wait_ns, reap_ns) if w]
         return None, (min(waits) / 1e9 if waits else None)
@@ -376,8 +384,8 @@ class SequenceScheduler:
                 rows.append((holder, None))  # filler: READY=0, the slot's state passes through
         return rows, 0
 
-    def _form_oldest(self, now: int) -> tuple[list[_Row], int]:
-        ready = self._ready(self._table.candidates)
+    def _form_oldest(self, instance: int, now: int) -> tuple[list[_Row], int]:
+        ready = self._ready(self._table.candidates[instance])
         if not ready:
             return [], 0
         # oldest first, users (and their connections) in turn: one user's many sequences take one turn
@@ -393,13 +401,13 @@ class SequenceScheduler:
     def run(self, backend: Backend, rows: list[_Row]) -> None:
         start_ns = time.monotonic_ns()
         live: list[tuple[Sequence, SequenceRequest]] = []
-        cancelled: list[Sequence] = []
+        cancelled: list[tuple[Sequence, SequenceRequest]] = []
         for seq, request in rows:
             if seq is not None and request is not None:
                 if request.rescheduled or request.future.set_running_or_notify_cancel():
                     live.append((seq, request))
                 else:
-                    cancelled.append(seq)
+                    cancelled.append((seq, request))
         results: list[Result] = []
         timing = Timing()
         if live:
@@ -410,33 +418,41 @@ class SequenceScheduler:
                 results = [ModelExecutionError(f"model {self._name!r} failed: {exc!r}")] * len(live)
         end_ns = time.monotonic_ns()
         results = [self._end_reschedule(r, res, end_ns) for (_, r), res in zip(live, results, strict=True)]
-        again: list[SequenceRequest] = []
+        answers: list[tuple[SequenceRequest, Result]] = []  # Rescheduled ones queued again have none
         with self._lock:
             for (seq, request), result in zip(live, results, strict=True):
-                if isinstance(result, Rescheduled):
-                    if seq in self._table.held:  # the same request runs again, first of its sequence
-                        request.rescheduled = True
-                        seq.pending.appendleft(request)
-                        self._queued += 1
-                    else:  # unloaded while it ran
-                        again.append(request)
-            for seq in [s for s, _ in live] + cancelled:
+                if not isinstance(result, Rescheduled):
+                    answers.append((request, result))
+                elif seq in self._table.held:  # the same request runs again, first of its sequence
+                    request.rescheduled = True
+                    seq.pending.appendleft(request)
+                    self._queued += 1
+                else:  # unloaded while it ran
+                    unloaded = f"model {self._name!r} was unloaded; the request was rescheduled"
+                    answers.append((request, ServerShuttingDown(unloaded)))
+            for seq, _ in live + cancelled:
                 seq.busy = False
                 seq.last_ns = end_ns
                 self._in_flight -= 1
                 if seq.ending and not seq.pending and seq in self._table.held:
                     self._release(seq, expired=False)
             self._cond.notify_all()
-        for (_, request), result in zip(live, results, strict=True):
-            if isinstance(result, Exception):
-                request.future.set_exception(result)
-            elif isinstance(result, Rescheduled):
-                if request in again:
-                    request.future.set_exception(
-                        ServerShuttingDown(f"model {self._name!r} was unloaded; the request was rescheduled")
-                    )
-            else:
-                request.future.set_result(result)
+            if self._order is not None:
+                done = dict(answers)
+                for _, request in live + cancelled:
+                    self._order.finished(request, done.get(request))
+                answers = self._order.take(self._first_queued()) or []
+        while answers:
+            for request, result in answers:
+                if isinstance(result, Exception):
+                    request.future.set_exception(result)
+                else:
+                    request.future.set_result(result)
+            if self._order is None:
+                break
+            with self._lock:  # earlier ones may have finished on another instance meanwhile
+                self._order.delivered()
+                answers = self._order.take(self._first_queued()) or []
         if live:
             self._stats.record_batch(
                 batch_size=len(live),
@@ -445,6 +461,11 @@ class SequenceScheduler:
                 succeeded=[not isinstance(r, Exception) for r in results],
                 timing=timing,
             )
+
+    def _first_queued(self) -> int | None:
+        """The arrival of the earliest request queued on a sequence with a candidate place (lock held)."""
+        heads = [s.pending[0].arrival for places in self._table.candidates for s in places if s.pending]
+        return min(heads, default=None)
 
     def _end_reschedule(self, request: SequenceRequest, result: Result, now: int) -> Result:
         """What becomes of a request the model rescheduled: run again, or end it (its answer here).

@@ -41,6 +41,7 @@ class SequenceRequest:
     enqueue_ns: int
     rescheduled: bool = False  # the model released it with RESCHEDULE: its future is already running
     restarts: bool = False  # a START on a live sequence: its state starts afresh when it runs
+    arrival: int = 0  # its place in arrival order, where preserve_ordering counts (sequence_order)
 
     @property
     def batch_size(self) -> int:
@@ -59,6 +60,7 @@ class Sequence:
     ending: bool = False  # END was submitted: no more requests
     admitted: bool = False  # holds a slot (direct) or a candidate place (oldest)
     slot: tuple[int, int] | None = None  # direct: (instance, row)
+    instance: int = 0  # oldest: the instance whose candidates it is among, for its lifetime
     state: State | None = None
 
 
@@ -88,7 +90,9 @@ class SequenceTable:
         # waiting for a slot or place, users (and their connections) in turn: one user's flood of STARTs
         # does not make another's wait for all of it (the dynamic batcher's rule, scheduler.queue)
         self.backlog: Turns[Sequence] = Turns(client_of)
-        self.candidates: list[Sequence] = []  # oldest: admitted sequences, in admission order
+        # oldest: each instance's admitted sequences, in admission order.  As in Triton, a sequence
+        # runs on one instance for its lifetime: a model may keep a sequence's state in the instance.
+        self.candidates: list[list[Sequence]] = [[] for _ in range(instances)]
         self.slots: list[list[Sequence | None]] = [[None] * slots_per_instance for _ in range(instances)]
         self.counts = {"started": 0, "ended": 0, "expired": 0}
 
@@ -157,7 +161,7 @@ class SequenceTable:
                 for name, slots in zip(instance_names, self.slots, strict=True)
             ]
         else:
-            out["candidates"] = len(self.candidates)
+            out["candidates"] = sum(len(c) for c in self.candidates)
         return out
 
     def _admit(self, seq: Sequence, now: int = 0, timeout_us: int | None = None) -> None:
@@ -174,10 +178,13 @@ class SequenceTable:
                         seq.slot = (instance, row)
                         seq.admitted = True
                         return
-        elif not self._max_candidates or len(self.candidates) < self._max_candidates:
-            self.candidates.append(seq)
-            seq.admitted = True
-            return
+        else:  # the instance with the fewest candidates, among those with a place left
+            instance, places = min(enumerate(self.candidates), key=lambda c: len(c[1]))
+            if not self._max_candidates or len(places) < self._max_candidates:
+                places.append(seq)
+                seq.instance = instance
+                seq.admitted = True
+                return
         if not seq.backlog_until_ns:
             bound_ns = timeout_us * 1000 if timeout_us else self.idle_ns
             seq.backlog_until_ns = (now or time.monotonic_ns()) + bound_ns
@@ -204,7 +211,7 @@ class SequenceTable:
             instance, row = seq.slot
             self.slots[instance][row] = None
         else:
-            self.candidates.remove(seq)
+            self.candidates[seq.instance].remove(seq)
         seq.admitted = False
         if self.backlog:
             self._admit(self.backlog.popleft())

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from edge_server.service.liveness import LivenessMonitor, Progressing
 from edge_server.service.notify import Notifier
 from edge_server.service.states import DaemonState, ServiceState
-from edge_server.status_index import ModelState, VersionStatus
+from edge_server.status_index import UNLOADED, ModelState, VersionStatus
 
 if TYPE_CHECKING:
     from edge_server.server import Server
@@ -36,19 +36,29 @@ LOAD_EXTEND_S = 180.0
 STATUS_EVERY_S = 5.0
 
 
+def unloaded_models(index: Iterable[VersionStatus]) -> set[str]:
+    """Models every row of which was unloaded on request or removed from the repository."""
+    rows: dict[str, bool] = {}
+    for s in index:
+        gone = s.state is ModelState.UNAVAILABLE and s.reason == UNLOADED
+        rows[s.name] = rows.get(s.name, True) and gone
+    return {name for name, gone in rows.items() if gone}
+
+
 def unavailable_models(index: Iterable[VersionStatus]) -> dict[str, str]:
     """Models that should serve and have no READY version, with why; models unloaded on request excluded.
 
     A model with a broken new drop that keeps serving its previous version is available.
     """
+    index = list(index)
+    gone = unloaded_models(index)  # unloaded on request, or removed from the repository
     rows: dict[str, list[VersionStatus]] = {}
     for status in index:
-        rows.setdefault(status.name, []).append(status)
+        if status.name not in gone:
+            rows.setdefault(status.name, []).append(status)
     missing: dict[str, str] = {}
     for name, statuses in rows.items():
         if any(s.state is ModelState.READY for s in statuses):
-            continue
-        if all(s.version is None and s.reason == "unloaded" for s in statuses):
             continue
         missing[name] = "; ".join(
             f"{'v' + str(s.version) if s.version is not None else 'model'} {s.state.value}"
@@ -167,7 +177,7 @@ class Supervisor:
         if server is None:
             return self.state.state.value
         index = server.models()
-        names = {s.name for s in index}
+        names = {s.name for s in index} - unloaded_models(index)
         missing = unavailable_models(index)
         served = failed = 0
         for stats in server.statistics():

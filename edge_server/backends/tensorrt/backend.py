@@ -22,11 +22,12 @@ import numpy as np
 
 from edge_server import dtypes
 from edge_server.backends.base import LoadContext, OutputBuffer, TensorBackend
+from edge_server.backends.ragged import RaggedPlan
 from edge_server.backends.tensorrt import cache, engine, planning
 from edge_server.backends.tensorrt.config_check import complete_from_engine
 from edge_server.backends.tensorrt.placement import place, plan_for
 from edge_server.config.model import ModelConfig
-from edge_server.errors import BackendUnavailable, ModelExecutionError
+from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class TensorRTBackend(TensorBackend):
 
     @classmethod
     def complete_config(cls, config: ModelConfig, model_path: Path) -> ModelConfig:
+        if RaggedPlan.of(config) is not None:  # its batches are cut into profile-sized row chunks
+            raise ConfigError(
+                f"{config.source}: allow_ragged_batch, batch_input and batch_output are not supported for "
+                "TensorRT models yet (ONNX Runtime and Python models support them)"
+            )
         require_capabilities()
         record = cache.read_record(model_path)
         trt_engine = engine.TrtEngine(model_path, dla_core=record.dla_core if record else None)
