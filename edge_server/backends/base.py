@@ -185,9 +185,8 @@ class TensorBackend(Backend):
         return self.run(inputs, output_names)
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
-        if self.ragged is not None:
-            return self._execute_ragged(self.ragged, batch, timing)
-        if len(batch) == 1:  # nothing to stack or split: the outputs are this request's own
+        plan = self.ragged
+        if len(batch) == 1 and plan is None:  # nothing to stack or split: the outputs are this request's
             item = batch[0]
             t0 = time.perf_counter_ns()
             destinations = item.destinations
@@ -202,33 +201,21 @@ class TensorBackend(Backend):
             timing.compute_output_ns += time.perf_counter_ns() - t1
             return [outputs]
         t0 = time.perf_counter_ns()
-        stacked = {
-            name: np.concatenate([item.inputs[name] for item in batch], axis=0) for name in batch[0].inputs
-        }
-        wanted = _union_outputs(batch, self.output_names)
-        t1 = time.perf_counter_ns()
-        outputs = self.run(stacked, wanted)
-        t2 = time.perf_counter_ns()
-        results = scatter(outputs, batch, batched=self.batched)
-        # A batch of several requests runs into the backend's own buffers; then each request's rows are
-        # copied into its own client's destinations (never one client's rows into another's region).
-        for item, result in zip(batch, results, strict=True):
-            if item.destinations is not None and not isinstance(result, Exception):
-                fill_destinations(result, item.destinations)
-        t3 = time.perf_counter_ns()
-        timing.compute_input_ns += t1 - t0
-        timing.compute_infer_ns += t2 - t1
-        timing.compute_output_ns += t3 - t2
-        return results
-
-    def _execute_ragged(self, plan: RaggedPlan, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
-        """:meth:`execute` for a model with ragged batching's settings, one request or many."""
-        t0 = time.perf_counter_ns()
-        inputs = plan.gather(batch)
+        if plan is None:
+            inputs = {
+                name: np.concatenate([item.inputs[name] for item in batch], axis=0)
+                for name in batch[0].inputs
+            }
+        else:  # ragged batching's settings: one request or many, gathered by the plan
+            inputs = plan.gather(batch)
         t1 = time.perf_counter_ns()
         outputs = self.run(inputs, _union_outputs(batch, self.output_names))
         t2 = time.perf_counter_ns()
-        results = scatter(outputs, batch, batched=self.batched, by_shape=plan.by_shape)
+        results = scatter(
+            outputs, batch, batched=self.batched, by_shape=None if plan is None else plan.by_shape
+        )
+        # A batch of several requests runs into the backend's own buffers; then each request's rows are
+        # copied into its own client's destinations (never one client's rows into another's region).
         for item, result in zip(batch, results, strict=True):
             if item.destinations is not None and not isinstance(result, Exception):
                 fill_destinations(result, item.destinations)
