@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Generic, Protocol, TypeVar
 
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
@@ -172,6 +173,12 @@ class InstancePool(Generic[W]):
     def workers_alive(self) -> int:
         """How many worker threads still run (after :meth:`stop`: those stuck in user code)."""
         return sum(thread.is_alive() for thread in self._threads)
+
+    def readiness(self) -> list[Future[bool]]:
+        """What the instances in service that have a say in their readiness answer (see model_readiness)."""
+        with self.lock:
+            backends = [backend for _, backend in self._instances if backend not in self._failed]
+        return [probe.ask() for backend in backends if (probe := backend.readiness_probe) is not None]
 
     def busy_ns(self) -> dict[str, int]:
         """Nanoseconds each instance has spent executing, by instance name (a utilisation figure)."""
