@@ -11,7 +11,9 @@ misbehaving function once, not per probe.
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +38,10 @@ MODEL = textwrap.dedent(
             self.flag = os.path.join(args["model_repository"], "ready.flag")
 
         def execute(self, requests):
-            return [
-                pb_utils.InferenceResponse(
-                    [pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())]
-                )
-                for r in requests
-            ]
+            inputs = [pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() for r in requests]
+            if self.mode == "slow" and inputs[0][0][0] == 9:
+                time.sleep(7)  # longer than a probe waits
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]) for x in inputs]
 
         def is_ready(self):
             if self.mode == "flag":
@@ -78,7 +78,7 @@ PLAIN = textwrap.dedent(
     """
 )
 
-MODES = ("flag", "raise", "nonbool", "hang", "async")
+MODES = ("flag", "raise", "nonbool", "hang", "async", "slow")
 
 
 def _add(repo: Path, name: str, source: str, isolation: str, mode: str = "") -> None:
@@ -173,3 +173,15 @@ def test_a_hanging_is_ready_times_out_without_holding_anything(served: Served) -
     # ... and a probe meanwhile waits for the call in flight (no second call) and gets its answer.
     assert served.grpc.is_model_ready("hang") is True
     assert served.daemon.log().count("did not answer within 5 s") == 1, served.daemon.log()
+
+
+def test_a_probe_does_not_queue_behind_a_long_execute(served: Served) -> None:
+    data = np.full((1, 2), 9.0, dtype=np.float32)
+    inputs = [httpclient.InferInput("IN", [1, 2], "FP32")]
+    inputs[0].set_data_from_numpy(data)
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(served.http.infer, "slow", inputs)  # execute() runs 7 s
+        time.sleep(1.0)  # let execute() start
+        # Asked beside the running execute(): answered (had it queued behind it, it would time out).
+        assert served.grpc.is_model_ready("slow") is True
+        assert (long.result().as_numpy("OUT") == data).all()
