@@ -10,6 +10,8 @@ misbehaving function once, not per probe.
 
 from __future__ import annotations
 
+import os
+import signal
 import textwrap
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from edge_server.client import Client
-from tests.daemon import Daemon, free_port, kserve_flags
+from tests.daemon import Daemon, free_port, kserve_flags, python_stubs, wait_for
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
@@ -95,10 +97,11 @@ def _add(repo: Path, name: str, source: str, isolation: str, mode: str = "") -> 
 
 
 class Served:
-    def __init__(self, daemon: Daemon, repo: Path, http_port: int, grpc_port: int) -> None:
-        self.daemon, self.repo = daemon, repo
+    def __init__(self, daemon: Daemon, repo: Path, isolation: str, http_port: int, grpc_port: int) -> None:
+        self.daemon, self.repo, self.isolation = daemon, repo, isolation
         self.http = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}", network_timeout=60)
-        self.grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        self.grpc_url = f"127.0.0.1:{grpc_port}"
+        self.grpc = grpcclient.InferenceServerClient(self.grpc_url)
 
     def ready(self, name: str) -> tuple[bool, bool, bool]:
         """(HTTP, gRPC, IPC) model readiness."""
@@ -127,7 +130,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     http_port, grpc_port = free_port(), free_port()
     daemon = Daemon(repo, f"ipc://{root}/d.sock", root / "d.log", *kserve_flags(http_port, grpc_port))
     daemon.start()
-    served = Served(daemon, repo, http_port, grpc_port)
+    served = Served(daemon, repo, isolation, http_port, grpc_port)
     try:
         yield served
     finally:
@@ -177,11 +180,25 @@ def test_a_hanging_is_ready_times_out_without_holding_anything(served: Served) -
 
 def test_a_probe_does_not_queue_behind_a_long_execute(served: Served) -> None:
     data = np.full((1, 2), 9.0, dtype=np.float32)
-    inputs = [httpclient.InferInput("IN", [1, 2], "FP32")]
+    inputs = [grpcclient.InferInput("IN", [1, 2], "FP32")]
     inputs[0].set_data_from_numpy(data)
+    # tritonclient.http is gevent-based (one thread): the long request goes over gRPC
+    grpc = grpcclient.InferenceServerClient(served.grpc_url)
     with ThreadPoolExecutor(1) as pool:
-        long = pool.submit(served.http.infer, "slow", inputs)  # execute() runs 7 s
+        long = pool.submit(grpc.infer, "slow", inputs)  # execute() runs 7 s
         time.sleep(1.0)  # let execute() start
         # Asked beside the running execute(): answered (had it queued behind it, it would time out).
-        assert served.grpc.is_model_ready("slow") is True
+        assert served.ready("slow") == (True, True, True)
         assert (long.result().as_numpy("OUT") == data).all()
+    grpc.close()
+
+
+def test_an_instance_whose_process_died_is_not_ready_until_it_is_replaced(served: Served) -> None:
+    # The half of Triton's test that kills its stub process (by its program name), with ours.
+    if served.isolation != "process":
+        pytest.skip("an in-thread model has no process of its own")
+    victim = python_stubs(served.daemon.pid)["plain_0"]  # the instance's label, without an instance_group
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: served.ready("plain") == (False, False, False), what="not ready after the kill")
+    wait_for(lambda: served.ready("plain") == (True, True, True), timeout=60, what="ready once replaced")
+    served.infer("plain")

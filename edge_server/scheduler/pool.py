@@ -35,6 +35,7 @@ from typing import Generic, Protocol, TypeVar
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig, seconds_parameter
 from edge_server.errors import EdgeServerError, InstanceFailed, ModelExecutionError
+from edge_server.model_readiness import answered
 from edge_server.scheduler import inline
 
 log = logging.getLogger(__name__)
@@ -175,9 +176,15 @@ class InstancePool(Generic[W]):
         return sum(thread.is_alive() for thread in self._threads)
 
     def readiness(self) -> list[Future[bool]]:
-        """What the instances in service that have a say in their readiness answer (see model_readiness)."""
+        """What the instances that have a say in their readiness answer (see model_readiness).
+
+        An instance out of service (its process died; it is being restarted) makes the model not ready
+        until it is back, as Triton's model is while its stub is not healthy.
+        """
         with self.lock:
-            backends = [backend for _, backend in self._instances if backend not in self._failed]
+            if self._failed:
+                return [answered(False)]
+            backends = [backend for _, backend in self._instances]
         return [probe.ask() for backend in backends if (probe := backend.readiness_probe) is not None]
 
     def busy_ns(self) -> dict[str, int]:
