@@ -14,7 +14,8 @@ import numpy as np
 
 from edge_server.config.model import ModelConfig
 from edge_server.dataplane import DataPlane
-from edge_server.errors import EdgeServerError, Unavailable
+from edge_server.errors import Unavailable
+from edge_server.model_readiness import version_ready
 from edge_server.request import InferRequest, ResponseSink
 from edge_server.routing import RoutingView
 from edge_server.scheduler import inline
@@ -53,11 +54,7 @@ class LocalAccess:
         return self._dataplane.labels(name, version)
 
     def is_ready(self, name: str, version: int | None = None) -> bool:
-        try:
-            self._routing.resolve(name, version)
-        except EdgeServerError:
-            return False
-        return True
+        return version_ready(self._routing, name, version).result()
 
     def load(self, name: str) -> None:
         self._check_control("load")

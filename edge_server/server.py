@@ -28,6 +28,7 @@ from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
 from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, ModelManager
 from edge_server.loader import LoadEnvironment
+from edge_server.model_readiness import answered, version_ready
 from edge_server.repository import Repositories
 from edge_server.request import InferRequest, RequestOptions
 from edge_server.routing import Routing, RoutingView
@@ -268,15 +269,16 @@ class Server:
         return self._dataplane.statistics(model, parse_version(version))
 
     def is_ready(self, model: str | None = None, version: int | None = None) -> bool:
-        if self._closed.is_set():
-            return False
+        """The server's readiness, or a model's (which may wait up to ``READY_TIMEOUT_S`` for its answer)."""
         if model is None:
-            return True if self.service is None else self.service.is_ready()
-        try:
-            self._routing.resolve(model, parse_version(version))
-        except EdgeServerError:
-            return False
-        return True
+            return not self._closed.is_set() and (self.service is None or self.service.is_ready())
+        return self.model_ready(model, version).result()
+
+    def model_ready(self, model: str, version: int | None = None) -> Future[bool]:
+        """Whether ``model`` serves and says it is ready; done within ``READY_TIMEOUT_S`` (awaitable)."""
+        if self._closed.is_set():
+            return answered(False)
+        return version_ready(self._routing, model, parse_version(version))
 
     def status(self) -> dict[str, Any]:
         """What ``edge-server status`` shows: the daemon's state and uptime, and every model's figures."""

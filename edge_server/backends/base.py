@@ -22,6 +22,7 @@ import numpy as np
 from edge_server.backends.ragged import RaggedPlan
 from edge_server.config.model import ModelConfig
 from edge_server.errors import InstanceFailed, ModelExecutionError
+from edge_server.model_readiness import ReadinessProbe
 from edge_server.request import BatchItem, ModelAccess, OutputBuffer, Result, Timing
 
 __all__ = [
@@ -90,6 +91,10 @@ class Backend(abc.ABC):
 
     #: the thread settings the instance was built with, for status (ONNX Runtime); None elsewhere
     thread_settings: dict[str, Any] | None = None
+
+    #: the instance's own say in its readiness (a Python model's ``is_ready``), asked by every
+    #: model-ready probe (:mod:`edge_server.model_readiness`); None: ready while it serves
+    readiness_probe: ReadinessProbe | None = None
 
     @classmethod
     def gpu_available(cls) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from edge_server import dtypes
-from edge_server.backends import pb_asyncio, pb_context, pb_imports, pb_single, pb_utils
+from edge_server.backends import pb_asyncio, pb_context, pb_imports, pb_readiness, pb_single, pb_utils
 from edge_server.backends.base import Backend, BatchItem, LoadContext, Result, Timing
 from edge_server.config.model import DynamicBatching, ModelConfig, TensorSpec
 from edge_server.errors import (
@@ -44,6 +44,7 @@ from edge_server.errors import (
     Unavailable,
     Unsupported,
 )
+from edge_server.model_readiness import ReadinessProbe
 from edge_server.request import Outputs, Rescheduled, ResponseSink
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,14 @@ class PythonBackend(Backend):
         # A model.py may call models (BLS): never run it on a worker that holds an instance of its own
         # (a scheduler worker delivering a finished batch: scheduler.inline.delivering).
         self.calls_models = True
+        #: whether the model defines ``is_ready`` (Triton's user-defined readiness function)
+        self.has_readiness = pb_readiness.has_readiness(self._model)
+        if self.has_readiness:
+            self.readiness_probe = ReadinessProbe(self._name, self.model_ready)
+
+    def model_ready(self) -> bool:
+        """The model's ``is_ready()`` answer, unbounded (the probe and the isolated daemon side bound it)."""
+        return pb_readiness.call_is_ready(self._model, self._loop, self._context)
 
     def execute(self, batch: Sequence[BatchItem], timing: Timing) -> list[Result]:
         requests = [self._request(item) for item in batch]

@@ -73,6 +73,8 @@ class StubProcess:
         self._replies: queue.SimpleQueue[dict[str, Any] | None] | None = None
         #: the model's BLS calls (``bls`` messages), read by :meth:`call` or by the reader thread
         self.on_bls: Callable[[dict[str, Any]], None] | None = None
+        #: the model's ``is_ready()`` answers (``readyr`` messages), read by the reader thread
+        self.on_ready: Callable[[dict[str, Any]], None] | None = None
         self._exit_lock = threading.Lock()
         self._on_exit: Callable[[int], None] | None = None
         self.returncode: int | None = None  # set by the exit watcher, once the stub has exited
@@ -138,6 +140,8 @@ class StubProcess:
                         on_send(message)
                     elif op in ("bls", "blsc") and self.on_bls is not None:  # calls, and cancels of streams
                         self.on_bls(message)
+                    elif op == "readyr" and self.on_ready is not None:  # the model's is_ready() answer
+                        self.on_ready(message)
                     else:
                         replies.put(message)
             except (ChannelClosed, OSError):

@@ -24,6 +24,7 @@ import itertools
 import logging
 import pickle
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -45,6 +46,7 @@ from edge_server.errors import (
     Unavailable,
     Unsupported,
 )
+from edge_server.model_readiness import NotReady, ReadinessProbe
 from edge_server.request import ClientKey, Rescheduled, ResponseSink
 
 log = logging.getLogger(__name__)
@@ -138,19 +140,25 @@ class IsolatedPythonBackend(Backend):
         self._requests = Arena.create(f"edge-{self._name}-requests")
         self._responses = Arena.create(f"edge-{self._name}-responses")
         self._child: StubProcess | None = None
+        self._ready_answer: Future[dict[str, Any]] | None = None  # the readiness probe in flight
+        self._child_gone = False  # the pipe's reader has ended
         self._models = ctx.models  # the data plane, for the model's BLS calls (see python_bls)
         try:
             self._child = StubProcess(self._name, (self._requests, self._responses))
             self._child.on_bls = self._on_bls
-            self._initialize(ctx)
-            if ctx.config.decoupled:
+            ready_fn = self._initialize(ctx)
+            if ready_fn:  # probes come at any time, also while execute() runs: answers need the reader
+                self._child.on_ready = self._on_ready
+                self.readiness_probe = ReadinessProbe(self._name, self._ask_ready)
+            if ctx.config.decoupled or ready_fn:
                 self._child.start_reader(self._name, self._on_send, self._on_gone)
         except BaseException:
             self.close()
             raise
         log.info("%s: running in process %d", self._name, self._child.pid)
 
-    def _initialize(self, ctx: LoadContext) -> None:
+    def _initialize(self, ctx: LoadContext) -> bool:
+        """Load the model in the child; whether it defines ``is_ready``."""
         assert self._child is not None
         timeout = init_timeout(ctx.config)
         # Without the daemon's model access (live objects): the child's BLS calls come over the pipe.
@@ -171,6 +179,30 @@ class IsolatedPythonBackend(Backend):
             ) from None
         if "err" in reply:
             raise ConfigError(str(reply["err"][1]))
+        return bool(reply.get("ready_fn"))
+
+    def _ask_ready(self) -> bool:
+        """The model's ``is_ready()`` answer from its process (one at a time: the probe's rule)."""
+        child = self._child
+        if child is None or self._failure is not None:
+            raise NotReady(f"instance {self._name} is not serving")
+        answer: Future[dict[str, Any]] = Future()
+        self._ready_answer = answer
+        if self._child_gone:  # the reader has ended (the process died): no answer will come
+            raise NotReady(f"the process of instance {self._name} is gone")
+        try:
+            child.channel.send({"op": "ready"})
+        except (ChannelClosed, OSError):
+            raise NotReady(f"the process of instance {self._name} is gone") from None
+        reply = answer.result()
+        if reply.get("why"):
+            raise NotReady(str(reply["why"]))
+        return reply.get("v") is True
+
+    def _on_ready(self, message: dict[str, Any]) -> None:
+        answer = self._ready_answer
+        if answer is not None and not answer.done():
+            answer.set_result(message)
 
     def _on_bls(self, message: dict[str, Any]) -> None:
         """A BLS call from the model's process: through the data plane; the answer goes back later."""
@@ -192,6 +224,8 @@ class IsolatedPythonBackend(Backend):
 
     def _on_gone(self) -> None:
         """The pipe closed: end every open stream (the process died, or the instance was unloaded)."""
+        self._child_gone = True
+        self._on_ready({"v": False, "why": f"the process of instance {self._name} is gone"})
         if self._closing:
             error: EdgeServerError = ServerShuttingDown(
                 f"model {self._model!r} was unloaded before it sent the final response"

@@ -117,6 +117,8 @@ class _Stub:
                 op = message.get("op")
                 if op == "blsr":
                     self._models.answer(message)
+                elif op == "ready":  # beside a running execute(), as Triton's stub answers it
+                    threading.Thread(target=self._ready, name="is-ready", daemon=True).start()
                 elif op == "cancel":
                     sink = self._streams.get(message["k"])
                     if sink is not None:
@@ -160,7 +162,19 @@ class _Stub:
         logging.getLogger().setLevel(int(message.get("log_level") or logging.INFO))
         ctx = pickle.loads(message["context"])  # from the daemon that started this process
         self._backend = python_backend.PythonBackend(dataclasses.replace(ctx, models=self._models))
-        return {"ok": True}
+        return {"ok": True, "ready_fn": self._backend.has_readiness}
+
+    def _ready(self) -> None:
+        """Answer a readiness probe with the model's ``is_ready()`` (the daemon bounds the wait)."""
+        try:
+            assert self._backend is not None
+            reply: dict[str, Any] = {"op": "readyr", "v": self._backend.model_ready()}
+        except Exception as exc:  # NotReady, or anything else: not ready, and why
+            reply = {"op": "readyr", "v": False, "why": str(exc)}
+        try:
+            self._channel.send(reply)
+        except ChannelClosed:
+            pass
 
     def _complete(self, message: dict[str, Any]) -> dict[str, Any]:
         config = pickle.loads(message["config"])  # from the daemon that started this process

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -280,6 +281,11 @@ def encode_result(
     return frames
 
 
+def model_ready(server: Server, header: Mapping[str, Any]) -> Future[bool]:
+    """A model's readiness, which its own ``is_ready`` may take seconds to answer (never on the loop)."""
+    return server.model_ready(protocol.field(header, "model", str), parse_version(header.get("version")))
+
+
 def control(
     server: Server,
     registry: ClientRegions,
@@ -290,7 +296,7 @@ def control(
     """Answer a control operation; returns the reply header's payload fields."""
     model = protocol.field(header, "model", str, required=op in ("metadata", "config", *SLOW_OPS))
     version = parse_version(header.get("version"))
-    if op == "ready":
+    if op == "ready":  # the server's own (a model's is asked through model_ready)
         return {"ready": server.is_ready(model, version)}
     if op == "models":  # the index of every frontend: never-loaded models by name alone
         return {"models": [index_row(s) for s in server.repository_index()]}

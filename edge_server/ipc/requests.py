@@ -154,6 +154,9 @@ class RequestHandler:
                 # Clients ask this first on every connection and keep the limit: a request over twice
                 # it would make ZeroMQ drop the connection (ZMQ_MAXMSGSIZE) instead of getting an answer.
                 queue(identity, protocol.ok_header(rid, live=True, max_message_bytes=self.max_message_bytes))
+            elif op == "ready" and header.get("model") is not None:
+                ready = handlers.model_ready(self.server, header)
+                ready.add_done_callback(partial(self._ready_done, identity, rid))
             elif op in handlers.SLOW_OPS:
                 self.control_policy.authorize(None if peer.uid < 0 else peer.uid, f"operation {op!r}")
                 future = self._control.submit(
@@ -230,6 +233,9 @@ class RequestHandler:
         """Runs on the scheduler thread that finished the request: encode here, send on the frontend."""
         release()  # the request's inputs are let go: its body no longer counts
         self._replies.put(identity, _reply_frames(ctx, future), future)
+
+    def _ready_done(self, identity: bytes, rid: int | str | None, ready: Future[bool]) -> None:
+        self._replies.put(identity, [protocol.pack(protocol.ok_header(rid, ready=ready.result()))])
 
     def _control_done(self, identity: bytes, rid: int | str | None, future: Future) -> None:
         try:

@@ -68,7 +68,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def ModelReady(self, request: Any, context: Any) -> Any:
         def work() -> Any:
             return service_pb2.ModelReadyResponse(
-                ready=self.service.model_ready(request.name, request.version)
+                ready=self.service.model_ready(request.name, request.version).result()
             )
 
         return self._call(context, work)

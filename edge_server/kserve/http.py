@@ -133,7 +133,7 @@ class KServeHttpApp:
                 return await self._settings(scope, method, receive, headers, path)
             _expect(method, "GET", path)
             if action == "/ready":
-                if not service.model_ready(name, version):
+                if not await asyncio.wrap_future(service.model_ready(name, version)):
                     raise _Reply(400)
                 return 200, b"", []
             if action == "/config":

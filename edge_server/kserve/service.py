@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -167,8 +168,9 @@ class KServeService:
     def ready(self) -> bool:
         return self.server.is_ready()
 
-    def model_ready(self, name: str, version: str | int | None = None) -> bool:
-        return self.server.is_ready(name, parse_version(version))
+    def model_ready(self, name: str, version: str | int | None = None) -> Future[bool]:
+        """Done within ``READY_TIMEOUT_S`` (a model's own ``is_ready`` may take that long): await it."""
+        return self.server.model_ready(name, parse_version(version))
 
     def server_metadata(self) -> dict[str, Any]:
         extensions = [e for e in EXTENSIONS if e != "system_shared_memory" or self.shm is not None]

@@ -321,6 +321,9 @@ class EnsembleScheduler:
         with self._lock:
             return self._finished, bool(self._running or self._waiting)
 
+    def readiness(self) -> list[Future[bool]]:
+        return []  # its members' readiness is checked where it is routed (Routing.resolve)
+
     def instance_busy_ns(self) -> dict[str, int]:
         return {}  # no instances of its own: the members report theirs
 

@@ -63,6 +63,10 @@ class RequestScheduler(Protocol):
         """(a counter that grows with work done, whether there is work to do now): the watchdog's view."""
         ...
 
+    def readiness(self) -> list[Future[bool]]:
+        """One future per instance that has a say in its readiness (:mod:`edge_server.model_readiness`)."""
+        ...
+
     def instance_busy_ns(self) -> dict[str, int]:
         """Nanoseconds each instance has spent executing, by name (none for an ensemble)."""
         ...

@@ -29,11 +29,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Generic, Protocol, TypeVar
 
 from edge_server.backends.base import Backend, BatchItem, Result, Timing
 from edge_server.config.model import ModelConfig, seconds_parameter
 from edge_server.errors import EdgeServerError, InstanceFailed, ModelExecutionError
+from edge_server.model_readiness import answered
 from edge_server.scheduler import inline
 
 log = logging.getLogger(__name__)
@@ -172,6 +174,18 @@ class InstancePool(Generic[W]):
     def workers_alive(self) -> int:
         """How many worker threads still run (after :meth:`stop`: those stuck in user code)."""
         return sum(thread.is_alive() for thread in self._threads)
+
+    def readiness(self) -> list[Future[bool]]:
+        """What the instances that have a say in their readiness answer (see model_readiness).
+
+        An instance out of service (its process died; it is being restarted) makes the model not ready
+        until it is back, as Triton's model is while its stub is not healthy.
+        """
+        with self.lock:
+            if self._failed:
+                return [answered(False)]
+            backends = [backend for _, backend in self._instances]
+        return [probe.ask() for backend in backends if (probe := backend.readiness_probe) is not None]
 
     def busy_ns(self) -> dict[str, int]:
         """Nanoseconds each instance has spent executing, by instance name (a utilisation figure)."""

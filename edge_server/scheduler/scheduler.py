@@ -234,6 +234,9 @@ class ModelScheduler:
         with self._lock:
             return self._pool.progress, bool(len(self._queue) or self._in_flight)
 
+    def readiness(self) -> list[Future[bool]]:
+        return self._pool.readiness()
+
     def instance_busy_ns(self) -> dict[str, int]:
         """Nanoseconds each instance has spent executing, by instance name (a utilisation figure)."""
         return self._pool.busy_ns()

@@ -229,6 +229,9 @@ class SequenceScheduler:
         with self._lock:
             return self._pool.progress, bool(self._in_flight)
 
+    def readiness(self) -> list[Future[bool]]:
+        return self._pool.readiness()
+
     def instance_busy_ns(self) -> dict[str, int]:
         return self._pool.busy_ns()
 
