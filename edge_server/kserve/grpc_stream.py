@@ -160,6 +160,8 @@ class StreamCall(ReplyHolder):
                 self._budget.sent(self, nbytes)
             if ends_request:
                 self._slots.release()
+        if self.cut_off:  # the cut's own cancel may not have run yet: never end as if all was answered
+            self._context.cancel()
 
     def over_budget(self, why: str) -> None:
         """Its user holds too many unsent replies and this stream the most: cancel it, drop its queue."""
