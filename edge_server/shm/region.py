@@ -135,7 +135,8 @@ class Region(abc.ABC):
 
     def check(self, offset: int, byte_size: int, where: str, *, output: bool = False) -> None:
         """Refuse bytes outside the registration (and outputs into a read-only segment)."""
-        check_span(offset, byte_size, self.byte_size, f"region {self.name!r}", where)
+        if not (0 <= offset and 0 <= byte_size and offset + byte_size <= self.byte_size):
+            check_span(offset, byte_size, self.byte_size, f"region {self.name!r}", where)  # raises
         if output and not self.segment.writable:
             raise ShmUnavailable(
                 f"{where}: region {self.name!r} was handed over read-only; outputs need O_RDWR"
