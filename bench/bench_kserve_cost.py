@@ -19,8 +19,9 @@ client's CPU per call is printed beside it (the same calls for every server).
 
 ``--parts`` times edge-server's own steps of those calls in this process instead (timeit, best of 5):
 the gRPC request's parse, decode and response encode, the tiny ``model.py`` through the data plane,
-and the shared-memory reads and writes a KServe request makes (the registry's ownership and
-permission checks included).
+the tiny HTTP request's decode and response encode (binary, and with input and output in system
+shared memory), and the shared-memory reads and writes a KServe request makes (the registry's
+ownership and permission checks included).
 """
 
 from __future__ import annotations
@@ -187,6 +188,40 @@ def measure(args: argparse.Namespace) -> None:
         )
 
 
+def http_rows(service: Any, peer: Any, x: Any, outputs: dict[str, Any]) -> list[tuple[str, float]]:
+    """The tiny HTTP request's decode and its response's encode (kserve/rest.py), binary and shm."""
+    import json
+
+    from edge_server.kserve import rest
+
+    def body(input_params: dict[str, Any], output_params: dict[str, Any]) -> bytes:
+        tensor = {"name": "INPUT", "shape": [1, 16], "datatype": "FP32", "parameters": input_params}
+        return json.dumps(
+            {"inputs": [tensor], "outputs": [{"name": "OUTPUT", "parameters": output_params}]}
+        ).encode()
+
+    header = body({"binary_data_size": x.nbytes}, {"binary_data": True})
+    binary = header + x.tobytes()
+    shm = body(
+        {"shared_memory_region": "in", "shared_memory_byte_size": x.nbytes},
+        {"shared_memory_region": "out", "shared_memory_byte_size": x.nbytes},
+    )
+
+    def call(data: bytes, length: int | None) -> None:
+        rest.encode(service, rest.decode(service, "tiny_py", "", data, length, peer), outputs, peer)
+
+    return [
+        ("HTTP: decode and encode, binary", best(partial(call, binary, len(header)))),
+        ("HTTP: decode and encode, system shm in and out", best(partial(call, shm, None))),
+    ]
+
+
+def best(call: Callable[[], Any], number: int = 20000) -> float:
+    """Microseconds per call: the best of 5 timeit repeats (the least disturbed on a shared machine)."""
+    call()
+    return min(timeit.repeat(call, number=number, repeat=5)) / number * 1e6
+
+
 def parts() -> None:
     """edge-server's steps of a tiny gRPC and a shared-memory KServe call, timed in this process."""
     from tritonclient.grpc import service_pb2
@@ -197,65 +232,52 @@ def parts() -> None:
     from edge_server.kserve.shm import Peer, SystemSharedMemory
     from edge_server.server import Server
 
-    def best(call: Callable[[], Any], number: int = 20000) -> float:
-        call()
-        return min(timeit.repeat(call, number=number, repeat=5)) / number * 1e6
-
     rows: list[tuple[str, float]] = []
     x = sample_inputs()["tiny"]
-    with tempfile.TemporaryDirectory(prefix="bench-kserve-parts-") as tmp:
+    raw = x.tobytes()
+    peer = Peer("127.0.0.1", 40000, 8001, uid=os.getuid())
+    shm = SystemSharedMemory(max_input_bytes=1 << 26)
+    paths = [f"/dev/shm/es-parts-{os.getpid()}-{role}" for role in ("in", "out")]
+    with tempfile.TemporaryDirectory(prefix="bench-kserve-parts-") as tmp, ExitStack() as cleanup:
+        cleanup.callback(shm.close)
+        for role, path in zip(("in", "out"), paths, strict=True):
+            with open(path, "wb") as f:
+                f.write(bytes(x.nbytes))
+            cleanup.callback(os.unlink, path)
+            shm.register(role, os.path.basename(path), 0, x.nbytes, peer)
         server = Server(
             build_repository(Path(tmp) / "repo"), load_models=["tiny_py"], model_control_mode="explicit"
         )
-        try:
-            service = KServeService(server)
-            message = service_pb2.ModelInferRequest(model_name="tiny_py")
-            message.inputs.add(name="INPUT", datatype="FP32", shape=[1, 16])
-            message.raw_input_contents.append(x.tobytes())
-            data = message.SerializeToString()
-            peer = Peer("127.0.0.1", 40000, 8001)
-            wire = parse_infer_request(data)
-            request, wants = grpc_codec.decode(service, wire.message, peer, wire.raw)
-            outputs = service.infer_blocking(request)
-            decode = partial(grpc_codec.decode, service, wire.message, peer)
-            rows += [
-                ("gRPC: parse the request (grpc_wire)", best(partial(parse_infer_request, data))),
-                ("gRPC: decode to a data-plane request", best(decode)),
-                ("tiny model.py through the data plane", best(partial(service.infer_blocking, request))),
-                ("gRPC: encode and serialize the response", best(
-                    lambda: grpc_codec.encode(service, request, wants, outputs, peer).SerializeToString()
-                )),
-            ]  # fmt: skip
-        finally:
-            server.close()
-        shm = SystemSharedMemory(max_input_bytes=1 << 26)
-        peer.uid = os.getuid()
-        paths = []
-        for role in ("in", "out"):
-            path = f"/dev/shm/es-parts-{os.getpid()}-{role}"
-            with open(path, "wb") as f:
-                f.write(bytes(x.nbytes))
-            paths.append(path)
-            shm.register(role, os.path.basename(path), 0, x.nbytes, peer)
-        raw = x.tobytes()
+        cleanup.callback(server.close)
+        service = KServeService(server, shm=shm)
+        message = service_pb2.ModelInferRequest(model_name="tiny_py")
+        message.inputs.add(name="INPUT", datatype="FP32", shape=[1, 16])
+        message.raw_input_contents.append(raw)
+        data = message.SerializeToString()
+        wire = parse_infer_request(data)
+        request, wants = grpc_codec.decode(service, wire.message, peer, wire.raw)
+        outputs = service.infer_blocking(request)
+        decode = partial(grpc_codec.decode, service, wire.message, peer)
 
         def output() -> None:
             lease = shm.check_output("out", 0, x.nbytes, peer, "output 'OUTPUT'")
             shm.write("out", 0, x.nbytes, raw, peer, "output 'OUTPUT'", lease)
             lease.close()
 
-        try:
-            rows += [
-                ("shm: an input read (lookup, owner and permission, pread)", best(
-                    lambda: shm.read("in", 0, x.nbytes, x.nbytes, peer, "input 'INPUT'")
-                )),
-                ("shm: an output held, then written (pwrite)", best(output)),
-                ("one fstat(2), for scale", best(partial(os.fstat, 0))),
-            ]  # fmt: skip
-        finally:
-            shm.close()
-            for path in paths:
-                os.unlink(path)
+        rows += [
+            ("gRPC: parse the request (grpc_wire)", best(partial(parse_infer_request, data))),
+            ("gRPC: decode to a data-plane request", best(decode)),
+            ("tiny model.py through the data plane", best(partial(service.infer_blocking, request))),
+            ("gRPC: encode and serialize the response", best(
+                lambda: grpc_codec.encode(service, request, wants, outputs, peer).SerializeToString()
+            )),
+            *http_rows(service, peer, x, outputs),
+            ("shm: an input read (lookup, owner and permission, pread)", best(
+                lambda: shm.read("in", 0, x.nbytes, x.nbytes, peer, "input 'INPUT'")
+            )),
+            ("shm: an output held, then written (pwrite)", best(output)),
+            ("one fstat(2), for scale", best(partial(os.fstat, 0))),
+        ]  # fmt: skip
     print("\n| edge-server step (in process, best of 5) | µs |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value:.1f} |")

@@ -41,7 +41,7 @@ from edge_server.errors import (
     TensorSizeMismatch,
 )
 from edge_server.kserve import sock_diag
-from edge_server.shm import Lease, Owner, Registry, Segment, may_access, may_use, user_groups
+from edge_server.shm import Lease, Owner, Registry, Segment, check_use, may_access, user_groups
 
 __all__ = ["InputBudget", "Peer", "SystemSharedMemory", "may_access", "peer_uid", "user_groups"]
 
@@ -250,8 +250,9 @@ class SystemSharedMemory:
                 "datatype and shape need, and the bytes its shared-memory reference holds)"
             )
         (budget or self.budget()).take(byte_size, where)
-        region = self.registry.use(self.owner(peer), name, where)
-        data = region.read(offset, byte_size, where)  # a segment opened by key is copied out: one copy
+        # One fstat: the owner's permission bits and the segment's current size, for this read.
+        region, size = self.registry.access(Owner(self._uid(peer)), name, where)
+        data = region.read(offset, byte_size, where, size)  # a segment opened by key: copied out, once
         return bytes(data) if isinstance(data, memoryview) else data  # never a view the owner can change
 
     def budget(self) -> InputBudget:
@@ -274,19 +275,23 @@ class SystemSharedMemory:
         unregistered it meanwhile); without one the region is looked up by name now.
         """
         offset, byte_size = _span(offset, byte_size, where)
-        if lease is not None:
-            region = lease.region
-            if not may_use(self.owner(peer), region, write=True):
-                raise ShmUnavailable(
-                    f"{where}: the client's user may not write segment {region.segment.key!r}"
-                )
-        else:
-            region = self.registry.use(self.owner(peer), name, where, write=True)
         if len(data) > byte_size:
             raise ShmOutOfBounds(
                 f"{where}: the output has {len(data)} bytes, the shared-memory span holds {byte_size}"
             )
-        region.write(offset, data, where)
+        owner = Owner(self._uid(peer))
+        # One fstat: the owner's permission bits now (it may have changed them while the request
+        # ran) and the segment's current size (pwrite must not grow a segment its owner shrank).
+        if lease is not None:
+            region = lease.region
+            allowed, size = check_use(owner, region, write=True)
+            if not allowed:
+                raise ShmUnavailable(
+                    f"{where}: the client's user may not write segment {region.segment.key!r}"
+                )
+        else:
+            region, size = self.registry.access(owner, name, where, write=True)
+        region.write(offset, data, where, size)
 
     def check_output(self, name: object, offset: object, byte_size: object, peer: Peer, where: str) -> Lease:
         """Refuse an output reference before the request runs (unknown region, bounds, permission).
@@ -294,7 +299,7 @@ class SystemSharedMemory:
         The lease keeps the region registered until the output is written (or the request is dropped).
         """
         offset, byte_size = _span(offset, byte_size, where)
-        lease = self.registry.hold(self.owner(peer), name, where)
+        lease = self.registry.hold(Owner(self._uid(peer)), name, where)
         lease.region.check(offset, byte_size, where, output=True)
         return lease
 
@@ -340,8 +345,8 @@ class InputBudget:
 def _span(offset: object, byte_size: object, where: str) -> tuple[int, int]:
     if offset is None:
         offset = 0
-    for field, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
-        if type(value) is not int or value < 0:
-            raise InvalidArgument(f"{where}: {field} must be a non-negative integer")
-    assert isinstance(offset, int) and isinstance(byte_size, int)
+    if type(offset) is not int or offset < 0:
+        raise InvalidArgument(f"{where}: shared_memory_offset must be a non-negative integer")
+    if type(byte_size) is not int or byte_size < 0:
+        raise InvalidArgument(f"{where}: shared_memory_byte_size must be a non-negative integer")
     return offset, byte_size

@@ -31,6 +31,7 @@ from edge_server.shm.registry import (
     Lease,
     Owner,
     Registry,
+    check_use,
     may_use,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "Segment",
     "check_name",
     "check_span",
+    "check_use",
     "may_access",
     "may_use",
     "open_region",

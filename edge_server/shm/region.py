@@ -135,19 +135,29 @@ class Region(abc.ABC):
 
     def check(self, offset: int, byte_size: int, where: str, *, output: bool = False) -> None:
         """Refuse bytes outside the registration (and outputs into a read-only segment)."""
-        check_span(offset, byte_size, self.byte_size, f"region {self.name!r}", where)
+        if not (0 <= offset and 0 <= byte_size and offset + byte_size <= self.byte_size):
+            check_span(offset, byte_size, self.byte_size, f"region {self.name!r}", where)  # raises
         if output and not self.segment.writable:
             raise ShmUnavailable(
                 f"{where}: region {self.name!r} was handed over read-only; outputs need O_RDWR"
             )
 
     @abc.abstractmethod
-    def read(self, offset: int, byte_size: int, where: str) -> memoryview | bytearray:
-        """Exactly ``byte_size`` input bytes, in place (sealed segments) or copied (all others)."""
+    def read(
+        self, offset: int, byte_size: int, where: str, size: int | None = None
+    ) -> memoryview | bytes | bytearray:
+        """Exactly ``byte_size`` input bytes, in place (sealed segments) or copied (all others).
+
+        ``size``: the segment's size from an ``fstat`` the caller just took (the permission check's,
+        :func:`~edge_server.shm.registry.check_use`); None: look now.
+        """
 
     @abc.abstractmethod
-    def write(self, offset: int, data: np.ndarray | bytes, where: str) -> None:
-        """Copy an output into the region: the one copy an output into shared memory costs."""
+    def write(self, offset: int, data: np.ndarray | bytes, where: str, size: int | None = None) -> None:
+        """Copy an output into the region: the one copy an output into shared memory costs.
+
+        ``size``: as for :meth:`read`.
+        """
 
     def release(self) -> None:  # noqa: B027 (nothing to do for most regions)
         """Drop the registry's hold; the fd closes with the last request that still uses the region."""
@@ -172,7 +182,7 @@ class MappedRegion(Region):
     def zero_copy(self) -> bool:
         return True
 
-    def read(self, offset: int, byte_size: int, where: str) -> memoryview:
+    def read(self, offset: int, byte_size: int, where: str, size: int | None = None) -> memoryview:
         self.check(offset, byte_size, where)
         return memoryview(self.mm)[offset : offset + byte_size]
 
@@ -184,7 +194,7 @@ class MappedRegion(Region):
         except ValueError:  # unmapped meanwhile (unregistered): the frontend's write reports it
             return None
 
-    def write(self, offset: int, data: np.ndarray | bytes, where: str) -> None:
+    def write(self, offset: int, data: np.ndarray | bytes, where: str, size: int | None = None) -> None:
         nbytes = len(data) if isinstance(data, bytes) else data.nbytes
         self.check(offset, nbytes, where, output=True)
         try:
@@ -209,10 +219,11 @@ class MappedRegion(Region):
 class CopyRegion(Region):
     """A segment that may shrink: never mapped; ``preadv``/``pwrite`` cannot fault, they come up short."""
 
-    def _file_span(self, offset: int, byte_size: int, where: str) -> int:
-        """The file offset of the span, after checking that the segment still holds all of it."""
+    def _file_span(self, offset: int, byte_size: int, where: str, size: int | None) -> int:
+        """The file offset of the span, after checking that the segment (``size`` bytes) still holds it."""
         start = self.base + offset
-        size = os.fstat(self.segment.fd).st_size
+        if size is None:
+            size = os.fstat(self.segment.fd).st_size
         if start + byte_size > size:
             key = f" (segment {self.segment.key!r})" if self.segment.key else ""
             raise ShmOutOfBounds(
@@ -221,31 +232,44 @@ class CopyRegion(Region):
             )
         return start
 
-    def read(self, offset: int, byte_size: int, where: str) -> bytearray:
+    def read(self, offset: int, byte_size: int, where: str, size: int | None = None) -> bytes | bytearray:
         self.check(offset, byte_size, where)
-        start = self._file_span(offset, byte_size, where)
+        start = self._file_span(offset, byte_size, where, size)
+        if byte_size <= _MAX_IO:  # every tensor under 2 GiB: one pread, straight into the bytes returned
+            data = os.pread(self.segment.fd, byte_size, start)
+            if len(data) != byte_size:
+                self._shrank(offset, byte_size, where)
+            return data
         buffer = bytearray(byte_size)
         view = memoryview(buffer)
         done = 0
         while done < byte_size:
             got = os.preadv(self.segment.fd, [view[done : done + _MAX_IO]], start + done)
-            if got == 0:  # end of file: it shrank after the size check
-                size = os.fstat(self.segment.fd).st_size
-                raise ShmOutOfBounds(
-                    f"{where}: region {self.name!r} holds only {size - self.base} bytes now (its owner "
-                    f"shrank it while it was read); bytes {offset}..{offset + byte_size} are gone"
-                )
+            if got == 0:
+                self._shrank(offset, byte_size, where)
             done += got
         return buffer
 
-    def write(self, offset: int, data: np.ndarray | bytes, where: str) -> None:
+    def _shrank(self, offset: int, byte_size: int, where: str) -> None:
+        """A read came up short: the owner shrank the segment after the size check."""
+        size = os.fstat(self.segment.fd).st_size
+        raise ShmOutOfBounds(
+            f"{where}: region {self.name!r} holds only {size - self.base} bytes now (its owner "
+            f"shrank it while it was read); bytes {offset}..{offset + byte_size} are gone"
+        )
+
+    def write(self, offset: int, data: np.ndarray | bytes, where: str, size: int | None = None) -> None:
         raw: Any = data if isinstance(data, bytes) else np.ascontiguousarray(data)
-        view = memoryview(raw).cast("B")
-        self.check(offset, view.nbytes, where, output=True)
-        start = self._file_span(offset, view.nbytes, where)  # pwrite would grow the file: refuse instead
+        nbytes = len(raw) if isinstance(raw, bytes) else raw.nbytes
+        self.check(offset, nbytes, where, output=True)
+        start = self._file_span(offset, nbytes, where, size)  # pwrite would grow the file: refuse instead
         written = 0
-        while written < view.nbytes:
-            written += os.pwrite(self.segment.fd, view[written : written + _MAX_IO], start + written)
+        if isinstance(raw, bytes) and nbytes <= _MAX_IO:  # the frontends' outputs: one pwrite, no view
+            written = os.pwrite(self.segment.fd, raw, start)
+        if written < nbytes:
+            view = memoryview(raw).cast("B")
+            while written < nbytes:
+                written += os.pwrite(self.segment.fd, view[written : written + _MAX_IO], start + written)
 
 
 def open_region(name: str, segment: Segment, byte_size: int | None, base: int = 0) -> Region:

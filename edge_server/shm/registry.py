@@ -25,8 +25,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from edge_server.errors import InvalidArgument, ShmAlreadyRegistered, ShmNotRegistered, ShmUnavailable
 from edge_server.shm.access import may_access
@@ -36,9 +35,11 @@ DEFAULT_MAX_REGIONS = 256
 DEFAULT_MAX_REGIONS_PER_USER = 64
 
 
-@dataclass(frozen=True)
-class Owner:
-    """Who registers and uses regions: a uid, and (IPC) the connection that scopes its names."""
+class Owner(NamedTuple):
+    """Who registers and uses regions: a uid, and (IPC) the connection that scopes its names.
+
+    A tuple, so that the lookups every request makes hash and compare it in C.
+    """
 
     uid: int
     scope: Any = None
@@ -51,11 +52,22 @@ def may_use(peer: Owner, region: Region, *, write: bool = False) -> bool:
     segment the daemon opened by key is checked again on every use, as ``open(2)`` would check it,
     since its owner may have changed its mode since.
     """
+    return check_use(peer, region, write=write)[0]
+
+
+def check_use(peer: Owner, region: Region, *, write: bool) -> tuple[bool, int | None]:
+    """:func:`may_use`, with the segment's current size from the same ``fstat`` (None where not taken).
+
+    A read or write of a segment opened by key needs both (its owner may have shrunk it), and one
+    ``fstat`` answers both: the request path takes one per region and use, not one per question.
+    """
     if region.owner != peer:
-        return False
-    if region.segment.proven:
-        return True
-    return may_access(peer.uid, os.fstat(region.segment.fd), write=write)
+        return False, None
+    segment = region.segment
+    if segment.proven:
+        return True, None
+    st = os.fstat(segment.fd)
+    return may_access(peer.uid, st, write=write), st.st_size
 
 
 class Registry:
@@ -195,11 +207,7 @@ class Registry:
 
     def hold(self, owner: Owner, name: object, where: str) -> Lease:
         """``owner``'s region ``name`` for a request's outputs, kept registered until the lease goes."""
-        region = self.use(owner, name, where, write=True)
-        with self._lock:
-            if region.retired:  # unregistered between the lookup and now
-                raise ShmNotRegistered(f"{where}: {_not_found(region.name, 'shared memory')}")
-            region.holds += 1
+        region, _size = self.access(owner, name, where, write=True, hold=True)
         return Lease(self, region)
 
     def _let_go(self, region: Region) -> None:
@@ -229,21 +237,40 @@ class Registry:
         Another owner's region of that name is never found: the error is the same as for a name
         nobody registered, so a stranger learns nothing about other users' names.
         """
+        return self.access(owner, name, where, write=write)[0]
+
+    def access(
+        self, owner: Owner, name: object, where: str, *, write: bool = False, hold: bool = False
+    ) -> tuple[Region, int | None]:
+        """:meth:`use`, with the segment's current size from the permission check's ``fstat``.
+
+        ``hold``: also count a hold on the region, under the same lock as the lookup (a caller that
+        asks for one lets go of it with :meth:`_let_go`, through a :class:`Lease`).  The size is None
+        for a descriptor the client handed over (never re-checked: it cannot shrink under a mapping).
+        """
         if not isinstance(name, str):
             raise InvalidArgument(f"{where}: a shared-memory region name must be a string")
         with self._lock:
-            mine = self._owned.get(owner, {})
-            region = mine.get(name)
+            mine = self._owned.get(owner)
+            region = None if mine is None else mine.get(name)
             if region is None or region.retired:  # the names for the message, only when it is needed
-                known = sorted(k for k, r in mine.items() if not r.retired)[:20]
+                known = [] if mine is None else sorted(k for k, r in mine.items() if not r.retired)[:20]
+            elif hold:
+                region.holds += 1
         if region is None or region.retired:
             raise ShmNotRegistered(f"{where}: {_not_found(name, 'shared memory')} (registered: {known})")
-        if not may_use(owner, region, write=write):
-            key = region.segment.key or region.name
-            raise ShmUnavailable(
-                f"{where}: the client's user may not {'write' if write else 'read'} segment {key!r}"
-            )
-        return region
+        try:
+            allowed, size = check_use(owner, region, write=write)
+            if not allowed:
+                key = region.segment.key or region.name
+                raise ShmUnavailable(
+                    f"{where}: the client's user may not {'write' if write else 'read'} segment {key!r}"
+                )
+        except BaseException:
+            if hold:
+                self._let_go(region)
+            raise
+        return region, size
 
     def count(self, owner: Owner | None = None) -> int:
         """Regions registered by ``owner``, or by everyone."""
