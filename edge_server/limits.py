@@ -129,7 +129,9 @@ class BodyHold:
         self._nbytes = nbytes
 
     def release(self) -> None:
-        nbytes, self._nbytes = self._nbytes, 0
+        """Give the bytes back; once, whichever threads call it (a final response and an error path)."""
+        with self._limits._lock:
+            nbytes, self._nbytes = self._nbytes, 0
         if nbytes:
             self._limits.release(self._uid, nbytes, trim=False)
 

@@ -72,17 +72,18 @@ class ReadinessProbe:
         return future
 
     def _call(self) -> None:
+        answer = False
         try:
             answer = self._check() is True
-        except Exception as exc:  # noqa: BLE001 - the model's misbehaviour is its not being ready
-            self._warn(type(exc).__name__, f"{self._label}: not ready: {exc}")
-            answer = False
-        with self._lock:
-            waiting, self._waiting = self._waiting, []
-            self._calling = False
-            self._wake.notify()
-        for _, _, future in waiting:
-            _settle(future, answer)
+        except BaseException as exc:  # noqa: BLE001 - the model's misbehaviour (sys.exit() too) is its not being ready
+            self._warn(type(exc).__name__, f"{self._label}: not ready: {exc!r}")
+        finally:  # whatever happened, the next probe may call again
+            with self._lock:
+                waiting, self._waiting = self._waiting, []
+                self._calling = False
+                self._wake.notify()
+            for _, _, future in waiting:
+                _settle(future, answer)
 
     def _watch(self) -> None:
         """Answer False to the probes whose deadline passed while the call is still in flight."""

@@ -57,6 +57,9 @@ MODEL = textwrap.dedent(
                 return True
             if self.mode == "async":
                 return self._async_ready()
+            if self.mode == "exit" and os.path.exists(self.flag):
+                os.unlink(self.flag)
+                raise SystemExit(3)  # a BaseException: once, then ready again
             return True
 
         async def _async_ready(self):
@@ -80,7 +83,7 @@ PLAIN = textwrap.dedent(
     """
 )
 
-MODES = ("flag", "raise", "nonbool", "hang", "async", "slow")
+MODES = ("flag", "raise", "nonbool", "hang", "async", "slow", "exit")
 
 
 def _add(repo: Path, name: str, source: str, isolation: str, mode: str = "") -> None:
@@ -158,6 +161,16 @@ def test_an_async_is_ready_is_awaited(served: Served) -> None:
     assert served.ready("async") == (True, True, True)
 
 
+def test_is_ready_that_exits_once_is_not_ready_that_once_and_asked_again_after(served: Served) -> None:
+    """``sys.exit()`` in ``is_ready`` is a BaseException: it once left the probe marked as calling for
+    good (thread mode) or the stub's answer unsent (process mode), so every later probe waited 5 s
+    and read not ready although the model said ready again."""
+    assert served.ready("exit") == (True, True, True)
+    (served.repo / "exit" / "ready.flag").touch()
+    assert not served.http.is_model_ready("exit")
+    assert served.ready("exit") == (True, True, True)
+
+
 @pytest.mark.parametrize("name", ["raise", "nonbool"])
 def test_a_raising_or_non_boolean_is_ready_means_not_ready_logged_once(served: Served, name: str) -> None:
     for _ in range(3):
@@ -166,6 +179,31 @@ def test_a_raising_or_non_boolean_is_ready_means_not_ready_logged_once(served: S
     assert served.ready("plain") == (True, True, True)  # the daemon is unharmed
     why = "the feature store is unreachable" if name == "raise" else "must return a boolean"
     assert served.daemon.log().count(why) == 1, served.daemon.log()
+
+
+def test_grpc_probes_of_a_hanging_is_ready_never_take_the_workers(served: Served) -> None:
+    """gRPC ``ModelReady`` holds a worker while it waits (HTTP and IPC do not): a flood of probes of a
+    hanging ``is_ready`` took every worker, and other clients' calls waited.  At most 8 wait now; the
+    rest are refused at once, and health and inference calls go on beside them."""
+    from tritonclient.utils import InferenceServerException
+
+    def probe(_: int) -> str:
+        client = grpcclient.InferenceServerClient(served.grpc_url)
+        try:
+            return "ready" if client.is_model_ready("hang") else "not ready"
+        except InferenceServerException as exc:
+            return str(exc.status())
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(probe, range(32)))
+    assert "StatusCode.RESOURCE_EXHAUSTED" in answers, answers
+    assert set(answers) <= {"not ready", "StatusCode.RESOURCE_EXHAUSTED"}, answers
+    assert served.grpc.is_server_live()
+    served.infer("plain")
+    # the call in flight answers True at last (7 s): the next test starts a call of its own
+    wait_for(lambda: served.http.is_model_ready("hang"), 60, what="the hanging call to end")
 
 
 def test_a_hanging_is_ready_times_out_without_holding_anything(served: Served) -> None:

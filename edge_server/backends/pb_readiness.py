@@ -28,7 +28,7 @@ def call_is_ready(model: Any, loop: pb_asyncio.ModelLoop, context: pb_context.Mo
             answer = getattr(model, READY_METHOD)()
         if inspect.iscoroutine(answer):
             answer = loop.run(answer, context)
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001 - sys.exit() in is_ready() too: not ready, never a dead prober
         raise NotReady(f"{READY_METHOD}() raised {exc!r}") from exc
     if not isinstance(answer, bool):
         raise NotReady(f"{READY_METHOD}() must return a boolean value, it returned {type(answer).__name__}")

@@ -169,7 +169,7 @@ class _Stub:
         try:
             assert self._backend is not None
             reply: dict[str, Any] = {"op": "readyr", "v": self._backend.model_ready()}
-        except Exception as exc:  # NotReady, or anything else: not ready, and why
+        except BaseException as exc:  # noqa: BLE001 - NotReady, or anything else: not ready, and why
             reply = {"op": "readyr", "v": False, "why": str(exc)}
         try:
             self._channel.send(reply)

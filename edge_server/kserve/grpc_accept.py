@@ -126,6 +126,9 @@ class GrpcAcceptor:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._sock.close()
+        held, self._held = self._held, {}
+        for counted in held.values():  # grpc closes them as it stops; they count no more
+            self.limits.disconnect(counted)
 
     def _run(self) -> None:
         due = time.monotonic() + RECONCILE_S
@@ -162,9 +165,15 @@ class GrpcAcceptor:
             conn.close()
             self.limits.disconnect(counted)
             return
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.setblocking(False)
-        self._held[os.fstat(conn.fileno()).st_ino] = counted
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setblocking(False)
+            inode = os.fstat(conn.fileno()).st_ino
+        except OSError:  # reset meanwhile: it leaves the budget as it came
+            conn.close()
+            self.limits.disconnect(counted)
+            return
+        self._held[inode] = counted
         self.external.hand(self._sock.fileno(), conn.detach())
 
     def _reconcile(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -40,6 +40,10 @@ MAX_WORKERS = 128  # calls served at once (an open stream counts as one); more w
 #: Workers inference (ModelInfer, open streams) may never take: health, metadata and control calls
 #: always find one, so that they never queue behind inference.
 RESERVED_WORKERS = 8
+#: ModelReady calls that may wait (a worker each, up to 5 s) for a model's own ``is_ready()``; more
+#: are refused at once, so that probes of a slow or hanging ``is_ready()`` never take the workers that
+#: inference and health calls need (HTTP and IPC await the answer without holding a thread).
+READINESS_WAITERS = 8
 #: Connections the gRPC server may hold, set aside from the daemon's budget (grpcio accepts by itself).
 GRPC_CONNECTIONS = 512
 #: How long the start waits for grpc to answer on a connection the daemon handed it.
@@ -137,6 +141,7 @@ class GrpcFrontend:
         self.limits = limits or Limits()  # the daemon's; alone, one of the frontend's own
         self._inference = 0  # workers held by ModelInfer calls and open streams
         self._inference_lock = threading.Lock()
+        self._readiness_waiters = threading.BoundedSemaphore(READINESS_WAITERS)
         self.host = host
         self.port = port
         self.max_workers = max_workers
@@ -223,6 +228,17 @@ class GrpcFrontend:
             return False
         self._server, self._acceptor, self.port = server, acceptor, acceptor.port
         return True
+
+    def await_readiness(self, answer: Future[bool]) -> bool:
+        """Wait for a model's own readiness answer in one of :data:`READINESS_WAITERS` slots, or refuse."""
+        if not self._readiness_waiters.acquire(blocking=False):
+            raise TooManyRequests(
+                f"{READINESS_WAITERS} model-ready calls already wait for a model's is_ready(); retry later"
+            )
+        try:
+            return answer.result()
+        finally:
+            self._readiness_waiters.release()
 
     def take_worker(self) -> None:
         """Count a worker for inference, or refuse: :data:`RESERVED_WORKERS` stay for everything else."""

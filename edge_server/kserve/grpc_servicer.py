@@ -67,9 +67,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def ModelReady(self, request: Any, context: Any) -> Any:
         def work() -> Any:
-            return service_pb2.ModelReadyResponse(
-                ready=self.service.model_ready(request.name, request.version).result()
-            )
+            answer = self.service.model_ready(request.name, request.version)
+            ready = answer.result() if answer.done() else self.frontend.await_readiness(answer)
+            return service_pb2.ModelReadyResponse(ready=ready)
 
         return self._call(context, work)
 
