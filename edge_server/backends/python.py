@@ -19,6 +19,7 @@ import logging
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from functools import partial
@@ -398,6 +399,7 @@ class PythonBackend(Backend):
         """``{}`` (the stream carries the answers), or Rescheduled: the stream stays open for the next run."""
         if request.release_flags() != pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
             return {}
+        request._abandoned.detach()  # type: ignore[attr-defined]  # its stream goes on in the next run
         refused = self._reschedule_refused()
         if refused is not None:
             _stream(item).put(None, refused, final=True)  # refused if the model already ended it
@@ -418,7 +420,9 @@ class PythonBackend(Backend):
                 return stream.put(result, None, final=final)
 
             sender = pb_utils.InferenceResponseSender(emit, lambda: stream.cancelled)
-        return pb_utils.InferenceRequest._incoming(
+            abandoned = weakref.finalize(sender, _abandoned, stream, self._config.name)
+            abandoned.atexit = False
+        request = pb_utils.InferenceRequest._incoming(
             self._config.name,
             item.inputs,
             item.requested_outputs,
@@ -431,6 +435,9 @@ class PythonBackend(Backend):
             sender_factory=None if sender is not None else pb_single.make_sender,
             client=item.client,
         )
+        if sender is not None:
+            request._abandoned = abandoned  # type: ignore[attr-defined]  # detached when rescheduled
+        return request
 
     def _convert(self, response: Any, item: BatchItem) -> Result:
         model = self._config.name
@@ -513,3 +520,19 @@ class PythonBackend(Backend):
         pb_context.unregister_module(self._scope.package)
         self._scope.close()
         self._loop.close()
+
+
+def _abandoned(stream: ResponseSink, model: str) -> None:
+    """A decoupled model let a request go (its sender collected) without the final flag.
+
+    The stream ends with an error instead of leaving its client waiting, and what the request held
+    is given back; refused, and so harmless, where the final response was sent.
+    """
+    stream.put(
+        None,
+        ModelExecutionError(
+            f"model {model!r} released a request without sending its final response "
+            "(send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL) ends a decoupled request)"
+        ),
+        final=True,
+    )
