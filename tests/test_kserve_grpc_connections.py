@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
 from edge_server.client import Client
-from edge_server.kserve import grpc_accept
+from edge_server.kserve import grpc_accept, sock_diag
 from edge_server.kserve.frontends import GRPC_ACCEPT_ENV
 from edge_server.kserve.grpc_connections import Link, links, over_cap, sockets_held, tcp_sockets
 from tests.daemon import (
@@ -46,6 +46,32 @@ def test_each_user_keeps_its_oldest_connections_up_to_the_cap() -> None:
 def test_a_penalized_user_keeps_none_of_its_connections() -> None:
     found = [Link(inode, uid) for inode, uid in [(5, 1), (9, 1), (3, 2), (8, 2)]]
     assert sorted(link.inode for link in over_cap(found, 4, penalized={1})) == [5, 9]
+
+
+def test_the_text_tables_read_into_the_same_sockets_as_the_kernels_answer() -> None:
+    """sock_diag.table (the fallback of the gRPC cap and of the shared-memory uid lookup) and the
+    netlink query agree field for field: addresses as bytes (IPv4 on both families), ports, uid, inode."""
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        with socket.socket(family) as server:
+            server.bind((host, 0))
+            server.listen(4)
+            port = server.getsockname()[1]
+            client = socket.create_connection((host, port))
+            accepted, _ = server.accept()
+            try:
+
+                def mine(found: Iterable[sock_diag.Socket], port: int = port) -> set[sock_diag.Socket]:
+                    return {s for s in found if port in (s.local_port, s.remote_port)}
+
+                by_kernel = mine(sock_diag.sockets(family, bytecode=sock_diag.port_filter(port)))
+                by_text = mine(
+                    s for s in sock_diag.table() if len(s.local) == len(socket.inet_pton(family, host))
+                )
+                assert by_text == by_kernel and len(by_kernel) == 3  # listener, client, accepted
+                assert {s.local for s in by_text} == {socket.inet_pton(family, host)}
+            finally:
+                client.close()
+                accepted.close()
 
 
 def test_the_kernels_answer_pairs_the_same_connections_as_its_text_tables() -> None:

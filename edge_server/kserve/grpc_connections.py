@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 ESTABLISHED = 1  # TCP states as the kernel numbers them
 LISTEN = 10
 TIME_WAIT = 6
-MAPPED_TEXT = "0000000000000000FFFF0000"  # an IPv4 address in /proc/net/tcp6 (::ffff:a.b.c.d)
 TICK_S = 0.02
 SLOW_INTERVAL_S = 0.5
 
@@ -88,29 +87,6 @@ def _diag_sockets(port: int) -> Iterator[Socket]:
         yield from sock_diag.sockets(family, states=states, bytecode=bytecode)
 
 
-def _table_sockets(proc_net: str) -> Iterator[Socket]:
-    """The same from the text tables (``/proc/net/tcp{,6}``: every socket of the host, as text)."""
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(os.path.join(proc_net, table)) as f:
-                next(f, None)
-                lines = [line.split() for line in f]
-        except OSError:
-            continue
-        for row in lines:
-            if len(row) < 10:
-                continue
-            local, lport = _text_endpoint(row[1])
-            remote, rport = _text_endpoint(row[2])
-            yield Socket(int(row[3], 16), local, lport, remote, rport, int(row[7]), int(row[9]))
-
-
-def _text_endpoint(text: str) -> tuple[bytes, int]:
-    """``ADDRESS:PORT`` as the table prints it; an IPv4-mapped IPv6 address as its IPv4 form."""
-    address, port = text.split(":")
-    return address.removeprefix(MAPPED_TEXT).encode(), int(port, 16)
-
-
 def links(port: int, proc_net: str | None = None) -> list[Link]:
     """The connections to ``port`` on this host whose client end is on this host too.
 
@@ -121,7 +97,7 @@ def links(port: int, proc_net: str | None = None) -> list[Link]:
             return _pair(_diag_sockets(port), port)
         except OSError:
             proc_net = "/proc/net"
-    return _pair(_table_sockets(proc_net), port)
+    return _pair(sock_diag.table(proc_net), port)
 
 
 def _pair(found: Iterable[Socket], port: int) -> list[Link]:

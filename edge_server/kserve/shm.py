@@ -69,17 +69,6 @@ class Peer:
     uid: int | None = None  # filled on first use
 
 
-def _parse_hex_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    host, port = text.split(":")
-    raw = bytes.fromhex(host)
-    # The kernel prints each 32-bit word of the address in host (little-endian) order.
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(words)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address, int(port, 16)
-
-
 def peer_uid(peer: Peer, proc_net: str = "/proc/net") -> int | None:
     """The uid owning the client's end of ``peer``'s connection, or None if it is not on this host.
 
@@ -130,22 +119,9 @@ def _diag_uid(
 def _scan_uid(
     want: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, server_port: int, proc_net: str
 ) -> int | None:
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(os.path.join(proc_net, table)) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) < 8:
-                        continue
-                    local, local_port = _parse_hex_address(fields[1])
-                    if local_port != port or local != want:
-                        continue
-                    _remote, remote_port = _parse_hex_address(fields[2])
-                    if remote_port == server_port:
-                        return int(fields[7])
-        except FileNotFoundError:
-            continue
+    for found in sock_diag.table(proc_net):
+        if found.local_port == port and found.remote_port == server_port and found.local == want.packed:
+            return found.uid
     return None
 
 

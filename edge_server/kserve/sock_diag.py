@@ -4,12 +4,14 @@ A TCP peer on this host is known by the uid owning its socket: the shared-memory
 connection's (:func:`sockets` with ``exact``), the gRPC connection cap for every connection to one port
 (a dump, filtered by port in the kernel: :func:`port_filter`).  Reading ``/proc/net/tcp{,6}`` instead
 makes the kernel print every socket of the host as text: milliseconds per thousand sockets, where this
-takes tens of microseconds.  Where sock_diag is missing (a restricted container) every function here
-raises ``OSError`` and callers fall back to the text tables.
+takes tens of microseconds.  Where sock_diag is missing (a restricted container) the netlink
+functions here raise ``OSError`` and callers fall back to the text tables (:func:`table`), read
+into the same :class:`Socket` records.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from collections.abc import Iterator
@@ -109,3 +111,28 @@ def _replies(sock: socket.socket, *, dump: bool) -> Iterator[Socket]:
             offset += (length + 3) & ~3
         if not dump:
             return
+
+
+def table(proc_net: str = "/proc/net") -> Iterator[Socket]:
+    """The host's TCP sockets from the text tables ``/proc/net/tcp{,6}``, as :func:`sockets` reads them."""
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            with open(os.path.join(proc_net, name)) as f:
+                next(f, None)
+                rows = [line.split() for line in f]
+        except OSError:
+            continue
+        for row in rows:
+            if len(row) < 10:
+                continue
+            local, local_port = _text_endpoint(row[1], family)
+            remote, remote_port = _text_endpoint(row[2], family)
+            yield Socket(int(row[3], 16), local, local_port, remote, remote_port, int(row[7]), int(row[9]))
+
+
+def _text_endpoint(text: str, family: int) -> tuple[bytes, int]:
+    """``ADDRESS:PORT`` as the table prints it: each 32-bit word of the address in host order."""
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return address(words, family), int(port, 16)
