@@ -36,11 +36,11 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+import watchdog.events
 from watchdog.events import (
     DirCreatedEvent,
     DirDeletedEvent,
     DirMovedEvent,
-    FileAttribEvent,
     FileClosedEvent,
     FileCreatedEvent,
     FileDeletedEvent,
@@ -53,27 +53,45 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
 try:  # Linux; elsewhere watchdog's default observer is used as it is
-    from watchdog.observers.inotify import InotifyEmitter, InotifyObserver, InotifyWatchGroup
+    from watchdog.observers.inotify import InotifyEmitter, InotifyObserver
 except Exception:  # noqa: BLE001 - watchdog raises its own error where inotify is missing
     InotifyObserver = None  # type: ignore[assignment,misc]
+try:  # watchdog 7.1 and newer
+    from watchdog.observers.inotify import InotifyWatchGroup
+except Exception:  # noqa: BLE001
+    InotifyWatchGroup = None  # type: ignore[assignment,misc]
 
 from edge_server.errors import EdgeServerError
 from edge_server.repository import is_ignored
 
 log = logging.getLogger(__name__)
 
+if hasattr(watchdog.events, "FileAttribEvent"):  # watchdog 7 and newer
+    AttribEvent: type[FileSystemEvent] = watchdog.events.FileAttribEvent
+else:
+
+    class AttribEvent(FileModifiedEvent):  # type: ignore[no-redef]
+        """A file's attributes changed (``chmod``, ``touch``): watchdog 7's FileAttribEvent.
+
+        watchdog 6, the last release for Python 3.10 (JetPack 6's), reports it as a modification;
+        ``_AttribEmitter`` tells the two apart, so that a touch does not hold its model as a write would.
+        Its ``event_type`` stays "modified": watchdog 6 dispatches on it to handler methods it knows.
+        """
+
+
 # IN_OPEN and IN_CLOSE_NOWRITE are left out on purpose: our own reads must not look like changes.
 WATCHED_EVENTS: list[type[FileSystemEvent]] = [
     FileCreatedEvent,
     DirCreatedEvent,
     FileModifiedEvent,
-    FileAttribEvent,
     FileClosedEvent,
     FileDeletedEvent,
     DirDeletedEvent,
     FileMovedEvent,
     DirMovedEvent,
 ]
+if not issubclass(AttribEvent, FileModifiedEvent):
+    WATCHED_EVENTS.append(AttribEvent)
 
 
 class ChangeTracker:
@@ -112,7 +130,9 @@ class ChangeTracker:
         """Take one event; True if it concerned a model."""
         src = os.fsdecode(event.src_path)
         dest = os.fsdecode(event.dest_path) if event.dest_path else ""
-        if isinstance(event, FileModifiedEvent):
+        if isinstance(event, AttribEvent):
+            pass  # a touch or chmod: a change to look at, not a file being written
+        elif isinstance(event, FileModifiedEvent):
             model = self.model_of(src)
             if model is not None:
                 self._writing[os.path.abspath(src)] = model
@@ -175,7 +195,11 @@ class ChangeTracker:
         return sorted(self._pending)
 
 
-if InotifyObserver is not None and hasattr(InotifyWatchGroup, "_remove_watch_internally"):
+if (
+    InotifyObserver is not None
+    and InotifyWatchGroup is not None
+    and hasattr(InotifyWatchGroup, "_remove_watch_internally")
+):
 
     class _TolerantWatchGroup(InotifyWatchGroup):
         """Watch bookkeeping that survives directories renamed out of the tree.
@@ -209,6 +233,47 @@ if InotifyObserver is not None and hasattr(InotifyWatchGroup, "_remove_watch_int
 
     def _observer() -> BaseObserver:
         return _TolerantObserver() if Observer is InotifyObserver else Observer()
+
+elif InotifyObserver is not None and issubclass(AttribEvent, FileModifiedEvent):
+
+    class _AttribEmitter(InotifyEmitter):
+        """watchdog 6's emitter, reporting a change of attributes as an AttribEvent.
+
+        watchdog 6 turns inotify's IN_ATTRIB and IN_MODIFY into the same FileModifiedEvent, one raw
+        event at a time on this emitter's thread: the raw event it last read says which it was.
+        """
+
+        _attrib_only = False
+
+        def on_thread_start(self) -> None:
+            super().on_thread_start()
+            buffer = self._inotify
+            read = buffer.read_event  # type: ignore[union-attr]
+
+            def read_event() -> Any:
+                event = read()
+                self._attrib_only = bool(
+                    event is not None
+                    and not isinstance(event, tuple)
+                    and event.is_attrib
+                    and not event.is_modify
+                )
+                return event
+
+            buffer.read_event = read_event  # type: ignore[union-attr,method-assign]
+
+        def queue_event(self, event: FileSystemEvent) -> None:
+            if self._attrib_only and type(event) is FileModifiedEvent:
+                event = AttribEvent(event.src_path)
+            super().queue_event(event)
+
+    class _AttribObserver(InotifyObserver):
+        def __init__(self) -> None:
+            super().__init__()
+            self._emitter_class = _AttribEmitter
+
+    def _observer() -> BaseObserver:
+        return _AttribObserver() if Observer is InotifyObserver else Observer()
 
 else:
 

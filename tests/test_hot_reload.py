@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from watchdog.events import (
-    FileAttribEvent,
     FileClosedEvent,
     FileCreatedEvent,
     FileModifiedEvent,
@@ -27,7 +26,7 @@ from watchdog.events import (
 from edge_server import ModelState, Server, VersionStatus
 from edge_server.client import Client
 from edge_server.errors import EdgeServerError, ModelNotReady
-from edge_server.watcher import ChangeTracker, RepositoryWatcher
+from edge_server.watcher import AttribEvent, ChangeTracker, RepositoryWatcher
 from tests.daemon import Daemon, start_pyzmq_gc
 from tests.onnx_factory import affine_model
 from tests.reload_helpers import (
@@ -65,7 +64,7 @@ def test_each_event_restarts_its_models_quiet_period() -> None:
     tracker.observe(FileCreatedEvent("/repo/a/2/model.onnx"), now=0.0)
     tracker.observe(FileCreatedEvent("/repo/b/1/model.onnx"), now=0.3)
     assert tracker.take_due(0.4) == []
-    tracker.observe(FileAttribEvent("/repo/a/config.pbtxt"), now=0.4)
+    tracker.observe(FileClosedEvent("/repo/a/config.pbtxt"), now=0.4)
     assert tracker.take_due(0.79) == []
     assert tracker.take_due(0.8) == ["b"]  # a was touched again at 0.4: not yet
     assert tracker.next_check(0.8) == pytest.approx(0.1)
@@ -89,7 +88,7 @@ def test_a_file_open_for_writing_holds_its_model_until_closed() -> None:
 
 def test_touch_and_rename_do_not_count_as_writing() -> None:
     tracker = _tracker()
-    tracker.observe(FileAttribEvent("/repo/a/1/model.onnx"), now=0.0)
+    tracker.observe(AttribEvent("/repo/a/1/model.onnx"), now=0.0)
     tracker.observe(FileModifiedEvent("/repo/b/2/.model.onnx.tmp"), now=0.0)  # ignored: a temp file
     tracker.observe(FileMovedEvent("/repo/b/2/.model.onnx.tmp", "/repo/b/2/model.onnx"), now=0.1)
     assert tracker.take_due(0.6) == ["a", "b"]

@@ -103,7 +103,10 @@ def test_async_client_keeps_each_sequence_in_order(seq_daemon: Daemon) -> None:
                 ]
                 for c, values in inputs.items()
             }
-            return {c: [int((await t)["OUTPUT"][0, 0]) for t in ts] for c, ts in tasks.items()}
+            answers: dict[int, list[int]] = {}
+            for c, ts in tasks.items():  # not a nested comprehension: Python 3.10 refuses await in one
+                answers[c] = [int((await t)["OUTPUT"][0, 0]) for t in ts]
+            return answers
 
     results = asyncio.run(main())
     for c, got in results.items():

@@ -30,23 +30,30 @@ from tests.daemon import ROOT
 STRANGER = 23456
 NOBODY = 65534  # nobody, whose primary group is nogroup (65534) in the user database
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other local users")
+SYSTEM_PYTHON = "/usr/bin/python3"
 
 
-def _interpreter() -> str:
-    """A Python other users may run: the virtual environment's may live under root's 0700 home."""
-    system = "/usr/bin/python3"
-    if not os.path.exists(system):
-        pytest.skip("no /usr/bin/python3 for a client run as another user")
+def _why_no_client_interpreter() -> str:
+    """Why other users cannot run a client here ("" when they can).
+
+    They run the system's Python (the virtual environment's may live under root's 0700 home) with this
+    environment's packages, so it must be this very Python version.
+    """
+    if os.geteuid() != 0:
+        return "needs root to run clients as other local users"
+    if not os.path.exists(SYSTEM_PYTHON):
+        return f"no {SYSTEM_PYTHON} for a client run as another user"
     done = subprocess.run(
-        [system, "-c", f"import sys; print(sys.version_info[:2] == {tuple(sys.version_info[:2])})"],
-        capture_output=True,
-        text=True,
-        check=True,
+        [SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True
     )
-    if done.stdout.strip() != "True":
-        pytest.skip(f"/usr/bin/python3 is not Python {sys.version_info[0]}.{sys.version_info[1]}")
-    return system
+    if done.stdout.strip() != str(tuple(sys.version_info[:2])):
+        return f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}, this test's"
+    return ""
+
+
+# Decided once, at collection: a skip raised later, in a client's thread, would be lost there.
+_NO_CLIENT_INTERPRETER = _why_no_client_interpreter()
+needs_root = pytest.mark.skipif(bool(_NO_CLIENT_INTERPRETER), reason=_NO_CLIENT_INTERPRETER)
 
 
 def run_as(uid: int, gid: int, groups: list[int], script: str, *args: str) -> Any:
@@ -54,9 +61,11 @@ def run_as(uid: int, gid: int, groups: list[int], script: str, *args: str) -> An
 
     The interpreter is the system's Python of the same version, given this environment's packages.
     """
+    if _NO_CLIENT_INTERPRETER:
+        pytest.skip(_NO_CLIENT_INTERPRETER)
     path = os.pathsep.join([str(ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     done = subprocess.run(
-        [_interpreter(), "-c", script, *args],
+        [SYSTEM_PYTHON, "-c", script, *args],
         cwd=ROOT,
         user=uid,
         group=gid,

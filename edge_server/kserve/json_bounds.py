@@ -34,13 +34,16 @@ BYTES_PER_CONTAINER = 16
 #: Bytes counted per C call: a window's pass holds the GIL for about a millisecond.
 WINDOW = 256 << 10
 
-# Every JSON string, left to right (atomic and possessive: no backtracking state per character).
-_STRING = re.compile(rb'"(?>[^"\\]++|\\.)*+"')
+# Every JSON string, left to right.  Written "unrolled" (a run of plain characters, then escapes each
+# followed by a run) rather than with atomic groups, which Python's re has only from 3.11 (JetPack 6 runs
+# 3.10): each part can match in one way only, so a failed match gives back at most one run, character by
+# character, and no backtracking state is kept per character.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 # From outside a string: whole strings and the text between them, then text up to the next quote.  It
 # stops at the opening quote of a string that does not close before the window's end.
-_OUTSIDE = re.compile(rb'(?:[^"]*+"(?>[^"\\]++|\\.)*+")*+[^"]*+')
+_OUTSIDE = re.compile(rb'(?:[^"]*"[^"\\]*(?:\\.[^"\\]*)*")*[^"]*')
 # From inside a string (after its opening quote): its text, up to its closing quote or the window's end.
-_INSIDE = re.compile(rb'(?>[^"\\]++|\\.)*+')
+_INSIDE = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*')
 # Found in the raw text: a string cannot hold a bare quote, and a client may declare any shape anyway.
 _SHAPE = re.compile(rb'"shape"\s*:\s*\[([\d\s,+-]*)\]')
 _INT = re.compile(rb"-?\d+")
