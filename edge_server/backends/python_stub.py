@@ -74,16 +74,27 @@ def _detach_signals(parent_pid: int) -> None:
 
 
 class _PipeSink(ResponseSink):
-    """A streamed request's responses, sent to the daemon as they come (any thread)."""
+    """A streamed request's responses, sent to the daemon as they come (any thread).
+
+    Once the request is cancelled, its responses stay here, but its end still crosses: the daemon's
+    stream (and the body its client holds in the budget) ends with it.
+    """
 
     def __init__(self, channel: Channel, token: int) -> None:
         super().__init__()
         self._channel = channel
         self.token = token
+        self._final_sent = False
+        self.on_final = self._end
+
+    def _end(self) -> None:
+        if not self._final_sent:  # dropped here (cancelled): a bare final ends the daemon's stream
+            self.deliver(None, None, True)
 
     def deliver(
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
     ) -> None:
+        self._final_sent = self._final_sent or final
         self._channel.send(
             {
                 "op": "send",
