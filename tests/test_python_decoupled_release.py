@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 from queue import Queue
 
 import numpy as np

@@ -8,6 +8,7 @@ reschedules before returning (decoupled).
 
 from __future__ import annotations
 
+import gc
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from edge_server import Server
 from edge_server.client import Client
 from edge_server.config.parser import parse_config_text
 from edge_server.errors import ConfigError, ModelExecutionError, RequestTimeout
+from edge_server.request import ResponseSink
 from tests.daemon import Daemon
 
 _CONFIG = """
@@ -240,6 +242,29 @@ def test_decoupled_model_streams_one_response_per_execution(
     assert _executions(inproc_root / "runs.log", f"{model}4") == 4
 
 
+@pytest.mark.parametrize("model", ["streamer", "streamer_isolated"])
+def test_a_finished_iterative_stream_is_not_kept(server: Server, model: str) -> None:
+    """The isolated instance registered each execution's stream anew and forgot only the last: every
+    iteration of every request kept its stream (and what it holds: the request) for the daemon's life,
+    and so did a request cancelled while rescheduled."""
+
+    def open_sinks() -> int:
+        gc.collect()
+        return sum(isinstance(o, ResponseSink) for o in gc.get_objects())
+
+    list(server.stream(model, _n(2), timeout=10, request_id=f"{model}-warm", **_seq()))
+    before = open_sinks()
+    for i in range(3):
+        responses = server.stream(model, _n(5), timeout=10, request_id=f"{model}-kept{i}", **_seq())
+        assert [int(r["OUT"][0, 0]) for r in responses] == [4, 3, 2, 1, 0]
+        del responses
+    with server.stream(model, _n(100_000), timeout=10, request_id=f"{model}-closed", **_seq()) as closed:
+        assert int(next(closed)["OUT"][0, 0]) == 99_999  # then cancelled between two of its runs
+    del closed
+    list(server.stream(model, _n(1), timeout=10, request_id=f"{model}-sync", **_seq()))  # a next batch
+    assert open_sinks() <= before
+
+
 def test_reschedule_without_iterative_sequence_fails_precisely(server: Server) -> None:
     with pytest.raises(ModelExecutionError, match=r"iterative_sequence: true"):
         server.infer("counter_plain", _n(3), request_id="p")
@@ -271,16 +296,17 @@ def test_endless_rescheduling_is_bounded_by_the_request_timeout(server: Server) 
     assert server.infer("counter", _n(2), request_id="after", **_seq())["OUT"].tolist() == [[2]]
 
 
-def test_closing_the_stream_stops_the_iterations(server: Server, inproc_root: Path) -> None:
+@pytest.mark.parametrize("model", ["streamer", "streamer_isolated"])
+def test_closing_the_stream_stops_the_iterations(server: Server, inproc_root: Path, model: str) -> None:
     log = inproc_root / "runs.log"
-    stream = server.stream("streamer", _n(100_000), timeout=10, request_id="cancel-me", **_seq())
+    stream = server.stream(model, _n(100_000), timeout=10, request_id=f"{model}-cancel-me", **_seq())
     assert int(next(stream)["OUT"][0, 0]) == 99_999
     stream.close()
 
     def sync(request_id: str) -> object:
-        return list(server.stream("streamer", _n(2), timeout=10, request_id=request_id, **_seq()))
+        return list(server.stream(model, _n(2), timeout=10, request_id=request_id, **_seq()))
 
-    assert _settled(log, "cancel-me", sync) < 100_000
+    assert _settled(log, f"{model}-cancel-me", sync) < 100_000
     assert server.infer("counter", _n(2), request_id="next", **_seq())["OUT"].tolist() == [[2]]
 
 

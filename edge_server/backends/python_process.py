@@ -130,7 +130,8 @@ class IsolatedPythonBackend(Backend):
         self._execute_timeout = seconds_parameter(ctx.config, EXECUTE_TIMEOUT_KEY, None)
         self._failure: InstanceFailed | None = None
         self._busy = False  # in execute(), which reports a death itself (the watcher stays quiet)
-        # decoupled: the open streams by token (requests whose final response has not come yet)
+        # decoupled: the open streams by token (requests whose final response has not come yet); a
+        # rescheduled request keeps its token for its next run (see _tokens_for)
         self._streams: dict[int, ResponseSink] = {}
         self._bls_streams: dict[int, ResponseSink] = {}  # the model's open streamed BLS calls, by id
         # the clients of the batch sent last, by position: whose turns the model's BLS calls take
@@ -283,8 +284,9 @@ class IsolatedPythonBackend(Backend):
         named = [pair for item in batch for pair in item.inputs.items()]
         descs = iter(put(named, self._requests))
         self._bls_clients = [item.client for item in batch]
+        tokens, forgotten = self._tokens_for(batch)
         requests = []
-        for item in batch:
+        for item, token in zip(batch, tokens, strict=True):
             request = {
                 "i": [next(descs) for _ in item.inputs],
                 "b": item.batch_size,
@@ -296,12 +298,10 @@ class IsolatedPythonBackend(Backend):
                 "t": item.timeout_us,
             }
             if item.stream is not None:  # a decoupled model's request: its responses are streamed
-                token = next(self._tokens)
-                self._streams[token] = item.stream
                 request["k"] = token
                 request["x"] = item.stream.cancelled
             requests.append(request)
-        message = {"op": "exec", "n": self._requests.size, "r": requests}
+        message = {"op": "exec", "n": self._requests.size, "r": requests, "d": forgotten}
         try:
             reply = self._child.call(message, self._execute_timeout)
         except ChannelClosed:
@@ -327,6 +327,27 @@ class IsolatedPythonBackend(Backend):
             log.error("%s: unreadable reply from process %d: %r", self._name, self._child.pid, exc)
             self._child.kill()
             self._fail("after sending an unreadable reply")
+
+    def _tokens_for(self, batch: Sequence[BatchItem]) -> tuple[list[int], list[int]]:
+        """The batch's stream tokens (0: none), and the tokens of the streams that ended otherwise.
+
+        A rescheduled request runs again with the token it had, so that its stream is one entry here
+        however often it runs (and still ended if the process dies meanwhile).  A stream that ended
+        without its final response coming from the process (a rescheduled request cancelled or timed
+        out in the queue) is forgotten here, and the process is told to forget it too.
+        """
+        forgotten = [token for token, sink in list(self._streams.items()) if sink.finished]
+        for token in forgotten:
+            self._streams.pop(token, None)
+        open_tokens = {id(sink): token for token, sink in list(self._streams.items())}
+        tokens = []
+        for item in batch:
+            token = 0
+            if item.stream is not None:
+                token = open_tokens.get(id(item.stream)) or next(self._tokens)
+                self._streams[token] = item.stream
+            tokens.append(token)
+        return tokens, forgotten
 
     def _fail(self, when: str) -> NoReturn:
         assert self._child is not None

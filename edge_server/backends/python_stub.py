@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,7 @@ class _Stub:
                 return
             try:
                 if op == "exec":
-                    reply = self._execute(message["r"], message["n"])
+                    reply = self._execute(message["r"], message["n"], message.get("d", ()))
                 elif op == "init":
                     reply = self._init(message)
                 elif op == "complete":
@@ -191,11 +192,15 @@ class _Stub:
         config = pickle.loads(message["config"])  # from the daemon that started this process
         return {"ok": True, "config": python_backend.complete_in_thread(config, Path(message["path"]))}
 
-    def _execute(self, requests: list[dict[str, Any]], size: int) -> dict[str, Any]:
+    def _execute(self, requests: list[dict[str, Any]], size: int, forgotten: Sequence[int]) -> dict[str, Any]:
         assert self._backend is not None and self._requests is not None and self._responses is not None
         self._requests.follow(size)  # the daemon may have grown it
         for token in [t for t, sink in self._streams.items() if sink.finished]:
             del self._streams[token]
+        for token in forgotten:  # ended in the daemon (a rescheduled request cancelled in its queue)
+            sink = self._streams.pop(token, None)
+            if sink is not None:
+                sink.cancel()  # the model's is_cancelled() says so; what it still sends stays here
         items = [
             BatchItem(
                 inputs=dict(read(desc, self._requests, copy=False) for desc in r["i"]),
@@ -233,6 +238,7 @@ class _Stub:
         return {"r": encoded, "t": timing.compute_infer_ns, "n": self._responses.size}
 
     def _sink(self, token: int, cancelled: bool) -> _PipeSink:
+        """A new sink for the request's token (a rescheduled request's replaces the one it had)."""
         sink = self._streams[token] = _PipeSink(self._channel, token)
         sink.model_sends = True
         if cancelled:
