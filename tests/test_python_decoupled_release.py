@@ -48,15 +48,18 @@ class TritonPythonModel:
                 pid = np.array([os.getpid()], np.int32)
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pid)]))
                 self.kept.append(sender)
-            elif n in (3, 4):  # answers until the client cancels; then lets it go (3) or ends it (4)
+            elif n in (3, 4, 5):  # answers until the client cancels; then lets it go (3) or ends it (4, 5)
                 threading.Thread(target=self.until_cancelled, args=(request.get_response_sender(), n)).start()
         return None
 
     def until_cancelled(self, sender, n):
+        out = pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([n], np.int32))])
+        sender.send(out)
         while not sender.is_cancelled():
-            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([n], np.int32))]))
+            if n != 5:  # 5 answers once, then only waits to be cancelled
+                sender.send(out)
             time.sleep(0.02)
-        if n == 4:
+        if n != 3:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 """
 
@@ -146,15 +149,25 @@ def test_a_request_let_go_without_its_final_response_ends_its_grpc_stream(daemon
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("n", [3, 4], ids=["let-go", "final-flag"])
+@pytest.mark.parametrize("n", [3, 4, 5], ids=["let-go", "final-flag", "silent"])
 def test_a_cancelled_request_gives_its_body_back_once_the_model_ends_it(
     client: Client, model: str, n: int
 ) -> None:
     """The model's last word on a cancelled request (the final flag, or letting it go) is not sent to
-    the client, but it still ends the request in the daemon (its process's too)."""
+    the client, but it still ends the request in the daemon (its process's too); a model that sends
+    nothing more learns of the cancellation all the same (``is_cancelled()``)."""
     before = _held(client)
     with client.stream(model, _in(n), timeout=30) as stream:
         assert int(next(stream)["OUT"][0]) == n
+    _given_back(client, before)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_classified_stream_is_cancelled_the_same(client: Client, model: str) -> None:
+    """A stream with the classification extension is cancelled through the sink that classifies it."""
+    before = _held(client)
+    with client.stream(model, _in(5), timeout=30, classification={"OUT": 1}) as stream:
+        assert next(stream)["OUT"].tolist() == [b"5:0"]
     _given_back(client, before)
 
 
@@ -165,7 +178,7 @@ def test_a_kept_request_waits_for_its_model_and_ends_when_its_process_is_killed(
     pids = {int(next(stream)["OUT"][0]) for stream in (kept, waiting)}
     with pytest.raises(ReplyTimeout):  # still the model's to finish: it keeps the sender
         next(kept)
-    kept.close()  # cancelled, but the model never hears of it: it sends nothing more
+    kept.close()  # cancelled: the model could see it, but it keeps the sender and sends nothing more
     assert len(pids) == 1
     os.kill(pids.pop(), signal.SIGKILL)
     with pytest.raises(InstanceFailed, match="killed by SIGKILL"):

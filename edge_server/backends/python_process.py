@@ -25,6 +25,7 @@ import logging
 import pickle
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -220,8 +221,16 @@ class IsolatedPythonBackend(Backend):
         error = _error(message["e"]) if message.get("e") else None
         outputs = unpack_inline(message["o"]) if message.get("o") is not None else None
         sink.put(outputs, error, final=final)
-        if sink.cancelled and not final and self._child is not None:
-            self._child.channel.send({"op": "cancel", "k": token})  # the model sees is_cancelled()
+
+    def _cancel(self, token: int) -> None:
+        """The client cancelled a streamed request: tell the process (the model sees ``is_cancelled()``)."""
+        child = self._child
+        if child is None or self._child_gone:
+            return
+        try:
+            child.channel.send({"op": "cancel", "k": token})
+        except (ChannelClosed, OSError):
+            pass  # the process is gone: its streams end with it
 
     def _on_gone(self) -> None:
         """The pipe closed: end every open stream (the process died, or the instance was unloaded)."""
@@ -344,10 +353,19 @@ class IsolatedPythonBackend(Backend):
         for item in batch:
             token = 0
             if item.stream is not None:
-                token = open_tokens.get(id(item.stream)) or next(self._tokens)
-                self._streams[token] = item.stream
+                token = open_tokens.get(id(item.stream)) or self._open(item.stream)
             tokens.append(token)
         return tokens, forgotten
+
+    def _open(self, stream: ResponseSink) -> int:
+        """A token for a new stream, whose cancellation is passed on to the process from now on.
+
+        Before the request is sent, which carries the cancellation that came earlier (``x``).
+        """
+        token = next(self._tokens)
+        self._streams[token] = stream
+        stream.on_cancel = partial(self._cancel, token)
+        return token
 
     def _fail(self, when: str) -> NoReturn:
         assert self._child is not None

@@ -77,25 +77,20 @@ def _detach_signals(parent_pid: int) -> None:
 class _PipeSink(ResponseSink):
     """A streamed request's responses, sent to the daemon as they come (any thread).
 
-    Once the request is cancelled, its responses stay here, but its end still crosses: the daemon's
-    stream (and the body its client holds in the budget) ends with it.
+    Once the request is cancelled, its responses stay here, but its end still crosses (it
+    :attr:`relays`): the daemon's stream (and the body its client holds in the budget) ends with it.
     """
+
+    relays = True
 
     def __init__(self, channel: Channel, token: int) -> None:
         super().__init__()
         self._channel = channel
         self.token = token
-        self._final_sent = False
-        self.on_final = self._end
-
-    def _end(self) -> None:
-        if not self._final_sent:  # dropped here (cancelled): a bare final ends the daemon's stream
-            self.deliver(None, None, True)
 
     def deliver(
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool
     ) -> None:
-        self._final_sent = self._final_sent or final
         self._channel.send(
             {
                 "op": "send",
@@ -114,6 +109,11 @@ class _Stub:
         self._responses = responses
         self._backend: python_backend.PythonBackend | None = None
         self._streams: dict[int, _PipeSink] = {}  # decoupled: requests that may still send
+        # A cancellation can overtake its request (the daemon sends it from the client's thread): one
+        # for a token newer than any request seen yet waits in _early for its request.
+        self._streams_lock = threading.Lock()
+        self._newest = 0
+        self._early: set[int] = set()
         self._models = PipeModels(channel)  # BLS calls, answered by the daemon over the pipe
         self._inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
 
@@ -132,9 +132,7 @@ class _Stub:
                 elif op == "ready":  # beside a running execute(), as Triton's stub answers it
                     threading.Thread(target=self._ready, name="is-ready", daemon=True).start()
                 elif op == "cancel":
-                    sink = self._streams.get(message["k"])
-                    if sink is not None:
-                        sink.cancel()
+                    self._cancel(int(message["k"]))
                 else:
                     self._inbox.put(message)
         except ChannelClosed:  # the daemon closed our pipe (or died): nothing left to do
@@ -239,11 +237,26 @@ class _Stub:
 
     def _sink(self, token: int, cancelled: bool) -> _PipeSink:
         """A new sink for the request's token (a rescheduled request's replaces the one it had)."""
-        sink = self._streams[token] = _PipeSink(self._channel, token)
+        sink = _PipeSink(self._channel, token)
         sink.model_sends = True
+        with self._streams_lock:
+            self._streams[token] = sink
+            self._newest = max(self._newest, token)
+            if token in self._early:
+                self._early.discard(token)
+                cancelled = True
         if cancelled:
             sink.cancel()
         return sink
+
+    def _cancel(self, token: int) -> None:
+        """The daemon's client cancelled the request (reader thread): the model sees ``is_cancelled()``."""
+        with self._streams_lock:
+            sink = self._streams.get(token)
+            if sink is None and token > self._newest:  # before its request: see __init__
+                self._early.add(token)
+        if sink is not None:
+            sink.cancel()
 
     def _finalize(self) -> None:
         reply: dict[str, Any] = {"ok": True}
