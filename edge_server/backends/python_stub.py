@@ -15,10 +15,11 @@ come back as ``blsr`` (see ``python_bls.py``); a reader thread takes them (and `
 pipe while ``execute`` runs, and queues everything else for the main loop.
 
 A decoupled model's responses leave as ``send`` messages (``k``: the request's token, ``o``: tensors
-inline, ``e``: an error, ``f``: final), from whichever thread the model sends on; the daemon answers a
-response for a cancelled request with ``cancel``, after which ``request.is_cancelled()`` is true and
-later responses are dropped here.  A model that polls ``is_cancelled()`` inside ``execute`` sees a
-cancellation as soon as it arrives.
+inline, ``e``: an error, ``f``: final), from whichever thread the model sends on.  The daemon sends
+``cancel`` when the client cancels a request, after which ``request.is_cancelled()`` is true and
+later responses are dropped here, all but the final one (its end ends the daemon's stream too).  A
+rescheduled request comes back with the token it had; ``exec`` lists in ``d`` the tokens whose
+streams the daemon ended otherwise (cancelled while rescheduled), to be forgotten here.
 
 The stub ignores SIGINT and SIGTERM (a terminal's Ctrl-C or systemd's stop reach the whole group; the
 daemon decides when its models finalize) and exits within a second when its daemon is gone (its
