@@ -92,9 +92,13 @@ Convert = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 class ClassifyingSink(ResponseSink):
     """A stream's sink that classifies each response on its way to the consumer's sink.
 
-    Cancellation is the consumer's: reading or setting ``cancelled`` here reads or sets it there, so a
-    decoupled model sees its client go away through this sink as through any other.
+    Cancellation is the consumer's: reading or setting ``cancelled`` (and ``on_cancel``) here reads or
+    sets it there, so a decoupled model sees its client go away through this sink as through any other,
+    and the final response of a cancelled request still reaches the consumer's sink (which gives the
+    request's body back then).
     """
+
+    relays = True
 
     def __init__(self, inner: ResponseSink, convert: Convert) -> None:
         self._inner = inner
@@ -110,6 +114,14 @@ class ClassifyingSink(ResponseSink):
     def cancelled(self, value: bool) -> None:
         if value:
             self._inner.cancel()
+
+    @property  # type: ignore[override]
+    def on_cancel(self) -> Callable[[], None] | None:
+        return self._inner.on_cancel
+
+    @on_cancel.setter
+    def on_cancel(self, callback: Callable[[], None] | None) -> None:  # the producer's, told by the consumer
+        self._inner.on_cancel = callback
 
     def deliver(
         self, outputs: dict[str, np.ndarray] | None, error: EdgeServerError | None, final: bool

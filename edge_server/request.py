@@ -241,9 +241,13 @@ class ResponseSink(abc.ABC):
     :attr:`keeps_reading` (a BLS response iterator's ``cancel()``: the model is told, and what it
     still sends, its final response included, is delivered).  :attr:`on_final` runs once the final
     response is put, delivered or dropped: the request is over (a frontend gives its body back then).
+    A sink that only passes responses on to another sink :attr:`relays` (one that classifies them,
+    or a model's process sending them to the daemon): its final response is delivered even when
+    cancelled, so that the request also ends at the far sink, which drops it there.
     """
 
     keeps_reading = False
+    relays = False
     on_cancel: Callable[[], None] | None = None
     on_final: Callable[[], None] | None = None
 
@@ -263,7 +267,7 @@ class ResponseSink(abc.ABC):
                 return False
             if final:
                 self.finished = True
-            dropped = self.cancelled and not self.keeps_reading
+            dropped = self.cancelled and not self.keeps_reading and not (final and self.relays)
             if not dropped and (outputs is not None or error is not None):
                 self.responses += 1
         if not dropped:

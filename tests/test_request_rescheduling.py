@@ -8,6 +8,9 @@ reschedules before returning (decoupled).
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
@@ -19,8 +22,9 @@ import pytest
 from edge_server import Server
 from edge_server.client import Client
 from edge_server.config.parser import parse_config_text
-from edge_server.errors import ConfigError, ModelExecutionError, RequestTimeout
-from tests.daemon import Daemon
+from edge_server.errors import ConfigError, InstanceFailed, ModelExecutionError, RequestTimeout
+from edge_server.request import ResponseSink
+from tests.daemon import Daemon, python_stubs, wait_for
 
 _CONFIG = """
 name: "{name}"
@@ -32,6 +36,9 @@ output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 """
 _ITERATIVE = "sequence_batching { iterative_sequence: true oldest { max_candidate_sequences: 4 } }"
 _DECOUPLED = "model_transaction_policy { decoupled: true }"
+_ITERATIVE_ISOLATED = (
+    _ITERATIVE + "\n" + _DECOUPLED + '\nparameters { key: "isolation" value: { string_value: "process" } }'
+)
 
 # Counts up to N, one step per execution, rescheduling until done; answers the number of steps.
 # State is keyed by request id, as Triton's iterative examples do, and by sequence: over IPC the request
@@ -144,15 +151,7 @@ def build(repo: Path, log: Path) -> Path:
         _ITERATIVE + '\nparameters { key: "isolation" value: { string_value: "process" } }',
     )
     _write(repo, "streamer", _STREAMER.replace("LOG", repr(str(log))), _ITERATIVE + "\n" + _DECOUPLED)
-    _write(
-        repo,
-        "streamer_isolated",
-        _STREAMER.replace("LOG", repr(str(log))),
-        _ITERATIVE
-        + "\n"
-        + _DECOUPLED
-        + '\nparameters { key: "isolation" value: { string_value: "process" } }',
-    )
+    _write(repo, "streamer_isolated", _STREAMER.replace("LOG", repr(str(log))), _ITERATIVE_ISOLATED)
     _write(repo, "counter_plain", _COUNTER, "")  # no iterative_sequence: rescheduling is refused
     _write(repo, "streamer_plain", _STREAMER.replace("LOG", repr(str(log))), _DECOUPLED)
     _write(repo, "answers_too", _ANSWERS_TOO, _ITERATIVE)
@@ -240,6 +239,32 @@ def test_decoupled_model_streams_one_response_per_execution(
     assert _executions(inproc_root / "runs.log", f"{model}4") == 4
 
 
+@pytest.mark.parametrize("model", ["streamer", "streamer_isolated"])
+def test_a_finished_iterative_stream_is_not_kept(server: Server, model: str) -> None:
+    """The isolated instance registered each execution's stream anew and forgot only the last: every
+    iteration of every request kept its stream (and what it holds: the request) for the daemon's life,
+    and so did a request cancelled while rescheduled."""
+
+    def open_sinks() -> int:
+        gc.collect()
+        return sum(isinstance(o, ResponseSink) for o in gc.get_objects())
+
+    list(server.stream(model, _n(2), timeout=10, request_id=f"{model}-warm", **_seq()))
+    before = open_sinks()
+    for i in range(3):
+        responses = server.stream(model, _n(5), timeout=10, request_id=f"{model}-kept{i}", **_seq())
+        assert [int(r["OUT"][0, 0]) for r in responses] == [4, 3, 2, 1, 0]
+        del responses
+    with server.stream(model, _n(100_000), timeout=10, request_id=f"{model}-closed", **_seq()) as closed:
+        assert int(next(closed)["OUT"][0, 0]) == 99_999  # then cancelled between two of its runs
+    del closed
+    # Forgotten at a later batch: the cancelled request may run once more, beside the first of these.
+    for i in range(2):
+        list(server.stream(model, _n(1), timeout=10, request_id=f"{model}-sync{i}", **_seq()))
+    # (a thread that delivered a final response may hold its sink a moment longer)
+    wait_for(lambda: open_sinks() <= before, 10, what="the finished streams to be let go")
+
+
 def test_reschedule_without_iterative_sequence_fails_precisely(server: Server) -> None:
     with pytest.raises(ModelExecutionError, match=r"iterative_sequence: true"):
         server.infer("counter_plain", _n(3), request_id="p")
@@ -271,17 +296,41 @@ def test_endless_rescheduling_is_bounded_by_the_request_timeout(server: Server) 
     assert server.infer("counter", _n(2), request_id="after", **_seq())["OUT"].tolist() == [[2]]
 
 
-def test_closing_the_stream_stops_the_iterations(server: Server, inproc_root: Path) -> None:
+@pytest.mark.parametrize("model", ["streamer", "streamer_isolated"])
+def test_closing_the_stream_stops_the_iterations(server: Server, inproc_root: Path, model: str) -> None:
     log = inproc_root / "runs.log"
-    stream = server.stream("streamer", _n(100_000), timeout=10, request_id="cancel-me", **_seq())
+    stream = server.stream(model, _n(100_000), timeout=10, request_id=f"{model}-cancel-me", **_seq())
     assert int(next(stream)["OUT"][0, 0]) == 99_999
     stream.close()
 
     def sync(request_id: str) -> object:
-        return list(server.stream("streamer", _n(2), timeout=10, request_id=request_id, **_seq()))
+        return list(server.stream(model, _n(2), timeout=10, request_id=request_id, **_seq()))
 
-    assert _settled(log, "cancel-me", sync) < 100_000
+    assert _settled(log, f"{model}-cancel-me", sync) < 100_000
     assert server.infer("counter", _n(2), request_id="next", **_seq())["OUT"].tolist() == [[2]]
+
+
+def test_a_killed_process_ends_its_iterative_streams(tmp_path: Path) -> None:
+    """A request the process rescheduled is that process's (its state, keyed by request, is there):
+    killed between two of its runs or in one, its stream ends with INSTANCE_FAILED."""
+    repo = tmp_path / "repo"
+    _write(
+        repo,
+        "streamer_isolated",
+        _STREAMER.replace("LOG", repr(str(tmp_path / "runs.log"))),
+        _ITERATIVE_ISOLATED,
+    )
+    others = set(python_stubs(os.getpid()).values())  # the module's server's
+    with Server(repo) as server:  # its own: the restarted instance's threads end with it
+        stream = server.stream("streamer_isolated", _n(100_000), timeout=30, request_id="killed", **_seq())
+        assert int(next(stream)["OUT"][0, 0]) == 99_999
+        (pid,) = set(python_stubs(os.getpid()).values()) - others
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(InstanceFailed, match="killed by SIGKILL"):
+            for _ in stream:
+                pass
+        again = server.stream("streamer_isolated", _n(2), timeout=60, request_id="after-kill", **_seq())
+        assert [int(r["OUT"][0, 0]) for r in again] == [1, 0]  # its restarted process
 
 
 # -- the real daemon over IPC ----------------------------------------------------------------------

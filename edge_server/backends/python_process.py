@@ -25,6 +25,7 @@ import logging
 import pickle
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -130,7 +131,8 @@ class IsolatedPythonBackend(Backend):
         self._execute_timeout = seconds_parameter(ctx.config, EXECUTE_TIMEOUT_KEY, None)
         self._failure: InstanceFailed | None = None
         self._busy = False  # in execute(), which reports a death itself (the watcher stays quiet)
-        # decoupled: the open streams by token (requests whose final response has not come yet)
+        # decoupled: the open streams by token (requests whose final response has not come yet); a
+        # rescheduled request keeps its token for its next run (see _tokens_for)
         self._streams: dict[int, ResponseSink] = {}
         self._bls_streams: dict[int, ResponseSink] = {}  # the model's open streamed BLS calls, by id
         # the clients of the batch sent last, by position: whose turns the model's BLS calls take
@@ -219,8 +221,16 @@ class IsolatedPythonBackend(Backend):
         error = _error(message["e"]) if message.get("e") else None
         outputs = unpack_inline(message["o"]) if message.get("o") is not None else None
         sink.put(outputs, error, final=final)
-        if sink.cancelled and not final and self._child is not None:
-            self._child.channel.send({"op": "cancel", "k": token})  # the model sees is_cancelled()
+
+    def _cancel(self, token: int) -> None:
+        """The client cancelled a streamed request: tell the process (the model sees ``is_cancelled()``)."""
+        child = self._child
+        if child is None or self._child_gone:
+            return
+        try:
+            child.channel.send({"op": "cancel", "k": token})
+        except (ChannelClosed, OSError):
+            pass  # the process is gone: its streams end with it
 
     def _on_gone(self) -> None:
         """The pipe closed: end every open stream (the process died, or the instance was unloaded)."""
@@ -283,8 +293,9 @@ class IsolatedPythonBackend(Backend):
         named = [pair for item in batch for pair in item.inputs.items()]
         descs = iter(put(named, self._requests))
         self._bls_clients = [item.client for item in batch]
+        tokens, forgotten = self._tokens_for(batch)
         requests = []
-        for item in batch:
+        for item, token in zip(batch, tokens, strict=True):
             request = {
                 "i": [next(descs) for _ in item.inputs],
                 "b": item.batch_size,
@@ -296,12 +307,10 @@ class IsolatedPythonBackend(Backend):
                 "t": item.timeout_us,
             }
             if item.stream is not None:  # a decoupled model's request: its responses are streamed
-                token = next(self._tokens)
-                self._streams[token] = item.stream
                 request["k"] = token
                 request["x"] = item.stream.cancelled
             requests.append(request)
-        message = {"op": "exec", "n": self._requests.size, "r": requests}
+        message = {"op": "exec", "n": self._requests.size, "r": requests, "d": forgotten}
         try:
             reply = self._child.call(message, self._execute_timeout)
         except ChannelClosed:
@@ -327,6 +336,36 @@ class IsolatedPythonBackend(Backend):
             log.error("%s: unreadable reply from process %d: %r", self._name, self._child.pid, exc)
             self._child.kill()
             self._fail("after sending an unreadable reply")
+
+    def _tokens_for(self, batch: Sequence[BatchItem]) -> tuple[list[int], list[int]]:
+        """The batch's stream tokens (0: none), and the tokens of the streams that ended otherwise.
+
+        A rescheduled request runs again with the token it had, so that its stream is one entry here
+        however often it runs (and still ended if the process dies meanwhile).  A stream that ended
+        without its final response coming from the process (a rescheduled request cancelled or timed
+        out in the queue) is forgotten here, and the process is told to forget it too.
+        """
+        forgotten = [token for token, sink in list(self._streams.items()) if sink.finished]
+        for token in forgotten:
+            self._streams.pop(token, None)
+        open_tokens = {id(sink): token for token, sink in list(self._streams.items())}
+        tokens = []
+        for item in batch:
+            token = 0
+            if item.stream is not None:
+                token = open_tokens.get(id(item.stream)) or self._open(item.stream)
+            tokens.append(token)
+        return tokens, forgotten
+
+    def _open(self, stream: ResponseSink) -> int:
+        """A token for a new stream, whose cancellation is passed on to the process from now on.
+
+        Before the request is sent, which carries the cancellation that came earlier (``x``).
+        """
+        token = next(self._tokens)
+        self._streams[token] = stream
+        stream.on_cancel = partial(self._cancel, token)
+        return token
 
     def _fail(self, when: str) -> NoReturn:
         assert self._child is not None

@@ -15,10 +15,11 @@ come back as ``blsr`` (see ``python_bls.py``); a reader thread takes them (and `
 pipe while ``execute`` runs, and queues everything else for the main loop.
 
 A decoupled model's responses leave as ``send`` messages (``k``: the request's token, ``o``: tensors
-inline, ``e``: an error, ``f``: final), from whichever thread the model sends on; the daemon answers a
-response for a cancelled request with ``cancel``, after which ``request.is_cancelled()`` is true and
-later responses are dropped here.  A model that polls ``is_cancelled()`` inside ``execute`` sees a
-cancellation as soon as it arrives.
+inline, ``e``: an error, ``f``: final), from whichever thread the model sends on.  The daemon sends
+``cancel`` when the client cancels a request, after which ``request.is_cancelled()`` is true and
+later responses are dropped here, all but the final one (its end ends the daemon's stream too).  A
+rescheduled request comes back with the token it had; ``exec`` lists in ``d`` the tokens whose
+streams the daemon ended otherwise (cancelled while rescheduled), to be forgotten here.
 
 The stub ignores SIGINT and SIGTERM (a terminal's Ctrl-C or systemd's stop reach the whole group; the
 daemon decides when its models finalize) and exits within a second when its daemon is gone (its
@@ -39,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,13 @@ def _detach_signals(parent_pid: int) -> None:
 
 
 class _PipeSink(ResponseSink):
-    """A streamed request's responses, sent to the daemon as they come (any thread)."""
+    """A streamed request's responses, sent to the daemon as they come (any thread).
+
+    Once the request is cancelled, its responses stay here, but its end still crosses (it
+    :attr:`relays`): the daemon's stream (and the body its client holds in the budget) ends with it.
+    """
+
+    relays = True
 
     def __init__(self, channel: Channel, token: int) -> None:
         super().__init__()
@@ -102,6 +110,11 @@ class _Stub:
         self._responses = responses
         self._backend: python_backend.PythonBackend | None = None
         self._streams: dict[int, _PipeSink] = {}  # decoupled: requests that may still send
+        # A cancellation can overtake its request (the daemon sends it from the client's thread): one
+        # for a token newer than any request seen yet waits in _early for its request.
+        self._streams_lock = threading.Lock()
+        self._newest = 0
+        self._early: set[int] = set()
         self._models = PipeModels(channel)  # BLS calls, answered by the daemon over the pipe
         self._inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
 
@@ -120,9 +133,7 @@ class _Stub:
                 elif op == "ready":  # beside a running execute(), as Triton's stub answers it
                     threading.Thread(target=self._ready, name="is-ready", daemon=True).start()
                 elif op == "cancel":
-                    sink = self._streams.get(message["k"])
-                    if sink is not None:
-                        sink.cancel()
+                    self._cancel(int(message["k"]))
                 else:
                     self._inbox.put(message)
         except ChannelClosed:  # the daemon closed our pipe (or died): nothing left to do
@@ -144,7 +155,7 @@ class _Stub:
                 return
             try:
                 if op == "exec":
-                    reply = self._execute(message["r"], message["n"])
+                    reply = self._execute(message["r"], message["n"], message.get("d", ()))
                 elif op == "init":
                     reply = self._init(message)
                 elif op == "complete":
@@ -180,11 +191,15 @@ class _Stub:
         config = pickle.loads(message["config"])  # from the daemon that started this process
         return {"ok": True, "config": python_backend.complete_in_thread(config, Path(message["path"]))}
 
-    def _execute(self, requests: list[dict[str, Any]], size: int) -> dict[str, Any]:
+    def _execute(self, requests: list[dict[str, Any]], size: int, forgotten: Sequence[int]) -> dict[str, Any]:
         assert self._backend is not None and self._requests is not None and self._responses is not None
         self._requests.follow(size)  # the daemon may have grown it
         for token in [t for t, sink in self._streams.items() if sink.finished]:
             del self._streams[token]
+        for token in forgotten:  # ended in the daemon (a rescheduled request cancelled in its queue)
+            sink = self._streams.pop(token, None)
+            if sink is not None:
+                sink.cancel()  # the model's is_cancelled() says so; what it still sends stays here
         items = [
             BatchItem(
                 inputs=dict(read(desc, self._requests, copy=False) for desc in r["i"]),
@@ -222,11 +237,27 @@ class _Stub:
         return {"r": encoded, "t": timing.compute_infer_ns, "n": self._responses.size}
 
     def _sink(self, token: int, cancelled: bool) -> _PipeSink:
-        sink = self._streams[token] = _PipeSink(self._channel, token)
+        """A new sink for the request's token (a rescheduled request's replaces the one it had)."""
+        sink = _PipeSink(self._channel, token)
         sink.model_sends = True
+        with self._streams_lock:
+            self._streams[token] = sink
+            self._newest = max(self._newest, token)
+            if token in self._early:
+                self._early.discard(token)
+                cancelled = True
         if cancelled:
             sink.cancel()
         return sink
+
+    def _cancel(self, token: int) -> None:
+        """The daemon's client cancelled the request (reader thread): the model sees ``is_cancelled()``."""
+        with self._streams_lock:
+            sink = self._streams.get(token)
+            if sink is None and token > self._newest:  # before its request: see __init__
+                self._early.add(token)
+        if sink is not None:
+            sink.cancel()
 
     def _finalize(self) -> None:
         reply: dict[str, Any] = {"ok": True}
