@@ -61,7 +61,10 @@ def _model(repo: Path, name: str, source: str, extra: str = "") -> None:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    # What "cheap" means is not at stake here (tests/test_inline_alone.py tests the budgets): a budget
+    # of 50 ms keeps a loaded machine's preemptions from making the cheap model look expensive.
+    monkeypatch.setattr(inline, "INLINE_BUDGET_NS", 50_000_000)
     _model(tmp_path, "plain", SYNC.format(kw=""))
     _model(tmp_path, "coro", SYNC.format(kw="async "))
     _model(tmp_path, "stream", DECOUPLED, "model_transaction_policy { decoupled: true }")
