@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -74,8 +74,10 @@ parameters [
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KServeDaemon]:
+    """A daemon per test: a test that fails leaves requests held at the gate (which both models share),
+    and they would take the next test's releases."""
     root = tmp_path_factory.mktemp("fair")
     repo = root / "repo"
     shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
@@ -115,28 +117,44 @@ def _answer(future: Future) -> dict[str, Any]:
     return future.result(timeout=60)
 
 
+def _infer_over_http(url: str, model: str, value: float) -> httpclient.InferResult:
+    """One request through tritonclient's HTTP client, sent at once from the calling thread.
+
+    Not ``async_infer``: it sends from a greenlet that runs only while the caller yields to gevent, and
+    it yields for 10 ms; on a loaded machine the request is then not sent until the caller waits for
+    its result, and a test waiting to see it queued first waits forever.
+    """
+    http = httpclient.InferenceServerClient(url, concurrency=1)
+    try:
+        x = httpclient.InferInput("X", [1], "FP32")
+        x.set_data_from_numpy(_x(value, False))
+        return http.infer(model, [x])
+    finally:
+        http.close()
+
+
 def test_a_burst_from_one_client_waits_its_turn(server: KServeDaemon) -> None:
     """A burst of 12 from one connection; a single request from another IPC connection and one over HTTP
     run after one request of the burst each, not after all 12; the burst keeps its own order."""
     daemon = server.daemon
     assert daemon.gate is not None
-    http = httpclient.InferenceServerClient(server.http_url, concurrency=1)
-    with Client(daemon.address, timeout=60) as flooder, Client(daemon.address, timeout=60) as other:
+    with (
+        Client(daemon.address, timeout=60) as flooder,
+        Client(daemon.address, timeout=60) as other,
+        ThreadPoolExecutor(1) as http_thread,
+    ):
         blocker = _block(daemon, flooder, "turns", batched=False)
         burst = [flooder.submit("turns", {"X": _x(i, False)}) for i in range(12)]
         wait_for(lambda: _queued(other, "turns") == 12, 60, what="the burst to be queued")
         lone = other.submit("turns", {"X": _x(100, False)})
         wait_for(lambda: _queued(other, "turns") == 13, 60, what="the other client's request to be queued")
-        x = httpclient.InferInput("X", [1], "FP32")
-        x.set_data_from_numpy(_x(200, False))
-        over_http = http.async_infer("turns", [x])
+        over_http = http_thread.submit(_infer_over_http, server.http_url, "turns", 200)
         wait_for(lambda: _queued(other, "turns") == 14, 60, what="the HTTP request to be queued")
         daemon.gate.release(15)
         _answer(blocker)
         burst_calls = [int(_answer(f)["CALL"][0]) for f in burst]
         lone_call = int(_answer(lone)["CALL"][0])
-        http_call = int(over_http.get_result().as_numpy("CALL")[0])
-    http.close()
+        http_call = int(over_http.result(timeout=60).as_numpy("CALL")[0])
     daemon.gate.settle()
     assert burst_calls == sorted(burst_calls), "one client's requests ran out of their order"
     # Queued after 12 requests of the burst, each ran after the burst's first one only (FIFO: 13th, 14th).
