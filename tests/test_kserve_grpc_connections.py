@@ -22,7 +22,14 @@ import pytest
 from edge_server.client import Client
 from edge_server.kserve import grpc_accept, sock_diag
 from edge_server.kserve.frontends import GRPC_ACCEPT_ENV
-from edge_server.kserve.grpc_connections import Link, links, over_cap, sockets_held, tcp_sockets
+from edge_server.kserve.grpc_connections import (
+    ESTABLISHED,
+    Link,
+    links,
+    over_cap,
+    sockets_held,
+    tcp_sockets,
+)
 from tests.daemon import (
     Daemon,
     build_repository,
@@ -160,6 +167,17 @@ def grpc_accepting_daemon(public_dir: Path) -> Iterator[tuple[Daemon, int]]:  # 
     yield from _grpc_daemon(public_dir, {**os.environ, GRPC_ACCEPT_ENV: "grpc"})
 
 
+def still_open(port: int, uid: int) -> int:
+    """``uid``'s connections to ``port`` that the daemon has not closed, seen from the client's side.
+
+    :func:`links` sees a connection only once grpc accepted it (before, the daemon's end has no inode),
+    so "none of the user's connections in :func:`links`" also holds while all of them still wait in
+    grpc's accept queue; a connection the daemon shut down or closed is no longer ESTABLISHED here.
+    """
+    found = sock_diag.sockets(socket.AF_INET, states=1 << ESTABLISHED, bytecode=sock_diag.port_filter(port))
+    return sum(sock.uid == uid and sock.remote_port == port for sock in found)
+
+
 def live(port: int) -> bool:
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -198,13 +216,18 @@ def test_idle_http2_connections_of_one_user_are_cut_to_its_cap(
     proc, port = grpc_accepting_daemon
     attacker = OtherUser(open_http2(port, 40))
     try:
+        # (its connections may still wait in grpc's accept queue: first the cap's look at them)
         wait_for(
-            lambda: sum(link.uid == NOBODY for link in links(port)) <= 4,
+            lambda: "more than 4 (--max-client-connections" in proc.log(),
+            timeout=20,
+            what="the cap to find the other user over it",
+        )
+        wait_for(
+            lambda: still_open(port, NOBODY) <= 4,
             timeout=20,
             what="the other user's connections cut to its cap",
         )
         wait_for(lambda: live(port), timeout=20, what="another user's gRPC call answered")
-        assert "more than 4 (--max-client-connections" in proc.log()
     finally:
         attacker.close()
     assert proc.proc is not None and proc.proc.poll() is None, proc.log()
@@ -219,13 +242,20 @@ def test_a_user_over_its_cap_is_penalized_and_loses_every_grpc_connection(
     proc, port = grpc_accepting_daemon
     attacker = OtherUser(open_http2(port, 40))
     try:
+        # Its connections may all still wait in grpc's accept queue here, unseen by the cap: wait for
+        # the penalty, then for every connection it made (accepted or queued then) to be closed.
+        with Client(proc.address, timeout=10) as client:
+            wait_for(
+                lambda: client.ipc_status()["limits"]["penalized"] >= 1,
+                timeout=20,
+                what="the user over its cap penalized",
+            )
         wait_for(
-            lambda: not any(link.uid == NOBODY for link in links(port)),
+            lambda: still_open(port, NOBODY) == 0,
             timeout=20,
             what="every connection of the user over its cap shut down",
         )
-        with Client(proc.address, timeout=10) as client:
-            assert client.ipc_status()["limits"]["penalized"] >= 1
+        assert not any(link.uid == NOBODY for link in links(port))
         assert live(port)
     finally:
         attacker.close()
