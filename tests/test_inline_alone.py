@@ -93,7 +93,11 @@ def test_the_daemons_only_model_runs_on_its_ipc_thread(tmp_path: Path) -> None:
     try:
         with Client(daemon.address, timeout=30) as client:
             x = np.ones(2, np.float32)
-            names = [client.infer("slow", {"IN": x})["OUT"][0].decode() for _ in range(12)]
+            names: list[str] = []
+            # The first runs are measured on the worker; a slow first one (a loaded machine, a cold
+            # start) keeps the average over the budget for a few more: ask until it settles.
+            while names[-5:] != ["edge-ipc-frontend"] * 5 and len(names) < 200:
+                names.append(client.infer("slow", {"IN": x})["OUT"][0].decode())
         assert names[-5:] == ["edge-ipc-frontend"] * 5, names
     finally:
         assert daemon.stop() == 0, daemon.log()

@@ -241,6 +241,8 @@ def test_second_daemon_on_the_same_address_is_refused(daemon: Daemon, tmp_path: 
             str(daemon.repository),
             "--ipc",
             daemon.address,
+            # No TCP listener on its default port: another daemon on the machine may hold it.
+            *["--allow-http", "false", "--allow-grpc", "false", "--allow-metrics", "false"],
         ],
         cwd=ROOT,
         capture_output=True,
@@ -248,7 +250,7 @@ def test_second_daemon_on_the_same_address_is_refused(daemon: Daemon, tmp_path: 
         timeout=60,
     )
     assert result.returncode != 0
-    assert "ADDRESS_IN_USE" in result.stderr
+    assert "ADDRESS_IN_USE" in result.stderr and daemon.address in result.stderr, result.stderr
     with Client(daemon.address) as c:
         assert c.server_live()
 

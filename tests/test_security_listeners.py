@@ -314,6 +314,29 @@ def test_http_bodies_are_counted_per_user_and_slow_ones_closed(
         assert json.loads(response.read())["outputs"][0]["data"] == x
 
 
+def test_a_body_refused_as_it_arrives_gets_its_503_although_the_client_is_still_sending(
+    listener_daemon: tuple[Daemon, int, int],
+) -> None:
+    """A body larger than the user's whole budget is refused 503 while most of it is still on its way.
+    Closing with those bytes unread would reset the connection, and the client, still sending, would
+    lose the answer (EPIPE or ECONNRESET); the daemon reads and drops the rest, so the 503 arrives."""
+    _proc, http, _grpc = listener_daemon
+    body = 4 << 20  # 4x the 1 MiB budget: refused after the first MiB, three more still coming
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", http))
+        sock.settimeout(30)
+        head = (
+            f"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {body}\r\n\r\n"
+        ).encode()
+        with sock:
+            sock.sendall(head + b" " * body)  # all of it: the daemon reads what it refused
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 503") and b"--max-client-body-bytes" in data, data
+
+
 def test_metrics_serves_a_bounded_number_of_connections_and_closes_idle_ones(tmp_path: Path) -> None:
     """Item 2: idle connections to /metrics do not each keep a thread for ever."""
     from edge_server.limits import METRICS_CONNECTIONS

@@ -183,9 +183,13 @@ def _small_repo(tmp_path: Path) -> Path:
     return repo
 
 
+# No TCP listener on its default port (8000-8002): another daemon on the machine may hold it.
+NO_TCP = ["--allow-http", "false", "--allow-grpc", "false", "--allow-metrics", "false"]
+
+
 def test_exit_on_error_exits_non_zero_without_ready(tmp_path: Path, notify: NotifySocket) -> None:
     command = [sys.executable, "-m", "edge_server", "serve", "--model-repository", str(_small_repo(tmp_path))]
-    command += ["--ipc", f"ipc://{tmp_path}/e.sock", "--allow-metrics", "false"]
+    command += ["--ipc", f"ipc://{tmp_path}/e.sock", *NO_TCP]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr
     assert "model broken failed to load" in result.stderr
@@ -206,7 +210,7 @@ def test_strict_readiness_with_a_failed_model(tmp_path: Path, notify: NotifySock
     daemon = _daemon(tmp_path, _small_repo(tmp_path), "--exit-on-error", "false")
     with open(daemon.log_path, "ab") as log:
         command = [sys.executable, "-m", "edge_server", "serve", "--model-repository", str(daemon.repository)]
-        command += ["--ipc", daemon.address, "--exit-on-error", "false", "--allow-metrics", "false"]
+        command += ["--ipc", daemon.address, "--exit-on-error", "false", *NO_TCP]
         daemon.proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         ready = notify.wait_for("READY", "1")  # the service is up: systemd need not restart it

@@ -9,7 +9,8 @@ that stops one byte short, and counts neither descriptors nor body bytes.  Here 
   :data:`MAX_HEADER_BYTES` of them) and its body within ``--body-timeout-secs``, or is closed;
   between requests, uvicorn's keep-alive timeout is ``--idle-timeout-secs``;
 * counts its body's bytes against its user's and the daemon's body budget as they arrive, and is
-  answered 503 and closed when one is spent; they are given back when the response is sent.  A
+  answered 503 and closed when one is spent (the rest of that body read and dropped for a moment, so
+  that the answer is not lost to a reset); they are given back when the response is sent.  A
   compressed body is inflated no further than that budget's room, and counted too
   (:class:`BodyBudget`, in the request's scope); a user whose inflated body was refused is penalized
   there (:meth:`~edge_server.limits.Limits.penalize`).
@@ -30,6 +31,11 @@ from edge_server.limits import Connection, Limits
 log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10  # request line and headers together
+# A body refused as it arrives is read on and dropped for this long, and no more than this much of it,
+# after the refusal was sent: closing a socket with unread bytes resets the connection, and the client
+# whose body is still on its way then loses the answer (ECONNRESET before it reads the 503).
+LINGER_S = 1.0
+LINGER_BYTES = 8 << 20
 PEER_KEY = "edge_server.peer"  # scope key: the connection's Peer (a list of one)
 BUDGET_KEY = "edge_server.budget"  # scope key: the connection's BodyBudget
 
@@ -132,6 +138,8 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
         _in_headers = False  # between a request's first byte and its last header
         _reserved = 0  # body bytes this connection holds in the budget
         _received = 0  # body bytes of the requests not yet answered
+        _lingering = False  # refused: what still comes is read and dropped until the close
+        _linger_room = 0  # bytes a lingering connection may still read
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -174,17 +182,38 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
             log.info("HTTP: closing a connection that did not send %s in time", what)
             self._refuse(408, "Request Timeout", f"the connection did not send {what} in time")
 
-        def _refuse(self, status: int, reason: str, message: str) -> None:
-            """Answer ``status`` outside uvicorn's request cycle and close the connection."""
+        def _refuse(self, status: int, reason: str, message: str, *, linger: bool = False) -> None:
+            """Answer ``status`` outside uvicorn's request cycle and close the connection.
+
+            ``linger``: the client is still sending (a body refused as it arrives); the answer is
+            followed by the end of our side of the stream, and what still comes is read and dropped
+            (:data:`LINGER_S`, :data:`LINGER_BYTES`) before the close, so that the answer arrives.
+            """
             raw = self._raw
             assert raw is not None
             if self.cycle is not None and not self.cycle.response_complete:
                 self.cycle.response_complete = True  # nothing more from the app on this connection
                 self.cycle.disconnected = True
                 self.cycle.message_event.set()
-            if not raw.is_closing():
-                raw.write(_refusal(status, reason, message))
+            if raw.is_closing() or self._lingering:
+                return
+            raw.write(_refusal(status, reason, message))
+            if not (linger and raw.can_write_eof()):
                 raw.close()
+                return
+            raw.write_eof()
+            self._lingering, self._linger_room = True, LINGER_BYTES
+            raw.resume_reading()  # uvicorn pauses reading while a body waits for the app
+            self._disarm()
+            self._timer = self.loop.call_later(LINGER_S, raw.close)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._lingering:
+                super().data_received(data)
+                return
+            self._linger_room -= len(data)  # a refused connection: its request's rest is dropped unparsed
+            if self._linger_room < 0 and self._raw is not None:
+                self._raw.close()
 
         # -- parser callbacks -------------------------------------------------------------------------
 
@@ -233,7 +262,7 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
                 refusal = limits.reserve(self._connection.uid, wanted)
                 if refusal is not None:
                     log.info("HTTP: refusing a request body: %s", refusal)
-                    self._refuse(503, "Service Unavailable", refusal)
+                    self._refuse(503, "Service Unavailable", refusal, linger=True)
                     return
                 self._reserved += wanted
             super().on_body(body)
