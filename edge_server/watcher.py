@@ -226,13 +226,7 @@ if (
                 follow_symlink=self.watch.follow_symlink,
             )
 
-    class _TolerantObserver(InotifyObserver):
-        def __init__(self) -> None:
-            super().__init__()
-            self._emitter_class = _TolerantEmitter
-
-    def _observer() -> BaseObserver:
-        return _TolerantObserver() if Observer is InotifyObserver else Observer()
+    _EMITTER: type[InotifyEmitter] | None = _TolerantEmitter
 
 elif InotifyObserver is not None and issubclass(AttribEvent, FileModifiedEvent):
 
@@ -267,18 +261,19 @@ elif InotifyObserver is not None and issubclass(AttribEvent, FileModifiedEvent):
                 event = AttribEvent(event.src_path)
             super().queue_event(event)
 
-    class _AttribObserver(InotifyObserver):
-        def __init__(self) -> None:
-            super().__init__()
-            self._emitter_class = _AttribEmitter
-
-    def _observer() -> BaseObserver:
-        return _AttribObserver() if Observer is InotifyObserver else Observer()
+    _EMITTER = _AttribEmitter
 
 else:
+    _EMITTER = None
 
-    def _observer() -> BaseObserver:
+
+def _observer() -> BaseObserver:
+    """The observer: on inotify, with the emitter above that mends the installed watchdog."""
+    if _EMITTER is None or Observer is not InotifyObserver:
         return Observer()
+    observer = InotifyObserver()
+    observer._emitter_class = _EMITTER  # what watchdog's own subclasses set: the emitter per watch
+    return observer
 
 
 class _Handler(FileSystemEventHandler):
