@@ -183,6 +183,14 @@ def ensure_examples() -> Path:
     return EXAMPLES
 
 
+def gate_fifos(root: Path) -> tuple[Path, Path]:
+    """The gate model's FIFOs in a daemon's root (gate, started): start_daemon opens them, used or not."""
+    gate, started = root / "gate.fifo", root / "started.fifo"
+    os.mkfifo(gate)
+    os.mkfifo(started)
+    return gate, started
+
+
 def build_repository(root: Path) -> Path:
     """The IPC test repository under ``root`` (FIFOs for the gate model beside it)."""
     if not (EXAMPLES / "identity" / "1" / "model.onnx").exists():
@@ -192,9 +200,7 @@ def build_repository(root: Path) -> Path:
         shutil.copytree(EXAMPLES / name, repo / name, ignore=shutil.ignore_patterns("samples"))
     frame_model(repo / "frame" / "1" / "model.onnx")
     (repo / "frame" / "config.pbtxt").write_text(FRAME_CONFIG)
-    gate, started = root / "gate.fifo", root / "started.fifo"
-    os.mkfifo(gate)
-    os.mkfifo(started)
+    gate, started = gate_fifos(root)
     (repo / "gate" / "1").mkdir(parents=True)
     (repo / "gate" / "config.pbtxt").write_text(GATE_CONFIG % {"gate": gate, "started": started})
     (repo / "gate" / "1" / "model.py").write_text(GATE_MODEL)

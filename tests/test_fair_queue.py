@@ -8,7 +8,6 @@ burst from one connection, then one request from each other connection, and lets
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +18,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from edge_server.client import Client
-from tests.daemon import EXAMPLES, Daemon, stop_daemon, wait_for
+from tests.daemon import EXAMPLES, Daemon, gate_fifos, stop_daemon, wait_for
 from tests.kserve_daemon import KServeDaemon, start_kserve_daemon
 
 TURNS_MODEL = """
@@ -81,9 +80,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KServeDaemon]:
     root = tmp_path_factory.mktemp("fair")
     repo = root / "repo"
     shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
-    gate, started = root / "gate.fifo", root / "started.fifo"
-    os.mkfifo(gate)
-    os.mkfifo(started)
+    gate, started = gate_fifos(root)
     models = {"turns": (0, ""), "turns_batched": (4, "dynamic_batching { }")}
     for name, (max_batch_size, batching) in models.items():
         (repo / name / "1").mkdir(parents=True)

@@ -10,7 +10,6 @@ flood's per turn.  The order is read from the ``turns`` model's own execution co
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 
 from edge_server.client import Client
-from tests.daemon import EXAMPLES, Daemon, start_daemon, stop_daemon, wait_for
+from tests.daemon import EXAMPLES, Daemon, gate_fifos, start_daemon, stop_daemon, wait_for
 from tests.test_fair_queue import TURNS_CONFIG, TURNS_MODEL
 
 RELAY_MODEL = """
@@ -62,8 +61,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     root = tmp_path_factory.mktemp("fairbls")
     repo = root / "repo"
     shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
-    os.mkfifo(root / "gate.fifo")
-    os.mkfifo(root / "started.fifo")
+    gate_fifos(root)
     fields = {
         "max_batch_size": 0,
         "batching": "",

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 from tritonclient.utils import shared_memory as shm
 
-from tests.daemon import EXAMPLES, stop_daemon, wait_for
+from tests.daemon import EXAMPLES, gate_fifos, stop_daemon, wait_for
 from tests.kserve_daemon import KServeDaemon, ort_run, start_kserve_daemon
 
 
@@ -276,8 +276,7 @@ def test_log_settings_report_the_daemons_flags(tmp_path: Path) -> None:
     """GET /v2/logging says what --log-verbose and --log-format set, over HTTP and gRPC."""
     repo = tmp_path / "repo"
     shutil.copytree(EXAMPLES / "identity", repo / "identity", ignore=shutil.ignore_patterns("samples"))
-    for fifo in ("gate.fifo", "started.fifo"):  # start_daemon opens the gate's FIFOs in its root
-        os.mkfifo(tmp_path / fifo)
+    gate_fifos(tmp_path)
     server = start_kserve_daemon(tmp_path, repo, "v.sock", "--log-verbose", "2", "--log-format", "ISO8601")
     try:
         http = httpclient.InferenceServerClient(server.http_url)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from edge_server.perf.measure import LevelResult, Window, is_stable, latency_sum
 from edge_server.perf.options import PerfOptions, concurrency_range
 from edge_server.perf.report import write_csv
 from edge_server.perf.server_stats import Snapshot
-from tests.daemon import EXAMPLES, stop_daemon, wait_for
+from tests.daemon import EXAMPLES, gate_fifos, stop_daemon, wait_for
 from tests.decoupled_models import add_decoupled_models
 from tests.kserve_daemon import KServeDaemon, start_kserve_daemon
 from tests.sequence_models import OLDEST, simple_sequence_config, simple_sequence_onnx, write_model
@@ -47,12 +46,6 @@ CSV_HEADER = [
 ]
 
 
-def _fifos(root: Path) -> None:
-    """tests.daemon.start_daemon opens the gate model's FIFOs in the daemon's root, used or not."""
-    for name in ("gate.fifo", "started.fifo"):
-        os.mkfifo(root / name)
-
-
 def _repository(root: Path) -> Path:
     if not (EXAMPLES / "digits" / "1" / "model.onnx").exists():
         pytest.skip("the example models are not built (models/make_models.py)")
@@ -61,7 +54,7 @@ def _repository(root: Path) -> Path:
         shutil.copytree(EXAMPLES / name, repo / name, ignore=shutil.ignore_patterns("samples"))
     write_model(repo, "seq", simple_sequence_config("seq", OLDEST), simple_sequence_onnx)
     add_decoupled_models(repo, root / "repeat.log")
-    _fifos(root)
+    gate_fifos(root)
     return repo
 
 
@@ -514,7 +507,7 @@ def test_output_shared_memory_size_too_small(
 
 def _plain_repository(root: Path, repo: Path) -> Path:
     plain = root / "plain"
-    _fifos(root)
+    gate_fifos(root)
     shutil.copytree(repo / "digits", plain / "digits")
     return plain
 

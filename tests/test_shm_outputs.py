@@ -24,7 +24,7 @@ from edge_server.ipc.handlers import _destinations
 from edge_server.ipc.handoff import inspect_fd
 from edge_server.request import OutputBuffer
 from edge_server.shm import Owner, Registry
-from tests.daemon import Daemon, start_daemon, stop_daemon
+from tests.daemon import Daemon, gate_fifos, start_daemon, stop_daemon
 
 ROWS = 16
 
@@ -79,8 +79,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, repository: Path) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("shm_outputs_run")
-    for fifo in ("gate.fifo", "started.fifo"):  # start_daemon's gate (unused by these models)
-        os.mkfifo(root / fifo)
+    gate_fifos(root)
     proc = start_daemon(root, repository, "out.sock")
     try:
         yield proc
