@@ -15,6 +15,7 @@ from edge_server.errors import InvalidArgument, ModelExecutionError, RequestTime
 from edge_server.streaming import ResponseIterator
 from tests.decoupled_models import add_decoupled_models
 from tests.onnx_factory import affine_model
+from tests.test_python_decoupled_release import CONFIG, MODEL  # the model of the daemon's tests
 
 
 @pytest.fixture
@@ -132,37 +133,14 @@ def test_sender_refuses_a_response_after_the_final_flag() -> None:
         sender.send(flags=7)
 
 
-DROPPER = """
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.kept = []
-
-    def execute(self, requests):
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
-            if int(x[0]) == 1:  # answers once, then lets the request go without the final flag
-                request.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
-            elif int(x[0]) == 2:  # keeps the sender to finish later: never an error while it is kept
-                self.kept.append(request.get_response_sender())
-        return None
-"""
-
-
 def test_a_request_let_go_without_its_final_response_ends_its_stream_with_an_error(tmp_path: Path) -> None:
     """A decoupled model that drops a request without the final flag left its client waiting (and
     the request's body counted in its user's budget) for ever; the stream now ends with an error
     naming the model, once the model holds nothing of the request any more."""
     repo = tmp_path / "repo"
     (repo / "dropper" / "1").mkdir(parents=True)
-    (repo / "dropper" / "1" / "model.py").write_text(DROPPER)
-    (repo / "dropper" / "config.pbtxt").write_text(
-        'name: "dropper"\nbackend: "python"\nmax_batch_size: 0\n'
-        "model_transaction_policy { decoupled: true }\n"
-        'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
-        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
-    )
+    (repo / "dropper" / "1" / "model.py").write_text(MODEL)
+    (repo / "dropper" / "config.pbtxt").write_text(CONFIG.format(name="dropper", extra=""))
     with Server(repo) as server:
         stream = server.stream("dropper", {"IN": np.array([0], np.int32)}, timeout=30)
         with pytest.raises(ModelExecutionError, match="released a request without sending its final"):
@@ -172,6 +150,7 @@ def test_a_request_let_go_without_its_final_response_ends_its_stream_with_an_err
         with pytest.raises(ModelExecutionError, match="without sending its final response"):
             next(stream)
         kept = server.stream("dropper", {"IN": np.array([2], np.int32)}, timeout=0.5)
+        next(kept)  # where the model runs (its pid)
         with pytest.raises(RequestTimeout):  # still the model's to finish: it keeps the sender
             next(kept)
         kept.close()

@@ -31,7 +31,7 @@ from edge_server.backends.tensorrt import engine, planning
 from edge_server.client import Client
 from edge_server.errors import BackendUnavailable, ModelExecutionError
 from edge_server.platform import gpus
-from tests.daemon import Daemon, start_daemon, stop_daemon
+from tests.daemon import Daemon, gate_fifos, start_daemon, stop_daemon
 
 
 def _cuda_missing() -> str:
@@ -73,6 +73,19 @@ def _device_copy(cuda: engine.Cuda, dst: int, src: int, size: int, stream: objec
     """A copy the GPU makes between two device addresses (a mapped span's device address included)."""
     kind = cuda.rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
     cuda.call(cuda.rt.cudaMemcpyAsync, dst, src, size, kind, stream)
+
+
+def _device_address(cuda: engine.Cuda, address: int) -> int:
+    """Where the device reads registered host memory (the backend's choice, TensorRTBackend._map)."""
+    return address if cuda.traits().host_pointer_is_device_pointer else cuda.device_pointer(address)
+
+
+def _read_back(cuda: engine.Cuda, device: int, size: int, stream: object) -> bytes:
+    """``size`` bytes of device memory, copied to the host once the stream's work is done."""
+    back = np.zeros(size, np.uint8)
+    cuda.copy_to_host(back.ctypes.data, device, size, stream)
+    cuda.synchronize(stream)
+    return back.tobytes()
 
 
 def test_the_probe_finds_the_gpu_the_loader_sees(cuda: engine.Cuda) -> None:
@@ -121,15 +134,12 @@ def test_a_clients_span_mapped_for_the_device_is_read_and_written_in_place(cuda:
     try:
         cuda.register(address, size)
         try:
-            mapped = address if traits.host_pointer_is_device_pointer else cuda.device_pointer(address)
+            mapped = _device_address(cuda, address)
             _device_copy(cuda, device, mapped, size, stream)  # the GPU reads the span itself
             cuda.call(cuda.rt.cudaMemsetAsync, mapped, 0x5A, size, stream)  # and writes into it
             cuda.synchronize(stream)
             assert bytes(span) == b"\x5a" * size
-            back = np.zeros(size, np.uint8)
-            cuda.copy_to_host(back.ctypes.data, device, size, stream)
-            cuda.synchronize(stream)
-            assert back.tobytes() == data
+            assert _read_back(cuda, device, size, stream) == data
         finally:
             cuda.unregister(address)
     finally:
@@ -151,12 +161,8 @@ def test_a_read_only_span_is_mapped_only_where_the_device_allows_it(cuda: engine
         device = cuda.malloc(size)
         cuda.register(address, size, read_only=True)
         try:
-            mapped = address if traits.host_pointer_is_device_pointer else cuda.device_pointer(address)
-            _device_copy(cuda, device, mapped, size, stream)
-            back = np.zeros(size, np.uint8)
-            cuda.copy_to_host(back.ctypes.data, device, size, stream)
-            cuda.synchronize(stream)
-            assert back.tobytes() == data
+            _device_copy(cuda, device, _device_address(cuda, address), size, stream)
+            assert _read_back(cuda, device, size, stream) == data
         finally:
             cuda.unregister(address)
             cuda.free(device)
@@ -230,8 +236,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     (repo / "copy" / "config.pbtxt").write_text(CONFIG % {"row": ROW})
     (repo / "copy" / "1" / "model.plan").write_bytes(_standin_plan(ROW, 8))
     root = tmp_path_factory.mktemp("gpu_run")
-    for fifo in ("gate.fifo", "started.fifo"):
-        os.mkfifo(root / fifo)
+    gate_fifos(root)
     path = os.pathsep.join(p for p in (str(STANDIN), os.environ.get("PYTHONPATH", "")) if p)
     proc = start_daemon(root, repo, "gpu.sock", env={**os.environ, "PYTHONPATH": path})
     try:
