@@ -13,6 +13,10 @@ the bare servers skip, so its row holds that compute too).
 * ``bare grpcio``: ``grpc.server`` with a thread pool, Triton's generated ``GRPCInferenceService``
   servicer, default options; ``bare grpcio, our options``: the options edge-server's frontend sets
   (message bounds).
+* ``bare grpc loop``: no grpcio server: grpc core's completion queue (grpcio's Cython layer) polled by
+  one thread that answers each call itself, as edge-server's ``ModelInfer`` is answered; ``listener
+  off``: the same with grpc's ``event_engine_listener`` experiment off, as edge-server runs it (the
+  polling thread reads the connections too: edge_server.kserve.grpc_env).
 * ``bare h2``: no grpcio: gRPC's unary calls on h2's pure-Python HTTP/2 state machine (``h2`` from PyPI,
   not a dependency: ``pip install h2``; the row is skipped without it) in an asyncio protocol (uvloop
   when present); it parses each request and serializes each response, as a real server must.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,6 +48,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from edge_server.kserve import grpc_env  # noqa: E402
 
 WORKLOADS = {"tiny": ("INPUT", "OUTPUT", "FP32"), "frame": ("frame", "means", "UINT8")}
 
@@ -81,6 +88,52 @@ def serve_grpc(port: int, tuned: bool) -> None:
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     server.wait_for_termination()
+
+
+def serve_grpc_loop(port: int) -> None:
+    """grpc core's completion queue polled by one thread that answers each call itself (no workers).
+
+    What edge-server's ``ModelInfer`` does on grpcio's own loop (edge_server.kserve.grpc_infer), bare.
+    """
+    from grpc._cython import cygrpc
+    from tritonclient.grpc import service_pb2
+
+    queue = cygrpc.CompletionQueue()
+    server = cygrpc.Server((("grpc.max_receive_message_length", 64 << 20),), False)
+    server.register_completion_queue(queue)
+    server.add_http2_port(f"127.0.0.1:{port}".encode(), None)
+    server.start()
+    asked, ended = object(), object()
+
+    def answer(method: bytes, message: bytes) -> bytes:
+        if not method.endswith(b"/ModelInfer"):
+            return service_pb2.ServerLiveResponse(live=True).SerializeToString()
+        request = service_pb2.ModelInferRequest.FromString(message)
+        name, datatype, shape, raw = _canned(request.model_name)
+        response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+        response.outputs.add(name=name, datatype=datatype, shape=shape)
+        response.raw_output_contents.append(raw)
+        return response.SerializeToString()
+
+    server.request_call(queue, queue, asked)
+    while True:
+        event = queue.poll()
+        if event.completion_type != cygrpc.CompletionType.operation_complete or event.tag is ended:
+            continue
+        if event.tag is asked:
+            server.request_call(queue, queue, asked)
+            call = event.call
+            receive = (cygrpc.ReceiveMessageOperation(0),)
+            call.start_server_batch(receive, (call, event.call_details.method))
+            continue
+        call, method = event.tag
+        ops = (
+            cygrpc.SendInitialMetadataOperation(None, 0),
+            cygrpc.SendMessageOperation(answer(method, event.batch_operations[0].message()), 0),
+            cygrpc.SendStatusFromServerOperation(None, cygrpc.StatusCode.ok, b"", 0),
+            cygrpc.ReceiveCloseOnServerOperation(0),
+        )
+        call.start_server_batch(ops, ended)
 
 
 def serve_h2(port: int) -> None:
@@ -310,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             serve_uvicorn(port)
         elif kind == "h2":
             serve_h2(port)
+        elif kind.startswith("grpc-loop"):
+            serve_grpc_loop(port)
         else:
             serve_grpc(port, tuned=kind == "grpc-tuned")
         return 0
@@ -327,11 +382,16 @@ def main(argv: list[str] | None = None) -> int:
         for label, kind, is_http in (
             ("bare grpcio", "grpc", False),
             ("bare grpcio, our options", "grpc-tuned", False),
+            ("bare grpc loop", "grpc-loop", False),
+            ("bare grpc loop, listener off", "grpc-loop-listener-off", False),
             *([("bare h2", "h2", False)] if importlib.util.find_spec("h2") else []),
             ("bare uvicorn", "uvicorn", True),
         ):
             port = free_port()
-            proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], cwd=ROOT)
+            env = dict(os.environ)
+            if kind.endswith("listener-off"):
+                env[grpc_env.VARIABLE] = "-" + grpc_env.EXPERIMENT
+            proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], cwd=ROOT, env=env)
             stack.callback(proc.wait, 10)
             stack.callback(proc.terminate)
             servers[label] = (port, None, "") if is_http else (None, port, "")

@@ -13,6 +13,7 @@ from edge_server.cli.arguments import RepeatedFlag, UsageError
 from edge_server.flag_types import boolean, positive
 from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
+from edge_server.kserve import grpc_env
 from edge_server.kserve.frontends import add_kserve_arguments, kserve_options
 from edge_server.limits import add_limit_arguments, limit_options
 from edge_server.metrics.options import metrics_config_item, summary_options
@@ -189,6 +190,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # Python models see the argv of Triton's stub, the program alone: a model's unittest.main() or
     # argparse must not parse the daemon's flags (L0_backend_python's models call unittest.main).
     sys.argv[1:] = []
+    # before anything (a model.py) imports grpc, which reads its settings then
+    grpc_env.poll_connections_on_the_queue()
     from edge_server.daemon import Daemon, DaemonOptions
 
     repositories = args.model_repository or bundled_repositories()

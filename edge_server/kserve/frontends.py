@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_server.authorization import ControlPolicy
 from edge_server.flag_types import boolean
+from edge_server.kserve import grpc_env
 from edge_server.kserve.probes import GrpcProbe, LoopProbe, loopback
 from edge_server.kserve.service import KServeService
 from edge_server.kserve.settings import RuntimeSettings
@@ -129,6 +130,7 @@ class KServeFrontends:
             self.http.start()
             self._probes.append(("HTTP frontend", LoopProbe(self.http.call_soon)))
         if options.allow_grpc is not False:
+            grpc_env.poll_connections_on_the_queue()
             try:
                 from edge_server.kserve.grpc_frontend import GrpcFrontend
             except ImportError as exc:

@@ -1,18 +1,16 @@
 """The KServe v2 gRPC frontend: Triton's ``GRPCInferenceService`` on grpcio's threaded server.
 
-This module runs the server (options, registration, start and stop, the worker accounting); the RPCs
-are in edge_server.kserve.grpc_servicer, ``ModelStreamInfer`` in edge_server.kserve.grpc_stream.  The
-port's connections are accepted and counted by the daemon (edge_server.kserve.grpc_accept); where that
-cannot be, grpc accepts with a total and edge_server.kserve.grpc_connections keeps the per-user cap.
+This module runs the server (options, registration, start and stop, the worker accounting).
+``ModelInfer`` is answered by grpcio's polling thread itself (edge_server.kserve.grpc_infer); the other
+RPCs run on grpcio's workers (edge_server.kserve.grpc_servicer, ``ModelStreamInfer`` in
+edge_server.kserve.grpc_stream).  The port's connections are accepted and counted by the daemon
+(edge_server.kserve.grpc_accept); where that cannot be, grpc accepts with a total and
+edge_server.kserve.grpc_connections keeps the per-user cap.
 
 Why the threaded server and not grpc.aio: a unary call costs less (a bare server answering
 ``ModelInfer`` with a canned response, called by tritonclient: 377 against 446 us with or without
-uvloop, one interleaved run on the 2-core VM), and the data plane is synchronous anyway.
-
-Neither matches Triton's C++ frontend on a small call: a ``ServerLive`` costs grpcio's thread-pool
-server about 260 us of CPU and 410 us end to end, Triton 80 and 220, and ours what the bare server's
-costs (bench/bench_kserve_cost.py; docs/benchmarks.md).  That floor, not the handler, is what the
-tiny gRPC row lacks against Triton.
+uvloop, one interleaved run on the 2-core VM), and the data plane is synchronous anyway.  Its workers
+are what a tiny ``ModelInfer`` could not afford against Triton's C++ frontend; see grpc_infer.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from edge_server.errors import AddressInUse, TooManyRequests
 from edge_server.kserve.grpc_accept import PORT_NAME, ExternalPort, GrpcAcceptor
 from edge_server.kserve.grpc_connections import ConnectionCap
+from edge_server.kserve.grpc_infer import InferCalls, InferQueue, attach
 from edge_server.kserve.grpc_servicer import Servicer
 from edge_server.kserve.grpc_wire import parse_infer_request
 from edge_server.kserve.probes import loopback
@@ -92,16 +91,18 @@ class _Handlers:
         self.name, self.handlers = name, handlers
 
 
-def _add_servicer(servicer: Servicer, server: grpc.Server) -> None:
-    """The generated registration, with ``ModelInfer``/``ModelStreamInfer`` requests parsed by grpc_wire."""
+def _add_servicer(servicer: Servicer, server: grpc.Server, infer: InferCalls | None) -> None:
+    """The generated registration, with ``ModelStreamInfer`` requests parsed by grpc_wire.
+
+    ``ModelInfer`` is left to its own completion queue (edge_server.kserve.grpc_infer), or, with
+    ``infer``, served by the same work on grpcio's workers, its message and answer as bytes.
+    """
     captured = _Handlers()
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, captured)
     handlers = dict(captured.handlers)
-    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-        servicer.ModelInfer,
-        request_deserializer=parse_infer_request,
-        response_serializer=service_pb2.ModelInferResponse.SerializeToString,
-    )
+    del handlers["ModelInfer"]
+    if infer is not None:
+        handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(infer.blocking)
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         servicer.ModelStreamInfer,
         request_deserializer=parse_infer_request,
@@ -153,6 +154,7 @@ class GrpcFrontend:
         self._stopped: threading.Event | None = None
         self._cap: ConnectionCap | None = None
         self._acceptor: GrpcAcceptor | None = None
+        self._infer_queue: InferQueue | None = None
         #: the daemon accepts the port's connections itself (see edge_server.kserve.grpc_accept)
         self.own_accept = own_accept
 
@@ -171,7 +173,7 @@ class GrpcFrontend:
         if port == 0:
             raise AddressInUse(f"the gRPC frontend cannot bind {address}")
         self.port = port
-        server.start()
+        self._serve(server)
         self._server = server
         # One user may hold at most half of gRPC's connections (and never more than its cap overall).
         self._cap = ConnectionCap(
@@ -189,8 +191,20 @@ class GrpcFrontend:
             ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="edge-grpc"),
             options=options,
         )
-        _add_servicer(Servicer(self.service, self), server)
+        calls = InferCalls(self.service, self)
+        self._infer_queue = attach(server, calls)
+        _add_servicer(Servicer(self.service, self), server, None if self._infer_queue else calls)
         return server
+
+    def _serve(self, server: grpc.Server) -> None:
+        server.start()
+        if self._infer_queue is not None:
+            self._infer_queue.start()
+
+    def _stop(self, server: grpc.Server) -> None:
+        """Stop a server that never served (a failed start)."""
+        server.stop(None).wait(5)
+        self._infer_queue = None
 
     def _start_accepting(self) -> bool:
         """Serve connections the daemon accepts and counts itself (edge_server.kserve.grpc_accept).
@@ -206,17 +220,17 @@ class GrpcFrontend:
             server.add_insecure_port(PORT_NAME)
         except RuntimeError as exc:  # a grpcio without external ports
             log.warning("gRPC: grpc takes no connections from the daemon (%s)", exc)
-            server.stop(None)
+            self._stop(server)
             return False
         if not external.bind():
-            server.stop(None)
+            self._stop(server)
             return False
         try:
             acceptor = GrpcAcceptor(self.host, self.port, self.limits, external)
         except OSError as exc:
-            server.stop(None)
+            self._stop(server)
             raise AddressInUse(f"the gRPC frontend cannot bind {self.host}:{self.port}: {exc}") from None
-        server.start()
+        self._serve(server)
         acceptor.start()
         if not _answers(loopback(self.host), acceptor.port):
             log.error(
@@ -224,7 +238,7 @@ class GrpcFrontend:
                 "instead (the per-user cap then holds by looking)"
             )
             acceptor.close()
-            server.stop(None).wait(5)
+            self._stop(server)
             return False
         self._server, self._acceptor, self.port = server, acceptor, acceptor.port
         return True
@@ -276,6 +290,6 @@ class GrpcFrontend:
         self.refuse_new()
         assert self._stopped is not None
         self._stopped.wait(self.drain_timeout + 5)
-        self._server = None
+        self._server = self._infer_queue = None  # grpcio's workers end with the server's last reference
         if self._cap is not None:
             self._cap.close()

@@ -4,7 +4,8 @@ The service definition is Triton's own, as the generated modules of the maintain
 package (``tritonclient.grpc.service_pb2``); nothing of the protocol is written here.  Errors become gRPC
 status codes through the same mapping as HTTP's (:func:`~edge_server.kserve.service.error_status`).
 A unary call holds one of the server's worker threads until its answer; a stream holds one worker and
-a reader thread (edge_server.kserve.grpc_stream).
+a reader thread (edge_server.kserve.grpc_stream).  ``ModelInfer`` is not here: it is served from a
+completion queue of its own (edge_server.kserve.grpc_infer).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from edge_server.errors import EdgeServerError, TooManyRequests, Unsupported
 from edge_server.kserve import grpc_codec
-from edge_server.kserve.grpc_stream import serve_stream, wire_bytes
+from edge_server.kserve.grpc_infer import peer_from
+from edge_server.kserve.grpc_stream import serve_stream
 from edge_server.kserve.grpc_wire import WireRequest
 from edge_server.kserve.service import NO_CUDA_SHM, KServeService, error_status
 from edge_server.kserve.shm import Peer, peer_uid
@@ -27,21 +29,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: A unary call's body of at least this many bytes counts in its user's body budget (with the user's
-#: HTTP, IPC and stream bodies).  Smaller ones are bounded by the gRPC workers' count alone (128 x
-#: 64 KiB) and skip the uid lookup a count needs: tens of microseconds on a call of a few hundred.
-COUNTED_BODY_BYTES = 64 << 10
-
 
 def peer_of(context: grpc.ServicerContext, server_port: int) -> Peer:
-    """The client's address from ``context.peer()`` (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``)."""
-    text = context.peer() or ""
-    kind, _, rest = text.partition(":")
-    host, _, port = rest.rpartition(":")
-    if kind not in ("ipv4", "ipv6") or not port.isdigit():
-        return Peer("", 0, server_port)
-    # grpc does not tell the local address; on one host the client's own address is the one it reached.
-    return Peer(host.strip("[]"), int(port), server_port, "")
+    """The client's address, as grpc tells it."""
+    return peer_from(context.peer() or "", server_port)
 
 
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -126,33 +117,6 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             return service_pb2.RepositoryModelUnloadResponse()
 
         return self._call(context, work)
-
-    def ModelInfer(self, request: WireRequest, context: Any) -> Any:
-        return self._call(context, lambda: self._infer_counted(request, context))
-
-    def _infer_counted(self, request: WireRequest, context: Any) -> Any:
-        self.frontend.take_worker()
-        try:
-            return self._infer(request, context)
-        finally:
-            self.frontend.give_worker()
-
-    def _infer(self, request: WireRequest, context: Any) -> Any:
-        peer = peer_of(context, self.frontend.port)
-        nbytes = wire_bytes(request)
-        if nbytes < COUNTED_BODY_BYTES:
-            return self._answer(request, peer)
-        peer.uid = peer_uid(peer)
-        body = self.frontend.limits.hold(peer.uid, nbytes)
-        try:
-            return self._answer(request, peer)
-        finally:
-            body.release()
-
-    def _answer(self, request: WireRequest, peer: Peer) -> Any:
-        infer, wants = grpc_codec.decode(self.service, request.message, peer, request.raw)
-        outputs = self.service.infer_blocking(infer)
-        return grpc_codec.encode(self.service, infer, wants, outputs, peer)
 
     def ModelStreamInfer(self, request_iterator: Iterator[WireRequest], context: Any) -> Iterator[Any]:
         peer = peer_of(context, self.frontend.port)

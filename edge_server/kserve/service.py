@@ -320,12 +320,12 @@ class KServeService:
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Run ``request``; a cheap model answers inline on the caller's (event loop) thread."""
-        future = self.dataplane.run_here(request, inline.FRONTEND)
+        future = self.submit(request)
         return future.result() if future.done() else await asyncio.wrap_future(future)
 
-    def infer_blocking(self, request: InferRequest) -> dict[str, np.ndarray]:
-        """Run ``request`` and wait for it in this thread (the gRPC frontend's worker threads)."""
-        return self.dataplane.run_here(request, inline.FRONTEND).result()
+    def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
+        """Run ``request``; a cheap model runs inline, in this thread, and its future is done on return."""
+        return self.dataplane.run_here(request, inline.FRONTEND)
 
     # -- system shared memory -------------------------------------------------------------------
 

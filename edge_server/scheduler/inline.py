@@ -5,7 +5,7 @@ Every caller of the data plane gets a future.  :meth:`DataPlane.submit` only que
 :class:`Budget` the caller states, and the future is then done when it returns.  The budgets:
 
 * :data:`QUEUE_ONLY`: nothing runs here (``submit``).
-* :data:`FRONTEND`: a frontend's thread (the IPC thread, KServe's event loop and gRPC workers, the
+* :data:`FRONTEND`: a frontend's thread (the IPC thread, KServe's event loop, gRPC's server thread, the
   in-process ``Server.infer``), and any thread whose owner stated nothing: a model without dynamic
   batching whose executions are cheap (a moving average under ``INLINE_BUDGET_NS``) runs here when an
   instance is idle and nothing is queued: a thread hand-off costs more than such a model, and the

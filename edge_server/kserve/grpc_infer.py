@@ -1,0 +1,269 @@
+"""``ModelInfer`` answered by the thread that polls grpc's completion queue: no worker, no hand-off.
+
+grpcio's threaded server costs a unary call four hand-offs between its polling thread and a worker
+(the call, its message, its answer, its end): on the 2-core VM that alone was Triton's whole tiny
+``ModelInfer`` (a bare server: 627 µs and 423 µs of server CPU per call against 409 µs and 180 µs when
+the polling thread answers; bench/bench_kserve_floor.py).  So ``ModelInfer``, the call a camera pipeline
+pays per frame, is registered on grpcio's server as a method of our own, and :class:`InferQueue` asks
+grpc for its calls on grpcio's own queue with tags that grpcio's loop calls: the message arrives, the
+request is decoded and handed to the data plane, and the answer is sent from where it is ready, in this
+thread when the model ran inline (:mod:`edge_server.scheduler.inline`), else from the instance's
+thread.  Everything else (health, metadata, control, streams) stays on grpcio's workers.
+
+This relies on grpcio's Cython layer (``grpc._cython.cygrpc``, the one grpcio's servers are written
+on) and on its threaded server's private state and loop (``_state``; a tag is called with its event
+and returns what to take out of ``rpc_states``).  :func:`attach` checks what it uses; where it is not
+there, the frontend registers ``ModelInfer`` on grpcio's workers instead, with the same
+:class:`InferCalls` work.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from edge_server.errors import EdgeServerError
+from edge_server.kserve import grpc_codec
+from edge_server.kserve.grpc_stream import wire_bytes
+from edge_server.kserve.grpc_wire import parse_infer_request
+from edge_server.kserve.service import KServeService, error_status
+from edge_server.kserve.shm import Peer, peer_uid
+
+if TYPE_CHECKING:
+    from edge_server.kserve.grpc_frontend import GrpcFrontend
+
+log = logging.getLogger(__name__)
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+#: A call's body of at least this many bytes counts in its user's body budget (with the user's HTTP,
+#: IPC and stream bodies).  Smaller ones are bounded by the frontend's inference count alone (120 x
+#: 64 KiB) and skip the uid lookup a count needs: tens of microseconds on a call of a few hundred.
+COUNTED_BODY_BYTES = 64 << 10
+#: grpcio's text for a message its deserializer refused; clients and tests know it.
+UNPARSABLE = "Exception deserializing request!"
+
+#: (the serialized answer, None) or (None, (a grpc.StatusCode name, its message))
+Reply = Callable[[bytes | None, tuple[str, str] | None], None]
+
+
+def peer_from(text: str, server_port: int) -> Peer:
+    """The client's address from grpc's peer text (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``)."""
+    kind, _, rest = text.partition(":")
+    host, _, port = rest.rpartition(":")
+    if kind not in ("ipv4", "ipv6") or not port.isdigit():
+        return Peer("", 0, server_port)
+    # grpc does not tell the local address; on one host the client's own address is the one it reached.
+    return Peer(host.strip("[]"), int(port), server_port, "")
+
+
+def _status(exc: BaseException) -> tuple[str, str]:
+    _http, code, message = error_status(exc)
+    return code, message
+
+
+class InferCalls:
+    """One ``ModelInfer``'s work from its message to its serialized answer, for either server."""
+
+    def __init__(self, service: KServeService, frontend: GrpcFrontend) -> None:
+        self.service = service
+        self.frontend = frontend
+
+    def run(self, data: bytes | None, peer_text: str, reply: Reply) -> None:
+        """Answer the message ``data`` through ``reply``, exactly once, maybe before this returns."""
+        if data is None:  # the client half-closed without a message
+            reply(None, ("UNIMPLEMENTED", '"ModelInfer" requires exactly one request message.'))
+            return
+        try:
+            wire = parse_infer_request(data)
+        except Exception:  # noqa: BLE001 - protobuf's refusal, whatever its type
+            reply(None, ("INTERNAL", UNPARSABLE))
+            return
+        frontend = self.frontend
+        try:
+            frontend.take_worker()
+        except EdgeServerError as exc:
+            reply(None, _status(exc))
+            return
+        release = frontend.give_worker
+        try:
+            peer = peer_from(peer_text, frontend.port)
+            nbytes = wire_bytes(wire)
+            if nbytes >= COUNTED_BODY_BYTES:
+                peer.uid = peer_uid(peer)
+                body = frontend.limits.hold(peer.uid, nbytes)
+                release = _both(body.release, frontend.give_worker)
+            infer, wants = grpc_codec.decode(self.service, wire.message, peer, wire.raw)
+            future = self.service.submit(infer)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            release()
+            reply(None, _status(exc))
+            return
+
+        def done(future: Future[dict[str, np.ndarray]]) -> None:
+            try:
+                response = grpc_codec.encode(self.service, infer, wants, future.result(), peer)
+                answer = response.SerializeToString()
+            except Exception as exc:  # noqa: BLE001
+                release()
+                reply(None, _status(exc))
+                return
+            release()
+            reply(answer, None)
+
+        if future.done():
+            done(future)
+        else:
+            future.add_done_callback(done)
+
+    def blocking(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        """The handler on grpcio's workers (where :func:`attach` cannot be): the same work, waited for."""
+        answered: Future[tuple[bytes | None, tuple[str, str] | None]] = Future()
+        self.run(data, context.peer() or "", lambda body, error: answered.set_result((body, error)))
+        body, error = answered.result()
+        if error is not None:
+            context.abort(grpc.StatusCode[error[0]], error[1])
+        assert body is not None
+        return body
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def release() -> None:
+        try:
+            first()
+        finally:
+            second()
+
+    return release
+
+
+def _cygrpc() -> Any:
+    try:
+        from grpc._cython import cygrpc
+    except ImportError:
+        return None
+    needed = (
+        "ReceiveMessageOperation",
+        "ReceiveCloseOnServerOperation",
+        "SendInitialMetadataOperation",
+        "SendMessageOperation",
+        "SendStatusFromServerOperation",
+    )
+    return cygrpc if all(hasattr(cygrpc, name) for name in needed) else None
+
+
+_ITSELF = object()  # a _Tag that is itself taken out of the server's rpc_states when it fails
+
+
+class _Tag:
+    """A batch's tag on grpcio's queue: grpcio's loop calls it with the event and expects (state, callbacks).
+
+    The state it returns is taken out of the server's ``rpc_states``; the server stops only once that
+    set is empty, so a call counts there from its arrival to its end (see :class:`InferQueue`).  No tag
+    refers to itself: one left over when the server stops must not keep the server alive in a cycle.
+    """
+
+    __slots__ = ("handle", "ends")
+
+    def __init__(self, handle: Callable[[Any], object], ends: object = None) -> None:
+        self.handle, self.ends = handle, ends
+
+    def __call__(self, event: Any) -> tuple[object, tuple[()]]:
+        try:
+            ended = self.handle(event)
+        except Exception:  # noqa: BLE001 - grpcio's loop must never see an error of ours
+            log.exception("gRPC ModelInfer")
+            ended = self if self.ends is _ITSELF else self.ends
+        return ended, ()
+
+
+def _ended(event: Any) -> object:
+    return event.tag
+
+
+class InferQueue:
+    """``ModelInfer`` on grpcio's own completion queue, handled by the thread that polls it (see the module).
+
+    One queue and one thread: with a second queue polled by a second thread, grpc core lets either
+    thread read a connection, and the call then hops between them (measured: the saving gone).
+    """
+
+    def __init__(self, cygrpc: Any, state: Any, started: object, calls: InferCalls) -> None:
+        self._cygrpc = cygrpc
+        self._state = state  # grpcio's server state: its core server, queue, lock, rpc_states, stage
+        self._started = started
+        self._calls = calls
+        self._ok = grpc.StatusCode.OK.value[0]
+        self._codes = {code.name: code.value[0] for code in grpc.StatusCode}
+        state.server.register_method(METHOD)
+
+    def start(self) -> None:
+        """After the server started: ask for the first call."""
+        with self._state.lock:
+            self._ask()
+
+    def _ask(self) -> None:
+        """Ask grpc for the next call (under the server's lock); the asking counts until it is answered."""
+        state = self._state
+        if state.stage is not self._started:
+            return
+        tag = _Tag(self._arrived, _ITSELF)
+        state.rpc_states.add(tag)
+        state.server.request_registered_call(state.completion_queue, state.completion_queue, METHOD, tag)
+
+    def _arrived(self, event: Any) -> object:
+        ended = event.tag
+        if not event.success:  # the server is stopping
+            return ended
+        call = event.call
+        state = self._state
+        with state.lock:
+            self._ask()
+            done = _Tag(_ended, _ITSELF)  # the call's end: its last batch
+            state.rpc_states.add(done)
+        peer = call.peer().decode(errors="replace")
+        # an operation holds its call's state: a new one per batch, never shared
+        receive = (self._cygrpc.ReceiveMessageOperation(0),)
+        call.start_server_batch(receive, _Tag(lambda event: self._received(event, call, peer, done), done))
+        return ended
+
+    def _received(self, event: Any, call: Any, peer: str, done: _Tag) -> object:
+        if not event.success:  # cancelled before its message came: grpc ended the call
+            return done
+        self._calls.run(event.batch_operations[0].message(), peer, self._replier(call, done))
+        return None
+
+    def _replier(self, call: Any, done: _Tag) -> Reply:
+        cygrpc = self._cygrpc
+
+        def reply(body: bytes | None, error: tuple[str, str] | None) -> None:
+            if error is None:
+                status = cygrpc.SendStatusFromServerOperation(None, self._ok, b"", 0)
+                ops: tuple[Any, ...] = (cygrpc.SendMessageOperation(body, 0), status)
+            else:
+                code, message = error
+                details = message.encode(errors="replace")
+                ops = (cygrpc.SendStatusFromServerOperation(None, self._codes[code], details, 0),)
+            head = cygrpc.SendInitialMetadataOperation(None, 0)
+            call.start_server_batch((head, *ops, cygrpc.ReceiveCloseOnServerOperation(0)), done)
+
+        return reply
+
+
+def attach(server: grpc.Server, calls: InferCalls) -> InferQueue | None:
+    """Register ``ModelInfer`` on ``server``'s queue for an :class:`InferQueue` (before the server starts).
+
+    None where grpcio is not as this module needs it; the frontend then registers :meth:`InferCalls.blocking`.
+    """
+    cygrpc = _cygrpc()
+    state = getattr(server, "_state", None)
+    stage = getattr(getattr(grpc, "_server", None), "_ServerStage", None)
+    needed = ("server", "completion_queue", "lock", "rpc_states", "stage")
+    if cygrpc is None or stage is None or state is None or not all(hasattr(state, n) for n in needed):
+        log.warning("gRPC: this grpcio's server is not as expected; ModelInfer runs on its workers")
+        return None
+    return InferQueue(cygrpc, state, stage.STARTED, calls)
