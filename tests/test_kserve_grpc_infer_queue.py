@@ -1,6 +1,6 @@
-"""``ModelInfer`` on its own completion queue (edge_server.kserve.grpc_infer), through the real daemon.
+"""``ModelInfer`` answered by grpcio's polling thread (kserve/grpc_infer.py), through the real daemon.
 
-Calls of many clients at once land on one queue and are answered from two places: the queue's thread
+Calls of many clients at once land on one queue and are answered from two places: the polling thread
 (a model that runs inline) and the instances' threads (one that does not).  Each client sends its own
 numbers and must get its own numbers back, the daemon must survive clients that give up, and it must
 stop cleanly with calls still running.  The fallback (grpcio's workers, where the queue cannot be
@@ -9,9 +9,12 @@ attached) answers the same calls the same way, checked in-process.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -21,6 +24,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.daemon import Daemon, free_port, kserve_flags
+
+if TYPE_CHECKING:
+    from edge_server.kserve.grpc_frontend import GrpcFrontend
 
 pytestmark = pytest.mark.daemon
 
@@ -226,25 +232,35 @@ def test_the_daemon_stops_cleanly_with_calls_running(tmp_path: Path) -> None:
 # -- in-process: the queue and grpcio's workers answer alike ------------------------------------------
 
 
-@pytest.fixture(params=["queue", "workers"])
-def frontend_port(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[int]:
-    from edge_server.kserve import grpc_infer
+@contextlib.contextmanager
+def in_process(repo: Path, **frontend: Any) -> Iterator[GrpcFrontend]:
     from edge_server.kserve.grpc_frontend import GrpcFrontend
     from edge_server.kserve.service import KServeService
     from edge_server.server import Server
 
-    if request.param == "workers":  # a grpcio without the layer the queue needs
-        monkeypatch.setattr(grpc_infer, "_cygrpc", lambda: None)
-    with Server(write_repository(tmp_path / "repo")) as server:
-        frontend = GrpcFrontend(KServeService(server), host="127.0.0.1", port=0)
-        frontend.start()
+    with Server(repo) as server:
+        started = GrpcFrontend(KServeService(server), host="127.0.0.1", port=0, **frontend)
+        started.start()
         try:
-            assert (frontend._infer_queue is not None) == (request.param == "queue")
-            yield frontend.port
+            yield started
         finally:
-            frontend.close()
+            started.close()
+
+
+@pytest.fixture(params=["queue", "workers"])
+def server_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    from edge_server.kserve import grpc_infer
+
+    if request.param == "workers":  # a grpcio without what the queue needs
+        monkeypatch.setattr(grpc_infer, "_cygrpc", lambda: None)
+    return str(request.param)
+
+
+@pytest.fixture
+def frontend_port(server_kind: str, tmp_path: Path) -> Iterator[int]:
+    with in_process(write_repository(tmp_path / "repo")) as frontend:
+        assert (frontend._infer_queue is not None) == (server_kind == "queue")
+        yield frontend.port
 
 
 def test_model_infer_is_answered_alike_on_either_server(frontend_port: int) -> None:
@@ -264,3 +280,35 @@ def test_model_infer_is_answered_alike_on_either_server(frontend_port: int) -> N
             request.raw_input_contents.append(b"\0" * 4)  # 2 FP32s need 8 bytes
             stub.ModelInfer(request, timeout=10)
         assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_calls_past_the_inference_count_are_refused_and_the_count_given_back(
+    server_kind: str, tmp_path: Path
+) -> None:
+    """With 4 workers, 2 inference calls run at once (the other 2 stay for health and control); a third
+    is refused at once (the queue refuses it before reading its message), and the count comes back."""
+    with in_process(write_repository(tmp_path / "repo"), max_workers=4) as frontend:
+        port = frontend.port
+        answers: list[object] = []
+
+        def slow() -> None:
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+                answers.append(infer(client, "sleepy", np.ones(2, np.float32)))
+
+        running = [threading.Thread(target=slow) for _ in range(2)]
+        for thread in running:
+            thread.start()
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 10
+            while frontend._inference < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(InferenceServerException) as refused:
+                infer(client, "quick", np.ones(2, np.float32))
+            assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+            assert "its limit" in refused.value.message()
+            assert client.is_server_live()  # health is never refused for inference
+            for thread in running:
+                thread.join(30)
+            assert len(answers) == 2
+            assert np.array_equal(infer(client, "quick", np.ones(2, np.float32)), np.full(2, 2, np.float32))
+        assert frontend._inference == 0

@@ -94,7 +94,7 @@ class _Handlers:
 def _add_servicer(servicer: Servicer, server: grpc.Server, infer: InferCalls | None) -> None:
     """The generated registration, with ``ModelStreamInfer`` requests parsed by grpc_wire.
 
-    ``ModelInfer`` is left to its own completion queue (edge_server.kserve.grpc_infer), or, with
+    ``ModelInfer`` is left to grpcio's polling thread (edge_server.kserve.grpc_infer), or, with
     ``infer``, served by the same work on grpcio's workers, its message and answer as bytes.
     """
     captured = _Handlers()

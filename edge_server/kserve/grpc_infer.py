@@ -29,7 +29,6 @@ import numpy as np
 
 from edge_server.errors import EdgeServerError
 from edge_server.kserve import grpc_codec
-from edge_server.kserve.grpc_stream import wire_bytes
 from edge_server.kserve.grpc_wire import parse_infer_request
 from edge_server.kserve.service import KServeService, error_status
 from edge_server.kserve.shm import Peer, peer_uid
@@ -73,26 +72,34 @@ class InferCalls:
         self.service = service
         self.frontend = frontend
 
+    def admit(self) -> tuple[str, str] | None:
+        """Count a call among the frontend's inference calls, before its message is read; or refuse it.
+
+        A refused call's message is never read: a burst past the count costs no memory.
+        """
+        try:
+            self.frontend.take_worker()
+        except EdgeServerError as exc:
+            return _status(exc)
+        return None
+
     def run(self, data: bytes | None, peer_text: str, reply: Reply) -> None:
-        """Answer the message ``data`` through ``reply``, exactly once, maybe before this returns."""
+        """Answer the admitted call's message ``data`` through ``reply``, exactly once, maybe at once."""
+        frontend = self.frontend
         if data is None:  # the client half-closed without a message
+            frontend.give_worker()
             reply(None, ("UNIMPLEMENTED", '"ModelInfer" requires exactly one request message.'))
             return
         try:
             wire = parse_infer_request(data)
         except Exception:  # noqa: BLE001 - protobuf's refusal, whatever its type
+            frontend.give_worker()
             reply(None, ("INTERNAL", UNPARSABLE))
-            return
-        frontend = self.frontend
-        try:
-            frontend.take_worker()
-        except EdgeServerError as exc:
-            reply(None, _status(exc))
             return
         release = frontend.give_worker
         try:
             peer = peer_from(peer_text, frontend.port)
-            nbytes = wire_bytes(wire)
+            nbytes = len(data)
             if nbytes >= COUNTED_BODY_BYTES:
                 peer.uid = peer_uid(peer)
                 body = frontend.limits.hold(peer.uid, nbytes)
@@ -123,6 +130,9 @@ class InferCalls:
     def blocking(self, data: bytes, context: grpc.ServicerContext) -> bytes:
         """The handler on grpcio's workers (where :func:`attach` cannot be): the same work, waited for."""
         answered: Future[tuple[bytes | None, tuple[str, str] | None]] = Future()
+        refusal = self.admit()
+        if refusal is not None:
+            context.abort(grpc.StatusCode[refusal[0]], refusal[1])
         self.run(data, context.peer() or "", lambda body, error: answered.set_result((body, error)))
         body, error = answered.result()
         if error is not None:
@@ -225,6 +235,10 @@ class InferQueue:
             self._ask()
             done = _Tag(_ended, _ITSELF)  # the call's end: its last batch
             state.rpc_states.add(done)
+        refusal = self._calls.admit()
+        if refusal is not None:
+            self._replier(call, done)(None, refusal)
+            return ended
         peer = call.peer().decode(errors="replace")
         # an operation holds its call's state: a new one per batch, never shared
         receive = (self._cygrpc.ReceiveMessageOperation(0),)
@@ -233,6 +247,7 @@ class InferQueue:
 
     def _received(self, event: Any, call: Any, peer: str, done: _Tag) -> object:
         if not event.success:  # cancelled before its message came: grpc ended the call
+            self._calls.frontend.give_worker()
             return done
         self._calls.run(event.batch_operations[0].message(), peer, self._replier(call, done))
         return None

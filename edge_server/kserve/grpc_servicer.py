@@ -4,8 +4,8 @@ The service definition is Triton's own, as the generated modules of the maintain
 package (``tritonclient.grpc.service_pb2``); nothing of the protocol is written here.  Errors become gRPC
 status codes through the same mapping as HTTP's (:func:`~edge_server.kserve.service.error_status`).
 A unary call holds one of the server's worker threads until its answer; a stream holds one worker and
-a reader thread (edge_server.kserve.grpc_stream).  ``ModelInfer`` is not here: it is served from a
-completion queue of its own (edge_server.kserve.grpc_infer).
+a reader thread (edge_server.kserve.grpc_stream).  ``ModelInfer`` is not here: grpcio's polling thread
+answers it (edge_server.kserve.grpc_infer).
 """
 
 from __future__ import annotations
