@@ -418,7 +418,8 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--body-timeout-secs",
         type=flag_types.seconds,
         default=DEFAULT_BODY_TIMEOUT_S,
-        help="HTTP: a request whose body has not arrived whole by then is closed",
+        help="HTTP: a request whose body has not arrived whole by then is closed; gRPC: a ModelInfer call "
+        "whose message has not is cancelled (DEADLINE_EXCEEDED)",
     )
     group.add_argument(
         "--idle-timeout-secs",

@@ -20,6 +20,8 @@ there, the frontend registers ``ModelInfer`` on grpcio's workers instead, with t
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,8 @@ METHOD = "/inference.GRPCInferenceService/ModelInfer"
 COUNTED_BODY_BYTES = 64 << 10
 #: grpcio's text for a message its deserializer refused; clients and tests know it.
 UNPARSABLE = "Exception deserializing request!"
+#: Why a call whose message did not arrive in time was cancelled (``DEADLINE_EXCEEDED``).
+SLOW_MESSAGE = "the request message did not arrive within --body-timeout-secs ({timeout:g} s)"
 
 #: (the serialized answer, None) or (None, (a grpc.StatusCode name, its message))
 Reply = Callable[[bytes | None, tuple[str, str] | None], None]
@@ -195,6 +199,49 @@ def _ended(event: Any) -> object:
     return event.tag
 
 
+class _Unread:
+    """Admitted calls whose message has not arrived: one still waiting past the body timeout is cancelled.
+
+    A call counts among the inference calls from its arrival (:meth:`InferCalls.admit`), so a client that
+    opened calls and never sent their messages would hold the count for as long as it liked; HTTP closes
+    such a connection after ``--body-timeout-secs`` and so does this, per call.  One thread looks a few
+    times per timeout; a call costs an insertion and a removal here.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._calls: dict[object, tuple[float, Any]] = {}  # by the call's end tag: (deadline, call)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._look, name="edge-grpc-unread", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def add(self, key: object, call: Any) -> None:
+        with self._lock:
+            self._calls[key] = (time.monotonic() + self.timeout_s, call)
+
+    def take(self, key: object) -> bool:
+        """The call's message came (or the call failed): False when it was cancelled here first."""
+        with self._lock:
+            return self._calls.pop(key, None) is not None
+
+    def _look(self) -> None:
+        why = SLOW_MESSAGE.format(timeout=self.timeout_s).encode()
+        code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        while not self._stop.wait(max(0.05, self.timeout_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                late = [key for key, (deadline, _call) in self._calls.items() if deadline <= now]
+                calls = [self._calls.pop(key)[1] for key in late]
+            for call in calls:  # its receive then fails: the polling thread gives the count back
+                call.cancel(code, why)
+
+
 class InferQueue:
     """``ModelInfer`` on grpcio's own completion queue, handled by the thread that polls it (see the module).
 
@@ -209,12 +256,18 @@ class InferQueue:
         self._calls = calls
         self._ok = grpc.StatusCode.OK.value[0]
         self._codes = {code.name: code.value[0] for code in grpc.StatusCode}
+        self._unread = _Unread(calls.frontend.limits.body_timeout_s)
         state.server.register_method(METHOD)
 
     def start(self) -> None:
         """After the server started: ask for the first call."""
+        self._unread.start()
         with self._state.lock:
             self._ask()
+
+    def stop(self) -> None:
+        """The server stopped (or never served)."""
+        self._unread.stop()
 
     def _ask(self) -> None:
         """Ask grpc for the next call (under the server's lock); the asking counts until it is answered."""
@@ -242,11 +295,13 @@ class InferQueue:
         peer = call.peer().decode(errors="replace")
         # an operation holds its call's state: a new one per batch, never shared
         receive = (self._cygrpc.ReceiveMessageOperation(0),)
+        self._unread.add(done, call)
         call.start_server_batch(receive, _Tag(lambda event: self._received(event, call, peer, done), done))
         return ended
 
     def _received(self, event: Any, call: Any, peer: str, done: _Tag) -> object:
-        if not event.success:  # cancelled before its message came: grpc ended the call
+        # cancelled before its message came (by its client, or here: too slow): grpc ended the call
+        if not self._unread.take(done) or not event.success:
             self._calls.frontend.give_worker()
             return done
         self._calls.run(event.batch_operations[0].message(), peer, self._replier(call, done))
