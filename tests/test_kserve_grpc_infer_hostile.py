@@ -9,6 +9,9 @@ coupling to grpcio's private server state: a grpcio that changes it fails here f
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +20,100 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
 
 from edge_server.limits import LimitOptions, Limits
 from tests.daemon import wait_for
-from tests.test_kserve_grpc_infer_queue import in_process, infer, write_repository
+from tests.test_kserve_grpc_infer_queue import CONFIG, in_process, infer, write_repository
 
 pytestmark = pytest.mark.daemon
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+#: Answers ``INPUT0[0]`` ones: a small request, a large answer.
+GROW = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.ones(n, np.float32))]))
+        return responses
+"""
+
+
+def with_grow(repo: Path) -> Path:
+    (repo / "grow" / "1").mkdir(parents=True)
+    (repo / "grow" / "config.pbtxt").write_text(CONFIG.format(name="grow", count=1))
+    (repo / "grow" / "1" / "model.py").write_text(GROW)
+    return repo
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream) + payload
+
+
+class NoReader:
+    """An HTTP/2 client that sends ``ModelInfer`` calls and never lets the server send it a byte of data.
+
+    Its settings give every stream a flow-control window of 0 and it never opens one: the answers stay
+    in the server.  It answers settings and pings, so that grpc keeps the connection.  ``frames``
+    counts what the server sent, by frame type (3: RST_STREAM, a call the server cancelled).
+    """
+
+    RST_STREAM = 3
+
+    def __init__(self, port: int) -> None:
+        self._sock = socket.create_connection(("127.0.0.1", port))
+        self._lock = threading.Lock()
+        self._next = 1
+        self.frames: dict[int, int] = {}
+        initial_window_0 = struct.pack(">HI", 4, 0)
+        self._send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0, initial_window_0))
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _send(self, data: bytes) -> None:
+        with self._lock:
+            self._sock.sendall(data)
+
+    def _read(self) -> None:
+        buffer = b""
+        while data := self._sock.recv(1 << 16):
+            buffer += data
+            while len(buffer) >= 9 and len(buffer) >= 9 + (size := int.from_bytes(buffer[:3], "big")):
+                kind, flags, payload, buffer = buffer[3], buffer[4], buffer[9 : 9 + size], buffer[9 + size :]
+                self.frames[kind] = self.frames.get(kind, 0) + 1
+                if kind in (4, 6) and not flags & 1:  # SETTINGS, PING: acknowledged
+                    self._send(_frame(kind, 1, 0, b"" if kind == 4 else payload))
+
+    def call(self, request: service_pb2.ModelInferRequest) -> None:
+        body = request.SerializeToString()
+        message = b"\0" + struct.pack(">I", len(body)) + body  # fits the default window and frame
+        fields = {":method": "POST", ":scheme": "http", ":path": METHOD, ":authority": "localhost"}
+        fields.update({"content-type": "application/grpc", "te": "trailers"})
+        # HPACK literals, not indexed, no Huffman
+        head = b"".join(
+            b"\0" + bytes((len(k),)) + k.encode() + bytes((len(v),)) + v.encode() for k, v in fields.items()
+        )
+        stream, self._next = self._next, self._next + 2
+        self._send(_frame(1, 4, stream, head) + _frame(0, 1, stream, message))  # END_HEADERS; END_STREAM
+
+    def close(self) -> None:
+        self._sock.shutdown(socket.SHUT_RDWR)
+        self._reader.join(10)
+        self._sock.close()
+
+
+def grow(n: int) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="grow")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1])
+    request.raw_input_contents.append(np.array([n], np.float32).tobytes())
+    return request
 
 
 def never(stop: threading.Event) -> Iterator[bytes]:
@@ -57,3 +146,27 @@ def test_a_call_whose_message_never_comes_gives_its_count_back(tmp_path: Path) -
         with grpcclient.InferenceServerClient(f"127.0.0.1:{frontend.port}") as client:
             assert np.array_equal(infer(client, "quick", np.ones(2, np.float32)), np.full(2, 2, np.float32))
         assert frontend._inference == 0
+
+
+def test_answers_a_client_never_reads_count_in_its_reply_budget(tmp_path: Path) -> None:
+    """Unread answers count in the user's reply bound, as a stream's do; past it the heaviest is cut off.
+
+    Before, an answer left the inference count when it was handed to grpc: a client that sent small
+    calls and never read the large answers made the daemon hold all of them (60 answers of 16 MiB
+    from one connection: +1.9 GiB resident, on the old worker path too), with no bound at all.
+    """
+    limits = Limits(LimitOptions(max_client_reply_bytes=8 << 20))
+    with in_process(with_grow(write_repository(tmp_path / "repo")), limits=limits) as frontend:
+        client = NoReader(frontend.port)
+        try:
+            for _ in range(8):
+                client.call(grow(1 << 19))  # 2 MiB answers: the fifth is over the bound
+            wait_for(lambda: client.frames.get(NoReader.RST_STREAM, 0) >= 1, 30, "a call cut off")
+            assert not limits.replies.over(os.getuid())
+        finally:
+            client.close()
+        wait_for(lambda: limits.replies.heaviest(os.getuid()) is None, 30, "the answers given back")
+        wait_for(lambda: frontend._inference == 0, 30, "the count given back")
+        assert limits.status()["cut_off_streams"] >= 1
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{frontend.port}") as reader:
+            assert infer(reader, "grow", np.full(1, 3, np.float32)).tolist() == [1.0, 1.0, 1.0]

@@ -34,6 +34,8 @@ from edge_server.kserve import grpc_codec
 from edge_server.kserve.grpc_wire import parse_infer_request
 from edge_server.kserve.service import KServeService, error_status
 from edge_server.kserve.shm import Peer, peer_uid
+from edge_server.limits import Limits
+from edge_server.reply_budget import ReplyHolder
 
 if TYPE_CHECKING:
     from edge_server.kserve.grpc_frontend import GrpcFrontend
@@ -42,8 +44,9 @@ log = logging.getLogger(__name__)
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 #: A call's body of at least this many bytes counts in its user's body budget (with the user's HTTP,
-#: IPC and stream bodies).  Smaller ones are bounded by the frontend's inference count alone (120 x
-#: 64 KiB) and skip the uid lookup a count needs: tens of microseconds on a call of a few hundred.
+#: IPC and stream bodies), and an answer of that many in its reply budget until grpc has sent it.
+#: Smaller bodies are bounded by the frontend's inference count alone (120 x 64 KiB) and skip the uid
+#: lookup a count needs: tens of microseconds on a call of a few hundred.
 COUNTED_BODY_BYTES = 64 << 10
 #: grpcio's text for a message its deserializer refused; clients and tests know it.
 UNPARSABLE = "Exception deserializing request!"
@@ -242,6 +245,34 @@ class _Unread:
                 call.cancel(code, why)
 
 
+class _UnsentAnswer(ReplyHolder):
+    """A call's answer that grpc has not sent yet, counted in its user's reply budget (as a stream's are).
+
+    The call leaves the inference count when its answer is handed to grpc; a client that never reads
+    would otherwise make the daemon hold every answer it asked for, with no bound at all.
+    """
+
+    def __init__(self, uid: int | None, call: Any, limits: Limits, code: int) -> None:
+        super().__init__(uid)
+        self._call, self._limits, self._code = call, limits, code
+
+    def sent(self, event: Any) -> object:
+        """Its batch ended (sent, or the call is over): the call's end tag."""
+        self._limits.replies.leave(self)
+        return event.tag
+
+    def over_budget(self, why: str) -> None:
+        log.warning(
+            "gRPC ModelInfer from %s is not reading its answer (%d bytes); its uid is over "
+            "--max-client-reply-bytes; cancelling it",
+            self._call.peer().decode(errors="replace"),
+            self.unsent,
+        )
+        self._limits.replies.leave(self)
+        self._limits.stream_cut_off(self.uid, why)
+        self._call.cancel(self._code, why.encode())
+
+
 class InferQueue:
     """``ModelInfer`` on grpcio's own completion queue, handled by the thread that polls it (see the module).
 
@@ -304,24 +335,41 @@ class InferQueue:
         if not self._unread.take(done) or not event.success:
             self._calls.frontend.give_worker()
             return done
-        self._calls.run(event.batch_operations[0].message(), peer, self._replier(call, done))
+        self._calls.run(event.batch_operations[0].message(), peer, self._replier(call, done, peer))
         return None
 
-    def _replier(self, call: Any, done: _Tag) -> Reply:
+    def _replier(self, call: Any, done: _Tag, peer: str = "") -> Reply:
         cygrpc = self._cygrpc
 
         def reply(body: bytes | None, error: tuple[str, str] | None) -> None:
+            over = None
             if error is None:
+                assert body is not None
                 status = cygrpc.SendStatusFromServerOperation(None, self._ok, b"", 0)
                 ops: tuple[Any, ...] = (cygrpc.SendMessageOperation(body, 0), status)
+                if len(body) >= COUNTED_BODY_BYTES:
+                    over = self._count_answer(call, peer, done, len(body))
             else:
                 code, message = error
                 details = message.encode(errors="replace")
                 ops = (cygrpc.SendStatusFromServerOperation(None, self._codes[code], details, 0),)
             head = cygrpc.SendInitialMetadataOperation(None, 0)
             call.start_server_batch((head, *ops, cygrpc.ReceiveCloseOnServerOperation(0)), done)
+            if over is not None:  # its user holds too much: the call or stream holding the most stops
+                self._calls.frontend.limits.replies.enforce(over.uid)
 
         return reply
+
+    def _count_answer(self, call: Any, peer: str, done: _Tag, nbytes: int) -> _UnsentAnswer | None:
+        """Count an answer in its user's reply budget until its batch ends (``done`` then leaves it).
+
+        Returns it when its user is now over the bound (enforced once the batch is started).
+        """
+        limits = self._calls.frontend.limits
+        uid = peer_uid(peer_from(peer, self._calls.frontend.port))
+        holder = _UnsentAnswer(uid, call, limits, self._codes["RESOURCE_EXHAUSTED"])
+        done.handle = holder.sent
+        return holder if limits.replies.add(holder, nbytes) else None
 
 
 def attach(server: grpc.Server, calls: InferCalls) -> InferQueue | None:
