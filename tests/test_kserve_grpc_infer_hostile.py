@@ -9,9 +9,12 @@ coupling to grpcio's private server state: a grpcio that changes it fails here f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 
 from edge_server.limits import LimitOptions, Limits
-from tests.daemon import wait_for
+from tests.daemon import Daemon, free_port, kserve_flags, wait_for
 from tests.test_kserve_grpc_infer_queue import CONFIG, in_process, infer, write_repository
 
 pytestmark = pytest.mark.daemon
@@ -170,3 +173,127 @@ def test_answers_a_client_never_reads_count_in_its_reply_budget(tmp_path: Path) 
         assert limits.status()["cut_off_streams"] >= 1
         with grpcclient.InferenceServerClient(f"127.0.0.1:{frontend.port}") as reader:
             assert infer(reader, "grow", np.full(1, 3, np.float32)).tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.fixture(params=["queue", "workers"])
+def server_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Either server: the polling thread's queue, or grpcio's workers (a grpcio the queue cannot use)."""
+    from edge_server.kserve import grpc_infer
+
+    if request.param == "workers":
+        monkeypatch.setattr(grpc_infer, "_cygrpc", lambda: None)
+    return str(request.param)
+
+
+#: Sends three 1 MiB calls to the one-instance ``sleepy`` model, says so, and waits to be killed.
+VANISHING = """
+import sys, time
+import grpc, numpy as np
+from tritonclient.grpc import service_pb2
+
+channel = grpc.insecure_channel(sys.argv[1])
+call = channel.unary_unary(
+    "/inference.GRPCInferenceService/ModelInfer",
+    request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+)
+request = service_pb2.ModelInferRequest(model_name="sleepy")
+request.inputs.add(name="INPUT0", datatype="FP32", shape=[1 << 18])
+request.raw_input_contents.append(np.ones(1 << 18, np.float32).tobytes())
+calls = [call.future(request) for _ in range(3)]
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+def large_call(model: str, floats: int) -> bytes:
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[floats])
+    request.raw_input_contents.append(np.ones(floats, np.float32).tobytes())
+    return request.SerializeToString()
+
+
+def test_clients_that_give_up_in_every_way_leave_nothing_held(server_kind: str, tmp_path: Path) -> None:
+    """Killed with calls running on an instance, cancelled mid-message, past their deadlines: the count
+    and the body budget come back to zero, and the next client is answered.
+
+    The answer of a call whose client is gone is sent from the instance's thread on a dead call; the
+    call's end must still come back to grpcio's loop, or the server could never stop.
+    """
+    with in_process(write_repository(tmp_path / "repo"), max_workers=16) as frontend:
+        target = f"127.0.0.1:{frontend.port}"
+        held = lambda: (frontend._inference, frontend.limits.status()["body_bytes_in_flight"])  # noqa: E731
+        client = subprocess.Popen([sys.executable, "-c", VANISHING, target], stdout=subprocess.PIPE)
+        try:
+            assert client.stdout is not None and client.stdout.readline() == b"sent\n"
+            # each 1 MiB body counted: the three calls are read, one runs, two wait for the instance
+            wait_for(lambda: held()[1] >= 3 << 20, 30, "three calls read")
+            assert held()[0] == 3
+        finally:
+            client.kill()
+            client.wait()
+        with grpc.insecure_channel(target) as channel:
+            call = channel.unary_unary(METHOD)
+            body = large_call("busy", 8 << 20)  # 32 MiB
+            for delay in (0, 0.001, 0.01, 0.05):
+                future = call.future(body)
+                threading.Event().wait(delay)
+                future.cancel()
+            small = {model: large_call(model, 64) for model in ("quick", "busy", "sleepy")}
+            storm = [
+                call.future(small[m], timeout=t) for m in small for t in (1e-3, 5e-3, 0.05) for _ in range(10)
+            ]
+            for future in storm:
+                with contextlib.suppress(grpc.RpcError):
+                    future.result()
+        wait_for(lambda: held() == (0, 0), 60, "the count and the body budget given back")
+        with grpcclient.InferenceServerClient(target) as reader:
+            assert np.array_equal(infer(reader, "quick", np.ones(2, np.float32)), np.full(2, 2, np.float32))
+            assert reader.is_server_live()
+
+
+def test_sigterm_during_a_flood_of_large_calls_exits_cleanly(tmp_path: Path) -> None:
+    """SIGTERM while many connections send 8 MiB calls, some mid-message, some answered from the
+    instances' threads: the daemon exits 0, with no crash in grpc core, and every client hears an end."""
+    port = free_port()
+    daemon = Daemon(
+        write_repository(tmp_path / "repo"),
+        f"ipc://{tmp_path}/edge.sock",
+        tmp_path / "daemon.log",
+        *kserve_flags(free_port(), port),
+        "--exit-timeout-secs",
+        "2",
+    )
+    daemon.start()
+    answered = threading.Semaphore(0)
+    outcomes: list[str] = []
+    body = large_call("busy", 2 << 20)
+
+    def flood(model: str) -> None:
+        unbounded = [("grpc.max_receive_message_length", -1)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=unbounded) as channel:
+            call = channel.unary_unary(METHOD)
+            for _ in range(20):
+                try:
+                    call(body if model == "busy" else large_call(model, 2 << 20), timeout=120)
+                    answered.release()
+                except grpc.RpcError as exc:
+                    outcomes.append(exc.code().name)
+                    return
+        outcomes.append("all answered")
+
+    threads = [threading.Thread(target=flood, args=(m,)) for m in ("busy", "quick", "sleepy") * 4]
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in range(8):  # the flood is under way
+            assert answered.acquire(timeout=120), outcomes
+    finally:
+        status = daemon.stop(timeout=60)
+        for thread in threads:
+            thread.join(120)
+    log = daemon.log()
+    assert status == 0, log
+    assert not any(thread.is_alive() for thread in threads)
+    assert len(outcomes) == len(threads)
+    for crash in ("double free", "Aborted", "Fatal Python error", "Traceback", "Segmentation"):
+        assert crash not in log, log
