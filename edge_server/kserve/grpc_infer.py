@@ -10,6 +10,11 @@ request is decoded and handed to the data plane, and the answer is sent from whe
 thread when the model ran inline (:mod:`edge_server.scheduler.inline`), else from the instance's
 thread.  Everything else (health, metadata, control, streams) stays on grpcio's workers.
 
+A call counts among the frontend's inference calls from its arrival to its answer, so a client can
+hold it with calls it never sends (cancelled past ``--body-timeout-secs``, :class:`_Unread`); a large
+answer counts in its user's reply budget until grpc has sent it (:class:`_UnsentAnswer`), so a client
+that never reads cannot make the daemon hold answers without bound.
+
 This relies on grpcio's Cython layer (``grpc._cython.cygrpc``, the one grpcio's servers are written
 on) and on its threaded server's private state and loop (``_state``; a tag is called with its event
 and returns what to take out of ``rpc_states``).  :func:`attach` checks what it uses; where it is not
