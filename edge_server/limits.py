@@ -172,7 +172,9 @@ class Limits:
         self.refused_connections = 0
         self.refused_bodies = 0
         self.refused_streams = 0
-        self.cut_off_streams = 0  # gRPC streams cancelled for not reading their responses
+        self.cut_off_streams = (
+            0  # gRPC streams and ModelInfer calls cancelled for not reading their responses
+        )
         self.penalized = 0  # penalties given (see penalize)
         #: gives freed memory back to the system a while after a client's large buffers go (every listener):
         #: an HTTP body is freed when its connection closes (the first trim), an IPC client's replies by
@@ -359,7 +361,7 @@ class Limits:
         return None
 
     def stream_cut_off(self, uid: int | None, why: str) -> None:
-        """A gRPC stream was cancelled for not reading its responses (``why``): penalize its uid."""
+        """A gRPC stream or ``ModelInfer`` call was cut off for not reading its answers: penalize its uid."""
         with self._lock:
             self.cut_off_streams += 1
         self.penalize(uid, why)  # as over IPC: its client would open the next stream at once
@@ -418,7 +420,8 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--body-timeout-secs",
         type=flag_types.seconds,
         default=DEFAULT_BODY_TIMEOUT_S,
-        help="HTTP: a request whose body has not arrived whole by then is closed",
+        help="HTTP: a request whose body has not arrived whole by then is closed; gRPC: a ModelInfer call "
+        "whose message has not is cancelled (DEADLINE_EXCEEDED)",
     )
     group.add_argument(
         "--idle-timeout-secs",

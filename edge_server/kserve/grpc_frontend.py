@@ -204,6 +204,8 @@ class GrpcFrontend:
     def _stop(self, server: grpc.Server) -> None:
         """Stop a server that never served (a failed start)."""
         server.stop(None).wait(5)
+        if self._infer_queue is not None:
+            self._infer_queue.stop()
         self._infer_queue = None
 
     def _start_accepting(self) -> bool:
@@ -290,6 +292,8 @@ class GrpcFrontend:
         self.refuse_new()
         assert self._stopped is not None
         self._stopped.wait(self.drain_timeout + 5)
+        if self._infer_queue is not None:
+            self._infer_queue.stop()
         self._server = self._infer_queue = None  # grpcio's workers end with the server's last reference
         if self._cap is not None:
             self._cap.close()

@@ -10,6 +10,11 @@ request is decoded and handed to the data plane, and the answer is sent from whe
 thread when the model ran inline (:mod:`edge_server.scheduler.inline`), else from the instance's
 thread.  Everything else (health, metadata, control, streams) stays on grpcio's workers.
 
+A call counts among the frontend's inference calls from its arrival to its answer, so a client can
+hold it with calls it never sends (cancelled past ``--body-timeout-secs``, :class:`_Unread`); a large
+answer counts in its user's reply budget until grpc has sent it (:class:`_UnsentAnswer`), so a client
+that never reads cannot make the daemon hold answers without bound.
+
 This relies on grpcio's Cython layer (``grpc._cython.cygrpc``, the one grpcio's servers are written
 on) and on its threaded server's private state and loop (``_state``; a tag is called with its event
 and returns what to take out of ``rpc_states``).  :func:`attach` checks what it uses; where it is not
@@ -20,6 +25,8 @@ there, the frontend registers ``ModelInfer`` on grpcio's workers instead, with t
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -32,6 +39,8 @@ from edge_server.kserve import grpc_codec
 from edge_server.kserve.grpc_wire import parse_infer_request
 from edge_server.kserve.service import KServeService, error_status
 from edge_server.kserve.shm import Peer, peer_uid
+from edge_server.limits import Limits
+from edge_server.reply_budget import ReplyHolder
 
 if TYPE_CHECKING:
     from edge_server.kserve.grpc_frontend import GrpcFrontend
@@ -40,11 +49,14 @@ log = logging.getLogger(__name__)
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 #: A call's body of at least this many bytes counts in its user's body budget (with the user's HTTP,
-#: IPC and stream bodies).  Smaller ones are bounded by the frontend's inference count alone (120 x
-#: 64 KiB) and skip the uid lookup a count needs: tens of microseconds on a call of a few hundred.
+#: IPC and stream bodies), and an answer of that many in its reply budget until grpc has sent it.
+#: Smaller bodies are bounded by the frontend's inference count alone (120 x 64 KiB) and skip the uid
+#: lookup a count needs: tens of microseconds on a call of a few hundred.
 COUNTED_BODY_BYTES = 64 << 10
 #: grpcio's text for a message its deserializer refused; clients and tests know it.
 UNPARSABLE = "Exception deserializing request!"
+#: Why a call whose message did not arrive in time was cancelled (``DEADLINE_EXCEEDED``).
+SLOW_MESSAGE = "the request message did not arrive within --body-timeout-secs ({timeout:g} s)"
 
 #: (the serialized answer, None) or (None, (a grpc.StatusCode name, its message))
 Reply = Callable[[bytes | None, tuple[str, str] | None], None]
@@ -195,6 +207,77 @@ def _ended(event: Any) -> object:
     return event.tag
 
 
+class _Unread:
+    """Admitted calls whose message has not arrived: one still waiting past the body timeout is cancelled.
+
+    A call counts among the inference calls from its arrival (:meth:`InferCalls.admit`), so a client that
+    opened calls and never sent their messages would hold the count for as long as it liked; HTTP closes
+    such a connection after ``--body-timeout-secs`` and so does this, per call.  One thread looks a few
+    times per timeout; a call costs an insertion and a removal here.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._calls: dict[object, tuple[float, Any]] = {}  # by the call's end tag: (deadline, call)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._look, name="edge-grpc-unread", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def add(self, key: object, call: Any) -> None:
+        with self._lock:
+            self._calls[key] = (time.monotonic() + self.timeout_s, call)
+
+    def take(self, key: object) -> bool:
+        """The call's message came (or the call failed): False when it was cancelled here first."""
+        with self._lock:
+            return self._calls.pop(key, None) is not None
+
+    def _look(self) -> None:
+        why = SLOW_MESSAGE.format(timeout=self.timeout_s).encode()
+        code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        while not self._stop.wait(max(0.05, self.timeout_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                late = [key for key, (deadline, _call) in self._calls.items() if deadline <= now]
+                calls = [self._calls.pop(key)[1] for key in late]
+            for call in calls:  # its receive then fails: the polling thread gives the count back
+                call.cancel(code, why)
+
+
+class _UnsentAnswer(ReplyHolder):
+    """A call's answer that grpc has not sent yet, counted in its user's reply budget (as a stream's are).
+
+    The call leaves the inference count when its answer is handed to grpc; a client that never reads
+    would otherwise make the daemon hold every answer it asked for, with no bound at all.
+    """
+
+    def __init__(self, uid: int | None, call: Any, limits: Limits, code: int) -> None:
+        super().__init__(uid)
+        self._call, self._limits, self._code = call, limits, code
+
+    def sent(self, event: Any) -> object:
+        """Its batch ended (sent, or the call is over): the call's end tag."""
+        self._limits.replies.leave(self)
+        return event.tag
+
+    def over_budget(self, why: str) -> None:
+        log.warning(
+            "gRPC ModelInfer from %s is not reading its answer (%d bytes); its uid is over "
+            "--max-client-reply-bytes; cancelling it",
+            self._call.peer().decode(errors="replace"),
+            self.unsent,
+        )
+        self._limits.replies.leave(self)
+        self._limits.stream_cut_off(self.uid, why)
+        self._call.cancel(self._code, why.encode())
+
+
 class InferQueue:
     """``ModelInfer`` on grpcio's own completion queue, handled by the thread that polls it (see the module).
 
@@ -209,12 +292,18 @@ class InferQueue:
         self._calls = calls
         self._ok = grpc.StatusCode.OK.value[0]
         self._codes = {code.name: code.value[0] for code in grpc.StatusCode}
+        self._unread = _Unread(calls.frontend.limits.body_timeout_s)
         state.server.register_method(METHOD)
 
     def start(self) -> None:
         """After the server started: ask for the first call."""
+        self._unread.start()
         with self._state.lock:
             self._ask()
+
+    def stop(self) -> None:
+        """The server stopped (or never served)."""
+        self._unread.stop()
 
     def _ask(self) -> None:
         """Ask grpc for the next call (under the server's lock); the asking counts until it is answered."""
@@ -242,31 +331,50 @@ class InferQueue:
         peer = call.peer().decode(errors="replace")
         # an operation holds its call's state: a new one per batch, never shared
         receive = (self._cygrpc.ReceiveMessageOperation(0),)
+        self._unread.add(done, call)
         call.start_server_batch(receive, _Tag(lambda event: self._received(event, call, peer, done), done))
         return ended
 
     def _received(self, event: Any, call: Any, peer: str, done: _Tag) -> object:
-        if not event.success:  # cancelled before its message came: grpc ended the call
+        # cancelled before its message came (by its client, or here: too slow): grpc ended the call
+        if not self._unread.take(done) or not event.success:
             self._calls.frontend.give_worker()
             return done
-        self._calls.run(event.batch_operations[0].message(), peer, self._replier(call, done))
+        self._calls.run(event.batch_operations[0].message(), peer, self._replier(call, done, peer))
         return None
 
-    def _replier(self, call: Any, done: _Tag) -> Reply:
+    def _replier(self, call: Any, done: _Tag, peer: str = "") -> Reply:
         cygrpc = self._cygrpc
 
         def reply(body: bytes | None, error: tuple[str, str] | None) -> None:
+            over = None
             if error is None:
+                assert body is not None
                 status = cygrpc.SendStatusFromServerOperation(None, self._ok, b"", 0)
                 ops: tuple[Any, ...] = (cygrpc.SendMessageOperation(body, 0), status)
+                if len(body) >= COUNTED_BODY_BYTES:
+                    over = self._count_answer(call, peer, done, len(body))
             else:
                 code, message = error
                 details = message.encode(errors="replace")
                 ops = (cygrpc.SendStatusFromServerOperation(None, self._codes[code], details, 0),)
             head = cygrpc.SendInitialMetadataOperation(None, 0)
             call.start_server_batch((head, *ops, cygrpc.ReceiveCloseOnServerOperation(0)), done)
+            if over is not None:  # its user holds too much: the call or stream holding the most stops
+                self._calls.frontend.limits.replies.enforce(over.uid)
 
         return reply
+
+    def _count_answer(self, call: Any, peer: str, done: _Tag, nbytes: int) -> _UnsentAnswer | None:
+        """Count an answer in its user's reply budget until its batch ends (``done`` then leaves it).
+
+        Returns it when its user is now over the bound (enforced once the batch is started).
+        """
+        limits = self._calls.frontend.limits
+        uid = peer_uid(peer_from(peer, self._calls.frontend.port))
+        holder = _UnsentAnswer(uid, call, limits, self._codes["RESOURCE_EXHAUSTED"])
+        done.handle = holder.sent
+        return holder if limits.replies.add(holder, nbytes) else None
 
 
 def attach(server: grpc.Server, calls: InferCalls) -> InferQueue | None:
