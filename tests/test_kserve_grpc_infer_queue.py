@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.daemon import Daemon, free_port, kserve_flags
+from tests.daemon import Daemon, free_port, kserve_flags, wait_for
 
 if TYPE_CHECKING:
     from edge_server.kserve.grpc_frontend import GrpcFrontend
@@ -311,4 +311,4 @@ def test_calls_past_the_inference_count_are_refused_and_the_count_given_back(
                 thread.join(30)
             assert len(answers) == 2
             assert np.array_equal(infer(client, "quick", np.ones(2, np.float32)), np.full(2, 2, np.float32))
-        assert frontend._inference == 0
+        wait_for(lambda: frontend._inference == 0, 30, "the count given back")

@@ -124,15 +124,18 @@ class InferCalls:
             return
 
         def done(future: Future[dict[str, np.ndarray]]) -> None:
+            # the call leaves the count once its answer is with grpc (and, if large, in the reply budget):
+            # its memory is counted somewhere all along
             try:
-                response = grpc_codec.encode(self.service, infer, wants, future.result(), peer)
-                answer = response.SerializeToString()
-            except Exception as exc:  # noqa: BLE001
+                try:
+                    response = grpc_codec.encode(self.service, infer, wants, future.result(), peer)
+                    answer = response.SerializeToString()
+                except Exception as exc:  # noqa: BLE001
+                    reply(None, _status(exc))
+                    return
+                reply(answer, None)
+            finally:
                 release()
-                reply(None, _status(exc))
-                return
-            release()
-            reply(answer, None)
 
         if future.done():
             done(future)
