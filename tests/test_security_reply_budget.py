@@ -54,8 +54,10 @@ def test_a_users_grpc_streams_share_one_reply_bound(tmp_path: Path) -> None:
     request = service_pb2.ModelInferRequest(model_name="identity")
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[FLOATS])
     request.raw_input_contents.append(np.zeros(FLOATS, np.float32).tobytes())
-    options = [("grpc.max_receive_message_length", 64 << 20)]
-    # one channel (one connection) per stream, as separate clients would
+    # one channel and one connection per stream, as separate clients would: channels to one address
+    # share one connection otherwise, and the streams of a connection that reads nothing stop being
+    # read together (HTTP/2's window updates wait behind the unread answers), under the bound or not
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=options) for _ in range(STREAMS + 1)]
     stop = threading.Event()
 
@@ -67,11 +69,14 @@ def test_a_users_grpc_streams_share_one_reply_bound(tmp_path: Path) -> None:
         stubs = [service_pb2_grpc.GRPCInferenceServiceStub(channel) for channel in channels]
         calls = [stub.ModelStreamInfer(twelve()) for stub in stubs[:STREAMS]]
         with Client(proc.address, timeout=30) as client:
-            wait_for(
-                lambda: client.ipc_status()["limits"]["cut_off_streams"] >= 1,
-                timeout=60,
-                what="a stream of the user over its reply bound to be cut off",
-            )
+            try:
+                wait_for(
+                    lambda: client.ipc_status()["limits"]["cut_off_streams"] >= 1,
+                    timeout=60,
+                    what="a stream of the user over its reply bound to be cut off",
+                )
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; status: {client.ipc_status()}\n{proc.log()}") from None
             cut = client.ipc_status()["limits"]["cut_off_streams"]
             assert cut < STREAMS, cut  # the bound is met by cutting who holds the most, not everyone
         small = service_pb2.ModelInferRequest(model_name="identity")
