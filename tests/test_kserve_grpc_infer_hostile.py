@@ -26,8 +26,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 
 from edge_server.limits import LimitOptions, Limits
-from tests.daemon import Daemon, free_port, kserve_flags, wait_for
-from tests.test_kserve_grpc_infer_queue import CONFIG, in_process, infer, write_repository
+from tests.daemon import wait_for
+from tests.test_kserve_grpc_infer_queue import CONFIG, in_process, infer, start_serving, write_repository
 
 pytestmark = pytest.mark.daemon
 
@@ -256,16 +256,7 @@ def test_clients_that_give_up_in_every_way_leave_nothing_held(server_kind: str, 
 def test_sigterm_during_a_flood_of_large_calls_exits_cleanly(tmp_path: Path) -> None:
     """SIGTERM while many connections send 8 MiB calls, some mid-message, some answered from the
     instances' threads: the daemon exits 0, with no crash in grpc core, and every client hears an end."""
-    port = free_port()
-    daemon = Daemon(
-        write_repository(tmp_path / "repo"),
-        f"ipc://{tmp_path}/edge.sock",
-        tmp_path / "daemon.log",
-        *kserve_flags(free_port(), port),
-        "--exit-timeout-secs",
-        "2",
-    )
-    daemon.start()
+    daemon, port = start_serving(tmp_path, "--exit-timeout-secs", "2")
     answered = threading.Semaphore(0)
     outcomes: list[str] = []
     body = large_call("busy", 2 << 20)

@@ -71,17 +71,23 @@ def write_repository(repo: Path) -> Path:
     return repo
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int]]:
-    root = tmp_path_factory.mktemp("infer-queue")
+def start_serving(root: Path, *flags: str) -> tuple[Daemon, int]:
+    """A daemon serving :data:`MODELS` from ``root / "repo"``, and its gRPC port."""
     port = free_port()
     daemon = Daemon(
         write_repository(root / "repo"),
         f"ipc://{root}/edge.sock",
         root / "daemon.log",
         *kserve_flags(free_port(), port),
+        *flags,
     )
     daemon.start()
+    return daemon, port
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int]]:
+    daemon, port = start_serving(tmp_path_factory.mktemp("infer-queue"))
     try:
         yield daemon, port
     finally:
@@ -188,16 +194,7 @@ def test_an_unparsable_message_is_refused_with_grpcios_text(served: tuple[Daemon
 
 def test_the_daemon_stops_cleanly_with_calls_running(tmp_path: Path) -> None:
     """SIGTERM while calls wait in a slow model: the daemon drains, cancels and exits 0, not a crash."""
-    port = free_port()
-    daemon = Daemon(
-        write_repository(tmp_path / "repo"),
-        f"ipc://{tmp_path}/edge.sock",
-        tmp_path / "daemon.log",
-        *kserve_flags(free_port(), port),
-        "--exit-timeout-secs",
-        "1",
-    )
-    daemon.start()
+    daemon, port = start_serving(tmp_path, "--exit-timeout-secs", "1")
     started = threading.Event()
     outcomes: list[str] = []
 
