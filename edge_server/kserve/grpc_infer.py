@@ -38,7 +38,7 @@ from edge_server.errors import EdgeServerError
 from edge_server.kserve import grpc_codec
 from edge_server.kserve.grpc_wire import parse_infer_request
 from edge_server.kserve.service import KServeService, error_status
-from edge_server.kserve.shm import Peer, peer_uid
+from edge_server.kserve.shm import Peer, known_uid
 from edge_server.limits import Limits
 from edge_server.reply_budget import ReplyHolder
 
@@ -95,7 +95,7 @@ class InferCalls:
             return _status(exc)
         return None
 
-    def run(self, data: bytes | None, peer_text: str, reply: Reply) -> None:
+    def run(self, data: bytes | None, peer: Peer, reply: Reply) -> None:
         """Answer the admitted call's message ``data`` through ``reply``, exactly once, maybe at once."""
         frontend = self.frontend
         if data is None:  # the client half-closed without a message
@@ -110,11 +110,9 @@ class InferCalls:
             return
         release = frontend.give_worker
         try:
-            peer = peer_from(peer_text, frontend.port)
             nbytes = len(data)
             if nbytes >= COUNTED_BODY_BYTES:
-                peer.uid = peer_uid(peer)
-                body = frontend.limits.hold(peer.uid, nbytes)
+                body = frontend.limits.hold(known_uid(peer), nbytes)
                 release = _both(body.release, frontend.give_worker)
             infer, wants = grpc_codec.decode(self.service, wire.message, peer, wire.raw)
             future = self.service.submit(infer)
@@ -148,7 +146,8 @@ class InferCalls:
         refusal = self.admit()
         if refusal is not None:
             context.abort(grpc.StatusCode[refusal[0]], refusal[1])
-        self.run(data, context.peer() or "", lambda body, error: answered.set_result((body, error)))
+        peer = peer_from(context.peer() or "", self.frontend.port)
+        self.run(data, peer, lambda body, error: answered.set_result((body, error)))
         body, error = answered.result()
         if error is not None:
             context.abort(grpc.StatusCode[error[0]], error[1])
@@ -327,18 +326,18 @@ class InferQueue:
             self._ask()
             done = _Tag(_ended, _ITSELF)  # the call's end: its last batch
             state.rpc_states.add(done)
+        peer = peer_from(call.peer().decode(errors="replace"), self._calls.frontend.port)
         refusal = self._calls.admit()
         if refusal is not None:
-            self._replier(call, done)(None, refusal)
+            self._replier(call, done, peer)(None, refusal)
             return ended
-        peer = call.peer().decode(errors="replace")
         # an operation holds its call's state: a new one per batch, never shared
         receive = (self._cygrpc.ReceiveMessageOperation(0),)
         self._unread.add(done, call)
         call.start_server_batch(receive, _Tag(lambda event: self._received(event, call, peer, done), done))
         return ended
 
-    def _received(self, event: Any, call: Any, peer: str, done: _Tag) -> object:
+    def _received(self, event: Any, call: Any, peer: Peer, done: _Tag) -> object:
         # cancelled before its message came (by its client, or here: too slow): grpc ended the call
         if not self._unread.take(done) or not event.success:
             self._calls.frontend.give_worker()
@@ -346,7 +345,7 @@ class InferQueue:
         self._calls.run(event.batch_operations[0].message(), peer, self._replier(call, done, peer))
         return None
 
-    def _replier(self, call: Any, done: _Tag, peer: str = "") -> Reply:
+    def _replier(self, call: Any, done: _Tag, peer: Peer) -> Reply:
         cygrpc = self._cygrpc
 
         def reply(body: bytes | None, error: tuple[str, str] | None) -> None:
@@ -368,13 +367,13 @@ class InferQueue:
 
         return reply
 
-    def _count_answer(self, call: Any, peer: str, done: _Tag, nbytes: int) -> _UnsentAnswer | None:
+    def _count_answer(self, call: Any, peer: Peer, done: _Tag, nbytes: int) -> _UnsentAnswer | None:
         """Count an answer in its user's reply budget until its batch ends (``done`` then leaves it).
 
         Returns it when its user is now over the bound (enforced once the batch is started).
         """
         limits = self._calls.frontend.limits
-        uid = peer_uid(peer_from(peer, self._calls.frontend.port))
+        uid = known_uid(peer)  # asked of the kernel once per call (a large request asked already)
         holder = _UnsentAnswer(uid, call, limits, self._codes["RESOURCE_EXHAUSTED"])
         done.handle = holder.sent
         return holder if limits.replies.add(holder, nbytes) else None

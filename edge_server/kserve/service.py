@@ -31,7 +31,7 @@ from edge_server.errors import (
 )
 from edge_server.kserve import codec
 from edge_server.kserve.settings import RuntimeSettings
-from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, peer_uid
+from edge_server.kserve.shm import InputBudget, Peer, SystemSharedMemory, known_uid
 from edge_server.load_files import file_overrides
 from edge_server.repository import DuplicateModel
 from edge_server.request import NO_PARAMETERS, InferRequest, client_key
@@ -156,9 +156,7 @@ class KServeService:
         The caller's uid comes from the kernel's socket table (see :mod:`edge_server.kserve.shm`); a
         caller that is not on this host may not change what is served.
         """
-        if peer.uid is None:
-            peer.uid = peer_uid(peer)
-        self.control_policy.authorize(peer.uid, what)
+        self.control_policy.authorize(known_uid(peer), what)
 
     # -- health and metadata ------------------------------------------------------------------
 
@@ -312,11 +310,8 @@ class KServeService:
     @staticmethod
     def _owner(peer: Peer | None) -> int:
         """The uid of the client on the other end of ``peer`` (-1: not on this host, or not known)."""
-        if peer is None:
-            return -1
-        if peer.uid is None:
-            peer.uid = peer_uid(peer)
-        return -1 if peer.uid is None else peer.uid
+        uid = None if peer is None else known_uid(peer)
+        return -1 if uid is None else uid
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Run ``request``; a cheap model answers inline on the caller's (event loop) thread."""

@@ -69,6 +69,13 @@ class Peer:
     uid: int | None = None  # filled on first use
 
 
+def known_uid(peer: Peer) -> int | None:
+    """``peer``'s uid, asked of the kernel once per :class:`Peer` (None: not on this host)."""
+    if peer.uid is None:
+        peer.uid = peer_uid(peer)
+    return peer.uid
+
+
 def peer_uid(peer: Peer, proc_net: str = "/proc/net") -> int | None:
     """The uid owning the client's end of ``peer``'s connection, or None if it is not on this host.
 
