@@ -14,6 +14,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import traceback
 import urllib.error
 import urllib.request
@@ -530,7 +531,8 @@ def test_memory_goes_back_after_a_client_with_large_requests_is_gone(tmp_path: P
     """Item 21: 300 requests of 1-8 MiB from a client that never reads (cut off at
     --max-client-reply-bytes, or gone first): once it is gone, the daemon's RSS comes back near where it
     was (ONNX Runtime's arena shrinks after large runs; the heap is trimmed after the client is dropped).
-    It stayed +80 to +400 MiB before."""
+    It stayed +80 to +400 MiB before, and +40 MiB where the model's next run came after the daemon's
+    last trim."""
     import zmq
 
     from tests.daemon import header
@@ -554,6 +556,9 @@ def test_memory_goes_back_after_a_client_with_large_requests_is_gone(tmp_path: P
             sock.close(0)
             ctx.term()
             wait_for(lambda: client.ipc_status()["clients"] == 1, timeout=60, what="the client dropped")
+        # Traffic comes back only after the trims that the drop asked for (the last at 5 s): what the
+        # model's next run gives back must still leave the heap (a CI run under load stayed +68 MiB).
+        time.sleep(6)
         seen: list[int] = []
         x = np.arange(4, dtype=np.float32)
 
@@ -562,11 +567,11 @@ def test_memory_goes_back_after_a_client_with_large_requests_is_gone(tmp_path: P
             # (it shrinks at most every half second, so that steady large frames keep their buffers).
             client.infer("identity", {"INPUT0": x})
             seen.append(rss_kib(proc.pid, "VmRSS:"))
-            return seen[-1] - before < 64 << 10
+            return seen[-1] - before < 24 << 10
 
         with Client(proc.address, timeout=30) as client:
             try:
-                wait_for(back, timeout=30, what=f"RSS back within 64 MiB of {before >> 10} MiB")
+                wait_for(back, timeout=30, what=f"RSS back within 24 MiB of {before >> 10} MiB")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}: still {seen[-1] >> 10} MiB") from None
         still_serves(proc)

@@ -31,6 +31,7 @@ from edge_server.backends.onnxruntime_config import complete_from_graph
 from edge_server.backends.ragged import RaggedPlan
 from edge_server.config.model import ModelConfig
 from edge_server.errors import BackendUnavailable, ConfigError, ModelExecutionError, ShmOutOfBounds
+from edge_server.memory import DeferredTrim
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,8 @@ def _arena_shrinkage(params: dict[str, str]) -> tuple[ort.RunOptions, int]:
     the ``identity`` example, with the heap trimmed.  So a run whose inputs are
     :data:`SHRINK_AFTER_BYTES` or more gives the arena's free memory back after it (small runs, the hot
     path, keep their arena), at most once every :data:`SHRINK_INTERVAL_S`, so that a steady stream of
-    large frames keeps its buffers; what a burst left behind goes at the model's next run.  Triton's
+    large frames keeps its buffers; what a burst left behind goes at the model's next run, and out of
+    glibc's heap a moment after (a trim: the daemon's own, after a client went, may be long past).  Triton's
     model parameter of the same name (``cpu:0;gpu:0``) makes every run shrink those devices instead.
     """
     options = ort.RunOptions()
@@ -205,6 +207,9 @@ class OnnxRuntimeBackend(TensorBackend):
         self._shrink, self._shrink_after = _arena_shrinkage(config.parameters)
         self._shrunk_at = -SHRINK_INTERVAL_S
         self._shrink_pending = False
+        #: a shrink hands the arena's free memory to glibc, which keeps it in its heap unless trimmed: the
+        #: daemon's own trims after a client goes may have passed before the model's next (shrinking) run
+        self._trim = DeferredTrim((0.25,))
         log.debug("%s: onnxruntime session on %s (%s)", ctx.instance.name, self.device, providers)
 
     @staticmethod
@@ -254,9 +259,10 @@ class OnnxRuntimeBackend(TensorBackend):
     def _shrink_due(self, inputs: dict[str, np.ndarray]) -> bool:
         """Whether this run shrinks the arena after it (see :func:`_arena_shrinkage`).
 
-        A large run within the interval of the last shrink leaves a shrink pending, which the next run
-        past the interval does, large or not: what a burst of large requests left behind goes back at
-        the model's next request.
+        A large run leaves a shrink pending, even one that shrinks: its outputs are numpy arrays over
+        the arena's memory (ONNX Runtime hands them out without a copy), which goes back to the arena
+        only when the reply is gone, after the run.  The next run past the interval does it, large or
+        not: what a burst of large requests left behind goes back at the model's next request.
         """
         if self._shrink_after == 1:  # the model asked for every run
             return sum(a.nbytes for a in inputs.values()) >= 1
@@ -264,11 +270,11 @@ class OnnxRuntimeBackend(TensorBackend):
         if not large and not self._shrink_pending:
             return False
         now = time.monotonic()
-        if now - self._shrunk_at < SHRINK_INTERVAL_S:
-            self._shrink_pending = self._shrink_pending or large
-            return False
-        self._shrunk_at, self._shrink_pending = now, False
-        return True
+        due = now - self._shrunk_at >= SHRINK_INTERVAL_S
+        self._shrink_pending = large or (self._shrink_pending and not due)
+        if due:
+            self._shrunk_at = now
+        return due
 
     def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
         feed: dict[str, Any] = inputs
@@ -281,6 +287,7 @@ class OnnxRuntimeBackend(TensorBackend):
                 values = self._run_bf16(feed, output_names)
             elif self._shrink_after and self._shrink_due(inputs):
                 values = self._session.run(list(output_names), feed, self._shrink)
+                self._trim.request()
             else:
                 values = self._session.run(list(output_names), feed)
         except Exception as exc:
@@ -379,6 +386,7 @@ class OnnxRuntimeBackend(TensorBackend):
         return outputs
 
     def close(self) -> None:
+        self._trim.cancel()
         self._session = None  # type: ignore[assignment]
 
 

@@ -41,7 +41,6 @@ from edge_server.kserve.grpc_wire import WireRequest
 from edge_server.kserve.service import KServeService, OutputWant, error_status
 from edge_server.kserve.shm import Peer
 from edge_server.limits import Limits
-from edge_server.memory import trim_heap
 from edge_server.reply_budget import ReplyHolder
 from edge_server.request import InferRequest, ResponseSink
 
@@ -191,10 +190,7 @@ class StreamCall(ReplyHolder):
             dropped += 1
             if item[2]:
                 self._slots.release()
-        self._queue.put(None)
-        timer = threading.Timer(1.0, trim_heap)  # grpc frees its own buffers a moment later
-        timer.daemon = True
-        timer.start()
+        self._queue.put(None)  # the trims stream_cut_off asked for give the dropped memory back
         log.debug("dropped %d responses of a cut-off stream", dropped)
 
 
