@@ -21,7 +21,7 @@ from edge_server.ipc import protocol
 from edge_server.ipc.protocol import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 from edge_server.kserve.frontends import KServeFrontends, KServeOptions
 from edge_server.limits import LimitOptions, Limits
-from edge_server.memory import limit_malloc_arenas
+from edge_server.memory import DAEMON_TRIM_DELAYS, DeferredTrim, keep_large_buffers, limit_malloc_arenas
 from edge_server.metrics.collector import LoadCounter, ServerCollector
 from edge_server.scheduler.summaries import SummaryOptions
 from edge_server.server import ControlMode, Server
@@ -98,6 +98,7 @@ class Daemon:
         # exist fails the start before any model loads.
         control_policy = ControlPolicy(operator_gid=group_id(options.operator_group))
         limit_malloc_arenas()  # before any thread starts: see edge_server.memory
+        keep_large_buffers()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, self._record)
         # NOTIFY_SOCKET stays set: the TensorRT engine rebuilder sends its own EXTEND_TIMEOUT_USEC, and
@@ -106,6 +107,7 @@ class Daemon:
         supervisor = Supervisor(notifier, strict_readiness=options.strict_readiness)
         supervisor.starting()
         loads = LoadCounter()  # hears every load from the first one on, for the metrics
+        heap_trim = DeferredTrim(DAEMON_TRIM_DELAYS)  # one, asked by the data plane and every listener
         server = Server(
             options.model_repositories or None,
             model_control_mode=options.model_control_mode,
@@ -118,6 +120,7 @@ class Daemon:
             latency_summaries=options.latency_summaries,
             onnxruntime_thread_policy=options.onnxruntime_thread_policy,
             service=supervisor,
+            heap_trim=heap_trim,
         )
         supervisor.attach(server)
         frontend = None
@@ -131,7 +134,7 @@ class Daemon:
                 _log_startup_failure(failed)
                 status = 1
                 return status
-            limits = Limits(options.limits)  # one budget, asked by every listener below
+            limits = Limits(options.limits, heap_trim)  # one budget, asked by every listener below
             kserve = KServeFrontends(
                 server,
                 options.kserve,

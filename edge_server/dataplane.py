@@ -20,6 +20,7 @@ import numpy as np
 from edge_server import classification, dtypes
 from edge_server.config.model import ModelConfig, TensorSpec
 from edge_server.errors import Cancelled, EdgeServerError, InvalidArgument, shorten
+from edge_server.memory import TRIM_AFTER_BYTES, DeferredTrim
 from edge_server.request import InferRequest, ResponseSink
 from edge_server.routing import RoutingView
 from edge_server.scheduler import inline
@@ -68,8 +69,15 @@ def _converted(
 class DataPlane:
     """Routes validated requests to the serving version of a model."""
 
-    def __init__(self, routing: RoutingView) -> None:
+    def __init__(self, routing: RoutingView, heap_trim: DeferredTrim | None = None) -> None:
+        """``heap_trim``: asked for by every request with large inputs (the daemon's; None in-process).
+
+        Whichever frontend a frame came through, its buffers (body, message, copies, outputs) are freed
+        once it is answered, and glibc keeps their pages (see :func:`~edge_server.memory.keep_large_buffers`)
+        until the trim that follows a pause in such traffic.
+        """
         self._routing = routing
+        self._heap_trim = heap_trim
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         """Validate, route and queue ``request``; the future gets its outputs or its error.
@@ -108,6 +116,8 @@ class DataPlane:
         self, request: InferRequest, sink: ResponseSink | None, budget: Budget
     ) -> Future[dict[str, np.ndarray]]:
         """Validate and hand ``request`` to its version; ``budget``: what it may cost this thread."""
+        if self._heap_trim is not None and sum(a.nbytes for a in request.inputs.values()) >= TRIM_AFTER_BYTES:
+            self._heap_trim.request()
         # A version that is being swapped out can close between routing and queueing; a request that did
         # not ask for a specific version then goes to the version that replaced it.
         for _attempt in range(3):

@@ -47,14 +47,12 @@ from typing import Any
 
 from edge_server import flag_types
 from edge_server.errors import Unavailable
-from edge_server.memory import DeferredTrim
+from edge_server.memory import DAEMON_TRIM_DELAYS, TRIM_AFTER_BYTES, DeferredTrim
 from edge_server.reply_budget import ReplyBudget
 
 #: Descriptors kept free for everything but connections and regions: models, files, hand-offs, and
 #: the connections the kernel queued before a listener could refuse them.
 FD_RESERVE = 320
-#: Releasing a body at least this large asks for a heap trim (see :class:`~edge_server.memory.DeferredTrim`).
-TRIM_AFTER_BYTES = 1 << 20
 #: Connections at most, whatever the descriptor limit (libzmq and the event loops stay quick below it).
 MAX_CONNECTIONS = 4096
 
@@ -139,7 +137,8 @@ class BodyHold:
 class Limits:
     """The daemon's one descriptor and memory budget (see the module's docstring)."""
 
-    def __init__(self, options: LimitOptions | None = None) -> None:
+    def __init__(self, options: LimitOptions | None = None, trimmer: DeferredTrim | None = None) -> None:
+        """``trimmer``: the daemon's heap trim, shared with its data plane (one of its own without)."""
         options = options or LimitOptions()
         self.options = options
         self.regions = descriptor_room()
@@ -176,10 +175,8 @@ class Limits:
             0  # gRPC streams and ModelInfer calls cancelled for not reading their responses
         )
         self.penalized = 0  # penalties given (see penalize)
-        #: gives freed memory back to the system a while after a client's large buffers go (every listener):
-        #: an HTTP body is freed when its connection closes (the first trim), an IPC client's replies by
-        #: ZeroMQ's I/O thread and pyzmq's collector over the next seconds (the later ones)
-        self.trimmer = DeferredTrim((0.25, 1.0, 5.0))
+        #: gives freed memory back to the system a while after a client's large buffers go (every listener)
+        self.trimmer = trimmer or DeferredTrim(DAEMON_TRIM_DELAYS)
 
     # -- descriptors --------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from edge_server.dataplane import DataPlane
 from edge_server.errors import EdgeServerError, InvalidArgument, ServerShuttingDown
 from edge_server.lifecycle import DEFAULT_LOAD_TIMEOUT_S, ModelManager
 from edge_server.loader import LoadEnvironment
+from edge_server.memory import DeferredTrim
 from edge_server.model_readiness import answered, version_ready
 from edge_server.repository import Repositories
 from edge_server.request import InferRequest, RequestOptions
@@ -85,6 +86,7 @@ class Server:
         latency_summaries: SummaryOptions | None = None,
         onnxruntime_thread_policy: str = "auto",
         service: ServiceView | None = None,
+        heap_trim: DeferredTrim | None = None,
     ) -> None:
         """``model_repository``: a folder, or several (Triton's repeated flag); default: ``models/``.
 
@@ -98,6 +100,7 @@ class Server:
         ``latency_summaries``: every version keeps latency quantiles for Triton's summary metrics.
         ``onnxruntime_thread_policy``: auto, default or split (docs/batching.md, "ONNX Runtime threads").
         ``service``: the daemon's service layer (readiness, its part of :meth:`status`); None in-process.
+        ``heap_trim``: the daemon's heap trim, asked for by every request with large inputs; None in-process.
         """
         if model_control_mode not in CONTROL_MODES:
             raise InvalidArgument(
@@ -121,7 +124,7 @@ class Server:
         # writes the table and the index and loads with one frozen environment.
         self._index = StatusIndex(listeners)
         self._routing = Routing(self._index)
-        self._dataplane = DataPlane(self._routing)
+        self._dataplane = DataPlane(self._routing, heap_trim)
         access = LocalAccess(
             self._dataplane,
             self._routing,

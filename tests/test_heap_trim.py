@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,16 @@ import pytest
 from edge_server import memory
 from edge_server.backends import onnxruntime
 from edge_server.client import Client
-from tests.daemon import build_repository, start_daemon, stop_daemon, wait_for
+from tests.daemon import (
+    Daemon,
+    build_repository,
+    free_port,
+    gate_fifos,
+    kserve_flags,
+    start_daemon,
+    stop_daemon,
+    wait_for,
+)
 
 
 def test_a_request_after_the_first_trim_starts_the_delays_over(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,3 +93,134 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise AssertionError("no VmRSS")
+
+
+FRAME_CONFIG = """
+name: "frame_sum"
+backend: "python"
+max_batch_size: 0
+input [ { name: "FRAME" data_type: TYPE_UINT8 dims: [ -1 ] } ]
+output [ { name: "SUM" data_type: TYPE_UINT64 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 2 } ]
+"""
+FRAME_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            frame = pb_utils.get_input_tensor_by_name(request, "FRAME").as_numpy()
+            total = np.array([frame[::4096].sum()], np.uint64)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("SUM", total)]))
+        return responses
+"""
+FRAME_BYTES = 1920 * 1080 * 3  # a 1080p RGB frame
+
+
+def frame_daemon(tmp_path: Path) -> tuple[Daemon, int, int]:
+    """A daemon serving a model that reads a frame and does next to nothing: what is measured is the path."""
+    repo = tmp_path / "repo"
+    (repo / "frame_sum" / "1").mkdir(parents=True)
+    (repo / "frame_sum" / "config.pbtxt").write_text(FRAME_CONFIG)
+    (repo / "frame_sum" / "1" / "model.py").write_text(FRAME_MODEL)
+    http_port, grpc_port = free_port(), free_port()
+    gate_fifos(tmp_path)  # start_daemon opens them, used or not
+    return start_daemon(tmp_path, repo, "f.sock", *kserve_flags(http_port, grpc_port)), http_port, grpc_port
+
+
+def frame_calls(proc: Daemon, http_port: int, grpc_port: int) -> dict[str, Callable[[], object]]:
+    """One call of the frame model per frontend, each with its own client, each checked."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    frame = np.random.default_rng(0).integers(0, 255, FRAME_BYTES, dtype=np.uint8)
+    want = int(frame[::4096].sum())
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+    http_in = httpclient.InferInput("FRAME", [FRAME_BYTES], "UINT8")
+    http_in.set_data_from_numpy(frame, binary_data=True)
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    grpc_in = grpcclient.InferInput("FRAME", [FRAME_BYTES], "UINT8")
+    grpc_in.set_data_from_numpy(frame)
+    ipc = Client(proc.address, timeout=60)
+
+    def check(got: np.ndarray) -> None:
+        assert int(got[0]) == want, (got, want)
+
+    return {
+        "HTTP": lambda: check(http.infer("frame_sum", [http_in]).as_numpy("SUM")),
+        "gRPC": lambda: check(grpc.infer("frame_sum", [grpc_in]).as_numpy("SUM")),
+        "IPC": lambda: check(ipc.infer("frame_sum", {"FRAME": frame})["SUM"]),
+    }
+
+
+def minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[7])
+
+
+def test_a_stream_of_frames_reuses_its_pages_through_every_frontend(tmp_path: Path) -> None:
+    """Twenty 1080p frames in a row, through HTTP, gRPC and IPC: the daemon faults in few new pages.
+
+    glibc maps a buffer over its moving mmap threshold afresh for each request and gives the heap's top
+    back as soon as twice that is free: each 6 MB frame over HTTP faulted in 12 MB of new zeroed pages
+    (3,000 faults, 8 of its 11 ms of daemon CPU).  A page fault per 4 KiB of a frame (1,518) is the bound.
+    """
+    proc, http_port, grpc_port = frame_daemon(tmp_path)
+    try:
+        for frontend, call in frame_calls(proc, http_port, grpc_port).items():
+            for _ in range(3):
+                call()
+            before = minor_faults(proc.pid)
+            for _ in range(20):
+                call()
+            per_frame = (minor_faults(proc.pid) - before) / 20
+            assert per_frame < FRAME_BYTES / 4096, f"{frontend}: {per_frame:.0f} page faults per frame"
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()
+
+
+@pytest.mark.parametrize("frontend", ["HTTP", "gRPC", "IPC"])
+def test_memory_of_a_burst_of_frames_goes_back_once_it_ends(tmp_path: Path, frontend: str) -> None:
+    """Four clients send 15 frames each at once; once they stop, the daemon's RSS comes back.
+
+    The buffers of a frame are freed when it is answered, whichever frontend it came through, and glibc
+    keeps their pages: every request with large inputs now asks for the heap trim that follows a pause
+    in such traffic (the data plane's).  Before, only HTTP bodies and dropped clients asked for it: after
+    a gRPC burst the daemon stayed +64 MiB for good.
+    """
+    proc, http_port, grpc_port = frame_daemon(tmp_path)
+    try:
+        warm = frame_calls(proc, http_port, grpc_port)[frontend]
+        warm()
+        before = rss_kib(proc.pid)
+        errors: list[BaseException] = []
+
+        def client() -> None:
+            try:
+                call = frame_calls(proc, http_port, grpc_port)[frontend]
+                for _ in range(15):
+                    call()
+            except BaseException as exc:  # reported by the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        seen: list[int] = []
+
+        def back() -> bool:
+            seen.append(rss_kib(proc.pid))
+            return seen[-1] - before < 24 << 10
+
+        try:
+            wait_for(back, timeout=30, what=f"RSS back within 24 MiB of {before >> 10} MiB")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: still {seen[-1] >> 10} MiB") from None
+    finally:
+        assert stop_daemon(proc) == 0, proc.log()

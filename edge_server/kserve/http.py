@@ -35,7 +35,7 @@ from edge_server.errors import (
     Unsupported,
 )
 from edge_server.kserve import codec, rest
-from edge_server.kserve.http_protocol import BUDGET_KEY, PEER_KEY, BodyBudget
+from edge_server.kserve.http_protocol import BODY_KEY, BUDGET_KEY, PEER_KEY, BodyBudget
 from edge_server.kserve.service import NO_CUDA_SHM, KServeService, error_code, error_status
 from edge_server.kserve.shm import Peer
 
@@ -270,17 +270,23 @@ class KServeHttpApp:
                     f"request JSON size of {int(declared)} bytes exceeds the maximum allowed input size of "
                     f"{limit} bytes (the request body; --max-message-bytes sets the limit)"
                 )
-        chunks = []
+        kept: list[bytes] | None = scope.get(BODY_KEY) if scope is not None else None
+        chunks: list[bytes] = []
         total = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise _Disconnected
+            if kept:  # our protocol's: the chunks as they came, uvicorn's message carries none
+                chunks += kept
+                total += sum(map(len, kept))
+                kept.clear()
             chunk = message.get("body", b"")
-            total += len(chunk)
+            if chunk:
+                chunks.append(chunk)
+                total += len(chunk)
             if total > limit:
                 raise MessageTooLarge(f"the request body is over this server's limit of {limit} bytes")
-            chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
