@@ -9,7 +9,9 @@ directory) and one from this checkout, on the same repository (bench/triton_mode
 ``tiny_onnx`` and ``frame_py``, and ``frametx``: the tests' frame model, which reads only a frame's shape
 and its first and last bytes, so that its row is the transport alone).  Every case runs in blocks, in a
 shuffled order per block, so that a busy machine and whatever ran just before weigh on both sides alike;
-medians over every call.
+medians over every call, and for each case the daemon's CPU and minor page faults per call (from
+``/proc/PID/stat`` over the timed calls: what a frame's buffers cost when glibc hands out new pages).
+IPC (``edge_server.client.Client``) runs beside HTTP and gRPC.
 """
 
 from __future__ import annotations
@@ -28,10 +30,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import tests.daemon as test_daemon  # noqa: E402
+from bench.bench_kserve_cost import process_cpu  # noqa: E402
 from bench.triton_models import build_repository, sample_inputs  # noqa: E402
+from edge_server.client import Client  # noqa: E402
+
+TRANSPORTS = ("HTTP", "gRPC", "IPC")
 
 TENSORS = {"tiny": ("INPUT", "OUTPUT", "FP32"), "frame": ("frame", "means", "UINT8")}
 TENSORS["frametx"] = ("frame", "shape", "UINT8")
+
+
+def minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     inputs = sample_inputs()
     inputs["frametx"] = inputs["frame"]
     daemons = {}
+    clients: list[Client] = []
     with tempfile.TemporaryDirectory(prefix="bench-kserve-ab-") as tmp:
         root = Path(tmp)
         repo = build_repository(root / "repo")
@@ -70,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 daemons[label] = (daemon.start(timeout=180), http_port, grpc_port)
             cases: dict[tuple[str, str, str], Callable[[], Any]] = {}
-            for label, (_, http_port, grpc_port) in daemons.items():
+            for label, (daemon, http_port, grpc_port) in daemons.items():
                 hc = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
                 gc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+                ipc = Client(daemon.address, timeout=120)
+                clients.append(ipc)
                 for model in models:
                     kind = model if model == "frametx" else model.split("_")[0]
                     name, out, datatype = TENSORS[kind]
@@ -86,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                         m, [i], outputs=o
                     )
                     cases[(model, "gRPC", label)] = lambda gc=gc, m=model, i=gin: gc.infer(m, [i])
+                    cases[(model, "IPC", label)] = lambda c=ipc, m=model, n=name, x=x: c.infer(m, {n: x})
             samples: dict[tuple[str, str, str], list[float]] = {key: [] for key in cases}
+            cost = {key: [0.0, 0] for key in cases}  # daemon CPU seconds, minor faults
+            pids = {label: daemon.pid for label, (daemon, _, _) in daemons.items()}
             rng = random.Random(7)
             for block in range(blocks):
                 order = list(cases.items())
@@ -94,22 +111,34 @@ def main(argv: list[str] | None = None) -> int:
                 for key, call in order:
                     for _ in range(3):
                         call()
+                    pid = pids[key[2]]
+                    cpu, faults = process_cpu(pid), minor_faults(pid)
                     for _ in range(calls["tiny" if key[0].startswith("tiny") else "frame"]):
                         start = time.perf_counter()
                         call()
                         samples[key].append(time.perf_counter() - start)
+                    cost[key][0] += process_cpu(pid) - cpu
+                    cost[key][1] += minor_faults(pid) - faults
                 print(f"block {block + 1}/{blocks} done", file=sys.stderr, flush=True)
         finally:
+            for client in clients:
+                client.close()
             for daemon, _, _ in daemons.values():
                 daemon.stop()
-    print(f"\n{blocks} blocks, shuffled order per block; medians over every call, µs\n")
-    print("| model | transport | before | after | after/before |\n|---|---|---|---|---|")
+    print(f"\n{blocks} blocks, shuffled order per block; medians over every call, µs; daemon per call\n")
+    print(
+        "| model | transport | before | after | after/before | daemon CPU µs, before / after "
+        "| page faults, before / after |\n|---|---|---|---|---|---|---|"
+    )
     for model in models:
-        for transport in ("HTTP", "gRPC"):
-            before, after = (
-                statistics.median(samples[(model, transport, s)]) * 1e6 for s in ("before", "after")
-            )
-            print(f"| {model} | {transport} | {before:,.0f} | {after:,.0f} | {after / before:.2f} |")
+        for transport in TRANSPORTS:
+            keys = [(model, transport, s) for s in ("before", "after")]
+            before, after = (statistics.median(samples[k]) * 1e6 for k in keys)
+            cpu = " / ".join(f"{cost[k][0] / len(samples[k]) * 1e6:,.0f}" for k in keys)
+            faults = " / ".join(f"{cost[k][1] / len(samples[k]):,.0f}" for k in keys)
+            ratio = after / before
+            row = f"| {model} | {transport} | {before:,.0f} | {after:,.0f} | {ratio:.2f} | {cpu} | {faults} |"
+            print(row)
     return 0
 
 

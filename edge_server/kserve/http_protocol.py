@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from edge_server.kserve.shm import Peer, peer_uid
@@ -48,13 +49,17 @@ class _OneWriteTransport:
     TCP segments, and on loopback the client woken twice; that cost about a third of a tiny model's
     round trip.  A response head is held here until the next write (the body, or an empty one) and both
     leave in one ``writelines``.  ``100 Continue`` is not held; a held head is sent before a close.
+
+    ``linger``, asked at uvicorn's close once the response is out: True when the connection lingers
+    instead (a body still arriving; see ``BoundedHttpToolsProtocol._linger``) and closes later itself.
     """
 
-    __slots__ = ("_transport", "_head")
+    __slots__ = ("_transport", "_head", "_linger")
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, linger: Callable[[], bool]) -> None:
         self._transport = transport
         self._head: bytes | None = None
+        self._linger = linger
 
     def write(self, data: bytes) -> None:
         head = self._head
@@ -70,7 +75,8 @@ class _OneWriteTransport:
         if self._head is not None:
             head, self._head = self._head, None
             self._transport.write(head)
-        self._transport.close()
+        if not self._linger():
+            self._transport.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -141,13 +147,14 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
         _received = 0  # body bytes of the requests not yet answered
         _body: list[bytes] | None = None  # the request's body chunks, in its scope for the app
         _body_bytes = 0
+        _body_arriving = False  # between the headers of a request with a body and that body's end
         _lingering = False  # refused: what still comes is read and dropped until the close
         _linger_room = 0  # bytes a lingering connection may still read
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._raw = transport
-            self.transport = _OneWriteTransport(transport)  # type: ignore[assignment]
+            self.transport = _OneWriteTransport(transport, self._linger_mid_body)  # type: ignore[assignment]
             client = self.client or ("", 0)
             server = self.server or ("", 0)
             peer = Peer(client[0], int(client[1]), int(server[1] or 0), server[0] or "")
@@ -201,14 +208,33 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
             if raw.is_closing() or self._lingering:
                 return
             raw.write(_refusal(status, reason, message))
-            if not (linger and raw.can_write_eof()):
+            if not (linger and self._linger()):
                 raw.close()
-                return
+
+        def _linger_mid_body(self) -> bool:
+            """At uvicorn's close: linger where the request's body is still arriving.
+
+            A 413 answered before the body's end: closing with unread bytes sends a reset, and the
+            client, still sending, would lose the answer to it.
+            """
+            return self._body_arriving and self._linger()
+
+        def _linger(self) -> bool:
+            """End our side of the stream, read and drop what still comes, then close.
+
+            For :data:`LINGER_S` and :data:`LINGER_BYTES` at most; False where the transport cannot
+            half-close (the caller closes it).
+            """
+            raw = self._raw
+            assert raw is not None
+            if self._lingering or raw.is_closing() or not raw.can_write_eof():
+                return self._lingering
             raw.write_eof()
             self._lingering, self._linger_room = True, LINGER_BYTES
             raw.resume_reading()  # uvicorn pauses reading while a body waits for the app
             self._disarm()
             self._timer = self.loop.call_later(LINGER_S, raw.close)
+            return True
 
         def data_received(self, data: bytes) -> None:
             if not self._lingering:
@@ -255,6 +281,7 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
                 or name == b"transfer-encoding"
                 for name, value in self.headers
             )
+            self._body_arriving = expects_body
             if expects_body:
                 self._arm(limits.body_timeout_s)
 
@@ -292,6 +319,7 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
                 cycle.message_event.set()
 
         def on_message_complete(self) -> None:
+            self._body_arriving = False
             self._disarm()
             super().on_message_complete()
 
