@@ -62,8 +62,11 @@ class Target:
         raise NotImplementedError
 
     def serves_only(self, version: int) -> bool:
-        """Whether ``version`` is the one version left: the one before it is drained and unloaded."""
-        return self.states() == [(version, "READY")]
+        """Whether ``version`` is the one version left: the one before it is drained and unloaded.
+
+        An unloaded version stays in the index as ``UNAVAILABLE`` (as in Triton's).
+        """
+        return [state for state in self.states() if state[1] != "UNAVAILABLE"] == [(version, "READY")]
 
     def close(self) -> None:
         raise NotImplementedError

@@ -1,4 +1,5 @@
-"""bench/bench_triton.py without Triton, and the Triton repository it generates on both servers.
+"""bench/bench_triton.py without Triton, the Triton repository it generates on both servers, and
+bench_hostile.py and bench_reload.py run end to end.
 
 No timing is asserted: the benchmark is run in its quick mode only to show that it runs end to end,
 prints the table and says why Triton was skipped.
@@ -152,3 +153,20 @@ def test_bench_hostile_quick_measures_the_good_clients_beside_each_attack_and_le
         assert not row["skipped"] and row["sent"] > 0 and row["rss_start_mib"] > 0, row
     assert all(row["attacker"].startswith("as uid ") for row in measured[1:]), measured
     assert not _hostile_processes(run)
+
+
+@pytest.mark.slow
+def test_bench_reload_runs_its_reloads_end_to_end() -> None:
+    """Two OTA drops under traffic, against the real daemon: no failed request, the table printed.
+
+    It timed out waiting for the old version's unload once unloaded versions stayed in the index as
+    ``UNAVAILABLE`` (as in Triton), and nothing ran it.
+    """
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_reload.py"), "--reloads", "2", "--clients", "2",
+         "--warmup", "0.5", "--weights-mb", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    assert "| failed requests | 0 |" in result.stdout, result.stdout
+    assert "PASS" in result.stdout
