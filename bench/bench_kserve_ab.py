@@ -40,11 +40,6 @@ TENSORS = {"tiny": ("INPUT", "OUTPUT", "FP32"), "frame": ("frame", "means", "UIN
 TENSORS["frametx"] = ("frame", "shape", "UINT8")
 
 
-def minor_faults(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[7])
-
-
 def main(argv: list[str] | None = None) -> int:
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
@@ -112,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(3):
                         call()
                     pid = pids[key[2]]
-                    cpu, faults = process_cpu(pid), minor_faults(pid)
+                    cpu, faults = process_cpu(pid), test_daemon.minor_faults(pid)
                     for _ in range(calls["tiny" if key[0].startswith("tiny") else "frame"]):
                         start = time.perf_counter()
                         call()
                         samples[key].append(time.perf_counter() - start)
                     cost[key][0] += process_cpu(pid) - cpu
-                    cost[key][1] += minor_faults(pid) - faults
+                    cost[key][1] += test_daemon.minor_faults(pid) - faults
                 print(f"block {block + 1}/{blocks} done", file=sys.stderr, flush=True)
         finally:
             for client in clients:

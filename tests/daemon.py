@@ -370,6 +370,42 @@ def kserve_flags(http_port: int, grpc_port: int) -> list[str]:
     return [*http, "--allow-grpc", "true", "--grpc-port", str(grpc_port)]
 
 
+def status_kib(pid: int, field: str) -> int:
+    """A memory figure of ``/proc/PID/status``, KiB: ``VmRSS`` (resident now) or ``VmHWM`` (its peak)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field}")
+
+
+def minor_faults(pid: int) -> int:
+    """The minor page faults ``pid`` has taken (``/proc/PID/stat``): new pages it touched."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[7])
+
+
+def wait_rss_back(
+    pid: int, before_kib: int, within_mib: int, poke: Any = None, timeout: float = 30.0
+) -> None:
+    """Wait until ``pid``'s RSS is within ``within_mib`` of ``before_kib``; the failure says where it stayed.
+
+    ``poke``, called before each look: traffic the daemon needs to give memory back (a model's run).
+    """
+    seen: list[int] = []
+
+    def back() -> bool:
+        if poke is not None:
+            poke()
+        seen.append(status_kib(pid, "VmRSS"))
+        return seen[-1] - before_kib < within_mib << 10
+
+    try:
+        wait_for(back, timeout, f"RSS back within {within_mib} MiB of {before_kib >> 10} MiB")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: still {seen[-1] >> 10} MiB") from None
+
+
 def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
     """Re-check ``predicate`` (which asks the daemon or the OS) until true; fails after ``timeout``."""
     deadline = time.monotonic() + timeout

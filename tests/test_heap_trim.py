@@ -20,9 +20,11 @@ from tests.daemon import (
     free_port,
     gate_fifos,
     kserve_flags,
+    minor_faults,
     start_daemon,
+    status_kib,
     stop_daemon,
-    wait_for,
+    wait_rss_back,
 )
 
 
@@ -67,32 +69,14 @@ def test_occasional_large_frames_give_their_memory_back_at_the_next_request(tmp_
         with Client(proc.address, timeout=30) as client:
             small = {"INPUT0": np.arange(4, dtype=np.float32)}
             client.infer("identity", small)
-            before = rss_kib(proc.pid)
+            before = status_kib(proc.pid, "VmRSS")
             large = {"INPUT0": np.ones(6 << 20, np.float32)}
             for _ in range(3):
                 client.infer("identity", large)
                 time.sleep(onnxruntime.SHRINK_INTERVAL_S * 1.2)  # each large run shrinks on its own
-            seen: list[int] = []
-
-            def back() -> bool:
-                client.infer("identity", small)
-                seen.append(rss_kib(proc.pid))
-                return seen[-1] - before < 12 << 10
-
-            try:
-                wait_for(back, timeout=30, what=f"RSS back within 12 MiB of {before >> 10} MiB")
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}: still {seen[-1] >> 10} MiB") from None
+            wait_rss_back(proc.pid, before, 12, poke=lambda: client.infer("identity", small))
     finally:
         assert stop_daemon(proc) == 0, proc.log()
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 FRAME_CONFIG = """
@@ -156,11 +140,6 @@ def frame_calls(proc: Daemon, http_port: int, grpc_port: int) -> dict[str, Calla
     }
 
 
-def minor_faults(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[7])
-
-
 def test_a_stream_of_frames_reuses_its_pages_through_every_frontend(tmp_path: Path) -> None:
     """Twenty 1080p frames in a row, through HTTP, gRPC and IPC: the daemon faults in few new pages.
 
@@ -195,7 +174,7 @@ def test_memory_of_a_burst_of_frames_goes_back_once_it_ends(tmp_path: Path, fron
     try:
         warm = frame_calls(proc, http_port, grpc_port)[frontend]
         warm()
-        before = rss_kib(proc.pid)
+        before = status_kib(proc.pid, "VmRSS")
         errors: list[BaseException] = []
 
         def client() -> None:
@@ -212,15 +191,6 @@ def test_memory_of_a_burst_of_frames_goes_back_once_it_ends(tmp_path: Path, fron
         for thread in threads:
             thread.join()
         assert not errors, errors
-        seen: list[int] = []
-
-        def back() -> bool:
-            seen.append(rss_kib(proc.pid))
-            return seen[-1] - before < 24 << 10
-
-        try:
-            wait_for(back, timeout=30, what=f"RSS back within 24 MiB of {before >> 10} MiB")
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}: still {seen[-1] >> 10} MiB") from None
+        wait_rss_back(proc.pid, before, 24)
     finally:
         assert stop_daemon(proc) == 0, proc.log()

@@ -32,8 +32,10 @@ from tests.daemon import (
     free_port,
     kserve_flags,
     start_daemon,
+    status_kib,
     stop_daemon,
     wait_for,
+    wait_rss_back,
 )
 
 NOBODY = 65534
@@ -416,14 +418,6 @@ def test_grpc_streams_are_capped_per_user_and_health_never_queues(
     still_serves(proc)
 
 
-def rss_kib(pid: int, field: str = "VmHWM:") -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field}")
-
-
 def test_json_data_past_its_declared_shape_is_refused_unparsed(tmp_path: Path) -> None:
     """Item 5: an 8 KiB gzip body inflating to 8 MiB of ``[],[],...`` is refused before json.loads
     builds millions of lists (+257 MiB before), other HTTP clients are served meanwhile, and the error
@@ -435,7 +429,7 @@ def test_json_data_past_its_declared_shape_is_refused_unparsed(tmp_path: Path) -
         tmp_path, build_repository(tmp_path), "j.sock", "--allow-http", "true", "--http-port", str(http)
     )
     try:
-        before = rss_kib(proc.pid)
+        before = status_kib(proc.pid, "VmHWM")
         data = b"[" + b"[]," * ((8 << 20) // 3) + b"[]]"
         body = b'{"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[4],"data":' + data + b"}]}"
         packed = gzip.compress(body)
@@ -450,7 +444,7 @@ def test_json_data_past_its_declared_shape_is_refused_unparsed(tmp_path: Path) -
         message = json.loads(refused.value.read())["error"]
         assert refused.value.code == 400, message
         assert "declared shapes" in message and len(message) < 400, message
-        grown_mib = (rss_kib(proc.pid) - before) / 1024
+        grown_mib = (status_kib(proc.pid, "VmHWM") - before) / 1024
         assert grown_mib < 64, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
         assert http_get(http, "/v2/health/live") == 200
     finally:
@@ -508,7 +502,7 @@ def test_a_grpc_stream_that_does_not_read_is_cut_off_at_the_reply_bound(tmp_path
         f"127.0.0.1:{grpc_port}", options=[("grpc.max_receive_message_length", 64 << 20)]
     )
     try:
-        before = rss_kib(proc.pid)
+        before = status_kib(proc.pid, "VmHWM")
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         call = stub.ModelStreamInfer(iter([request] * 400))  # and never read
         with Client(proc.address, timeout=10) as client:
@@ -519,7 +513,7 @@ def test_a_grpc_stream_that_does_not_read_is_cut_off_at_the_reply_bound(tmp_path
             for _ in call:  # what grpc had sent before the cut, then the end
                 pass
         assert cut.value.code() == grpc.StatusCode.CANCELLED, cut.value
-        grown_mib = (rss_kib(proc.pid) - before) / 1024
+        grown_mib = (status_kib(proc.pid, "VmHWM") - before) / 1024
         assert grown_mib < 200, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
         still_serves(proc)
     finally:
@@ -542,7 +536,7 @@ def test_memory_goes_back_after_a_client_with_large_requests_is_gone(tmp_path: P
     )
     try:
         still_serves(proc)
-        before = rss_kib(proc.pid, "VmRSS:")
+        before = status_kib(proc.pid, "VmRSS")
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -559,21 +553,11 @@ def test_memory_goes_back_after_a_client_with_large_requests_is_gone(tmp_path: P
         # Traffic comes back only after the trims that the drop asked for (the last at 5 s): what the
         # model's next run gives back must still leave the heap (a CI run under load stayed +68 MiB).
         time.sleep(6)
-        seen: list[int] = []
         x = np.arange(4, dtype=np.float32)
-
-        def back() -> bool:
+        with Client(proc.address, timeout=30) as client:
             # Traffic goes on: a run of the model gives back what the burst left in ONNX Runtime's arena
             # (it shrinks at most every half second, so that steady large frames keep their buffers).
-            client.infer("identity", {"INPUT0": x})
-            seen.append(rss_kib(proc.pid, "VmRSS:"))
-            return seen[-1] - before < 24 << 10
-
-        with Client(proc.address, timeout=30) as client:
-            try:
-                wait_for(back, timeout=30, what=f"RSS back within 24 MiB of {before >> 10} MiB")
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}: still {seen[-1] >> 10} MiB") from None
+            wait_rss_back(proc.pid, before, 24, poke=lambda: client.infer("identity", {"INPUT0": x}))
         still_serves(proc)
     finally:
         assert stop_daemon(proc) == 0, proc.log()
@@ -644,7 +628,7 @@ def test_a_decoupled_flood_to_a_grpc_stream_that_does_not_read_is_cut_off(tmp_pa
         stop.wait()
 
     try:
-        before = rss_kib(proc.pid)
+        before = status_kib(proc.pid, "VmHWM")
         call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests())
         with Client(proc.address, timeout=10) as client:
             wait_for(lambda: client.ipc_status()["limits"]["cut_off_streams"] == 1, timeout=60, what="a cut")
@@ -652,7 +636,7 @@ def test_a_decoupled_flood_to_a_grpc_stream_that_does_not_read_is_cut_off(tmp_pa
             for _ in call:
                 pass
         assert cut.value.code() == grpc.StatusCode.CANCELLED, cut.value
-        grown_mib = (rss_kib(proc.pid) - before) / 1024
+        grown_mib = (status_kib(proc.pid, "VmHWM") - before) / 1024
         assert grown_mib < 200, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
         still_serves(proc)
     finally:

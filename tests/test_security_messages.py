@@ -8,15 +8,7 @@ import pytest
 
 from edge_server.client import Client
 from edge_server.ipc import protocol
-from tests.daemon import Daemon, RawPeer, header
-
-
-def rss_peak_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmHWM")
+from tests.daemon import Daemon, RawPeer, header, status_kib
 
 
 def still_serves(daemon: Daemon) -> None:
@@ -26,7 +18,7 @@ def still_serves(daemon: Daemon) -> None:
 
 
 def test_a_huge_header_of_empty_maps_is_refused_unread(daemon: Daemon) -> None:
-    before = rss_peak_kib(daemon.pid)
+    before = status_kib(daemon.pid, "VmHWM")
     count = 16 * 1024 * 1024
     evil = b"\xdd" + count.to_bytes(4, "big") + b"\x80" * count  # array32 of 16 Mi empty maps
     peer = RawPeer(daemon.address)
@@ -35,7 +27,7 @@ def test_a_huge_header_of_empty_maps_is_refused_unread(daemon: Daemon) -> None:
     finally:
         peer.close()
     assert reply["error"]["code"] == "MESSAGE_TOO_LARGE"
-    grown_mib = (rss_peak_kib(daemon.pid) - before) / 1024
+    grown_mib = (status_kib(daemon.pid, "VmHWM") - before) / 1024
     assert grown_mib < 200, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
     still_serves(daemon)
 
@@ -51,7 +43,7 @@ def test_a_header_within_the_size_limit_but_with_huge_containers_is_malformed(da
 
 
 def test_a_million_empty_frames_are_not_kept(daemon: Daemon) -> None:
-    before = rss_peak_kib(daemon.pid)
+    before = status_kib(daemon.pid, "VmHWM")
     peer = RawPeer(daemon.address)
     try:
         frames = [header(op="live")] + [b""] * 300_000
@@ -59,7 +51,7 @@ def test_a_million_empty_frames_are_not_kept(daemon: Daemon) -> None:
     finally:
         peer.close()
     assert reply["error"]["code"] == "MALFORMED_MESSAGE" and "frames" in reply["error"]["message"]
-    grown_mib = (rss_peak_kib(daemon.pid) - before) / 1024
+    grown_mib = (status_kib(daemon.pid, "VmHWM") - before) / 1024
     assert grown_mib < 100, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
     still_serves(daemon)
 

@@ -15,7 +15,7 @@ import zmq
 
 from edge_server.client import Client
 from edge_server.ipc import protocol
-from tests.daemon import Daemon, build_repository, start_daemon, stop_daemon, wait_for
+from tests.daemon import Daemon, build_repository, start_daemon, status_kib, stop_daemon, wait_for
 
 BLOB_CONFIG = """
 name: "blob"
@@ -62,14 +62,6 @@ def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         assert status == 0, f"the daemon exited with {status}:\n{proc.log()}"
 
 
-def memory_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field}")
-
-
 def blob_request(rid: int) -> list[bytes]:
     size = np.array([BLOB], np.int64)
     head = {
@@ -86,7 +78,7 @@ def test_a_client_that_never_reads_is_disconnected_and_its_replies_released(capp
     with Client(capped.address, timeout=30) as other:
         np.testing.assert_array_equal(other.infer("blob", {"SIZE": np.array([16])})["BLOB"], np.full(16, 7))
         slow_before = other.ipc_status()["slow_clients"]
-        peak_before = memory_kib(capped.pid, "VmHWM")
+        peak_before = status_kib(capped.pid, "VmHWM")
 
         ctx = zmq.Context()
         hostile = ctx.socket(zmq.DEALER)
@@ -105,7 +97,7 @@ def test_a_client_that_never_reads_is_disconnected_and_its_replies_released(capp
                 timeout=60,
                 what="the daemon to disconnect the client that does not read",
             )
-            grown_mib = (memory_kib(capped.pid, "VmHWM") - peak_before) / 1024
+            grown_mib = (status_kib(capped.pid, "VmHWM") - peak_before) / 1024
             assert grown_mib < CAP / (1 << 20) + 96, f"the daemon's peak RSS grew {grown_mib:.0f} MiB"
         finally:
             hostile.close(0)
@@ -113,7 +105,7 @@ def test_a_client_that_never_reads_is_disconnected_and_its_replies_released(capp
         # The daemon serves on, and gives the memory back once the replies are released.
         np.testing.assert_array_equal(other.infer("blob", {"SIZE": np.array([4])})["BLOB"], np.full(4, 7))
         wait_for(
-            lambda: memory_kib(capped.pid, "VmRSS") < peak_before + 48 * 1024,
+            lambda: status_kib(capped.pid, "VmRSS") < peak_before + 48 * 1024,
             timeout=10,
             what="the memory of the released replies to go back to the system",
         )
