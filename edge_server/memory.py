@@ -31,8 +31,9 @@ _M_TRIM_THRESHOLD = -1
 DAEMON_MALLOC_ARENAS = 2
 DAEMON_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit (half its 64 MiB heap)
 #: glibc's malloc_trim gives back the free top of its main heap but not of the other arena's: up to this
-#: much may stay there (a stream of frames keeps its pages below it; 64 MiB kept +35 MiB after bursts)
-DAEMON_TRIM_THRESHOLD = 32 << 20
+#: much may stay there.  A stream of 1080p frames keeps its pages below it (16 MiB: gRPC faulted 1,830
+#: pages a frame in one run); 32 MiB left +29 MiB after an IPC burst, 64 MiB +35 MiB.
+DAEMON_TRIM_THRESHOLD = 24 << 20
 #: A request or body at least this large asks for a heap trim once the traffic pauses (:class:`DeferredTrim`).
 TRIM_AFTER_BYTES = 1 << 20
 #: The daemon's trims after large buffers went: an HTTP body is freed when its response is sent (the
