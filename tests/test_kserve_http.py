@@ -532,3 +532,116 @@ def test_responses_on_one_connection_pipelined_continued_and_closed(kserve: KSer
         )
         reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 413") and reply.endswith(b"}")
+
+
+def _identity_request(
+    x: np.ndarray, *headers: bytes, version: bytes = b"1.1", model: bytes = b"identity"
+) -> bytes:
+    """A binary-tensor inference request to ``model`` as tritonclient sends one, with extra header lines."""
+    header = json.dumps(
+        {"inputs": [{"name": "INPUT0", "shape": list(x.shape), "datatype": "FP32",
+                     "parameters": {"binary_data_size": x.nbytes}}]}
+    ).encode()  # fmt: skip
+    body = header + x.tobytes()
+    lines = [
+        b"POST /v2/models/%s/infer HTTP/%s" % (model, version),
+        b"Host: x",
+        b"Inference-Header-Content-Length: %d" % len(header),
+        b"Content-Length: %d" % len(body),
+        *headers,
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def _responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """``count`` whole responses (head, body) read off ``sock``, by their Content-Length."""
+    buffer, found = b"", []
+    while len(found) < count:
+        end = buffer.find(b"\r\n\r\n")
+        if end >= 0:
+            head = buffer[:end]
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            if len(buffer) >= end + 4 + length:
+                found.append((head, buffer[end + 4 : end + 4 + length]))
+                buffer = buffer[end + 4 + length :]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {len(found)} of {count} responses: {buffer[:200]!r}"
+        buffer += chunk
+    return found
+
+
+def _measured(kserve: KServeDaemon) -> None:
+    """Requests to ``identity`` first, so that it runs inline, in the frontend's thread: its first run on its
+    worker, and then until their moving average is under the inline budget (edge_server.scheduler.inline)."""
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=30) as sock:
+        for _ in range(50):
+            sock.sendall(_identity_request(np.ones(3, np.float32)))
+            assert _responses(sock, 1)[0][0].startswith(b"HTTP/1.1 200")
+
+
+def test_pipelined_inferences_are_answered_in_order_while_one_waits(kserve: KServeDaemon) -> None:
+    """A small inference is answered by its connection when nothing else of it is in flight; one pipelined
+    behind a request that waits for an instance must still be answered after that one."""
+    gate = kserve.daemon.gate
+    assert gate is not None
+    _measured(kserve)
+    x = np.arange(4, dtype=np.float32)
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=30) as sock:
+        try:
+            sock.sendall(
+                _identity_request(x, model=b"gate") + _identity_request(x + 1) + _identity_request(x + 2)
+            )
+            gate.wait_started(1)
+            gate.release(1)
+            answers = _responses(sock, 3)
+        finally:
+            gate.settle()
+    assert [head.split(b"\r\n")[0] for head, _ in answers] == [b"HTTP/1.1 200 OK"] * 3
+    outputs = [json.loads(body)["outputs"][0]["data"] for _, body in answers]
+    assert outputs == [x.tolist(), (x + 1).tolist(), (x + 2).tolist()]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"headers": [b"Accept-Encoding: gzip"]},
+        {"headers": [b"Connection: close"]},
+        {"version": b"1.0"},
+        {"model": b"nonexistent"},
+        {"model": b"identity/versions/7"},
+    ],
+    ids=["plain", "gzip-answer", "connection-close", "http-1.0", "unknown-model", "unknown-version"],
+)
+def test_an_inference_answered_by_its_connection_reads_as_one_the_app_answers(
+    kserve: KServeDaemon, variant: dict
+) -> None:
+    """The same request answered by the connection (small, uncompressed body) and by the ASGI app (sent
+    with ``Content-Encoding: identity``, which only the app reads): byte for byte the same response, and
+    the connection closed after it where HTTP/1.0 or ``Connection: close`` asks for that."""
+    _measured(kserve)
+    x = np.arange(6, dtype=np.float32)
+    extra = variant.get("headers", [])
+    version, model = variant.get("version", b"1.1"), variant.get("model", b"identity")
+    closes = version == b"1.0" or b"Connection: close" in extra
+    replies = []
+    for more in ([], [b"Content-Encoding: identity"]):
+        with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=30) as sock:
+            sock.sendall(_identity_request(x, *extra, *more, version=version, model=model))
+            (reply,) = _responses(sock, 1)
+            if closes:
+                assert read_until_closed(sock) == b""
+            else:  # still open: it answers the next request
+                sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _responses(sock, 1)[0][0].startswith(b"HTTP/1.1 200")
+        replies.append(reply)
+    assert replies[0] == replies[1]
+    head, body = replies[0]
+    if model == b"identity":
+        assert head.startswith(b"HTTP/1.1 200")
+        if extra:
+            body = gzip.decompress(body) if b"gzip" in extra[0] else body
+        assert json.loads(body)["outputs"][0]["data"] == x.tolist()
+    else:
+        assert head.split(b" ")[1] in (b"400", b"404") and b"unknown model" in body, replies

@@ -340,6 +340,59 @@ def test_a_body_refused_as_it_arrives_gets_its_503_although_the_client_is_still_
         assert data.startswith(b"HTTP/1.1 503") and b"--max-client-body-bytes" in data, data
 
 
+def test_a_small_body_refused_as_it_arrives_is_answered_once(
+    listener_daemon: tuple[Daemon, int, int],
+) -> None:
+    """A request small enough for the connection to answer by itself, its body refused by the budget as it
+    arrives: the 503 is its only answer, and the model never runs it, even when the rest of the request
+    came in the same read."""
+    proc, http, _grpc = listener_daemon
+    held = (1 << 20) - (8 << 10)  # of the user's 1 MiB budget, by a body that stops one byte short
+    x = np.ones(4096, np.float32)  # 16 KiB: past the room left, in one read
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "shape": [4096],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ]
+        }
+    ).encode()
+
+    def runs() -> int:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{http}/v2/models/identity/stats", timeout=10
+        ) as answer:
+            return int(json.loads(answer.read())["model_stats"][0]["inference_count"])
+
+    before = runs()
+    with socket.create_connection(("127.0.0.1", http)) as holder, Client(proc.address, timeout=10) as client:
+        holder.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % held
+            + b" " * (held - 1)
+        )
+        wait_for(
+            lambda: client.ipc_status()["limits"]["body_bytes_in_flight"] == held - 1,
+            what="the daemon to count the held body",
+        )
+        with socket.create_connection(("127.0.0.1", http)) as sock:
+            sock.settimeout(30)
+            sock.sendall(
+                b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                b"Inference-Header-Content-Length: %d\r\n\r\n%s%s"
+                % (len(header) + x.nbytes, len(header), header, x.tobytes())
+            )
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+    assert data.startswith(b"HTTP/1.1 503") and b"--max-client-body-bytes" in data, data
+    assert data.count(b"HTTP/1.1 ") == 1, data
+    assert runs() == before
+
+
 def test_metrics_serves_a_bounded_number_of_connections_and_closes_idle_ones(tmp_path: Path) -> None:
     """Item 2: idle connections to /metrics do not each keep a thread for ever."""
     from edge_server.limits import METRICS_CONNECTIONS

@@ -23,7 +23,11 @@ import logging
 import re
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from edge_server.errors import (
     EdgeServerError,
@@ -35,12 +39,9 @@ from edge_server.errors import (
     Unsupported,
 )
 from edge_server.kserve import codec, rest
-from edge_server.kserve.http_protocol import BODY_KEY, BUDGET_KEY, PEER_KEY, BodyBudget
+from edge_server.kserve.http_protocol import BODY_KEY, BUDGET_KEY, LATER_KEY, PEER_KEY, BodyBudget
 from edge_server.kserve.service import NO_CUDA_SHM, KServeService, error_code, error_status
 from edge_server.kserve.shm import Peer
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ _INFLATED = "edge_server.inflated"  # scope key: the request's body was inflated
 _SHM_PATH = re.compile(r"/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)")
 
 Scope = dict[str, Any]
+Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]  # status, body, headers (content-length is added)
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -69,6 +71,24 @@ class _Reply(Exception):
 
     def __init__(self, status: int) -> None:
         self.status = status
+
+
+@dataclass(frozen=True)
+class _Later:
+    """An inference that :meth:`KServeHttpApp.answer_now` started and that waits for an instance."""
+
+    app: KServeHttpApp
+    decoded: rest.RestInfer
+    future: Future[dict[str, np.ndarray]]
+    peer: Peer
+    headers: dict[bytes, bytes]
+
+    async def reply(self) -> Answer:
+        try:
+            outputs = await asyncio.wrap_future(self.future)
+            return _compressed(self.app.encode(self.decoded, outputs, self.peer), self.headers)
+        except Exception as exc:  # noqa: BLE001 - as in KServeHttpApp.__call__
+            return _error_reply(exc)
 
 
 def _is_infer(path: str) -> bool:
@@ -90,6 +110,10 @@ class KServeHttpApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        later: _Later | None = scope.get(LATER_KEY)
+        if later is not None:  # an inference the protocol started (see answer_now): only its answer is due
+            await _send(send, *await later.reply())
+            return
         headers = dict(scope["headers"])
         try:
             status, body, extra = await self._route(scope, receive, headers)
@@ -99,24 +123,43 @@ class KServeHttpApp:
         except _Disconnected:
             return
         except Exception as exc:  # noqa: BLE001 - every error becomes a reply; the server never dies
-            status, _code, message = error_status(exc)
             if scope.get(_INFLATED) and isinstance(exc, (MalformedMessage, MessageTooLarge)):
                 # it cost a whole inflation to find out: the next such body is refused unread
                 why = f"sent a compressed request body refused after inflating ({exc.code})"
                 scope[BUDGET_KEY].penalize(why)
-            close = [(b"connection", b"close")] if isinstance(exc, (MessageTooLarge, ProtocolError)) else []
-            body = json.dumps({"error": message, "code": error_code(exc)}).encode()
-            await _send(send, status, body, _JSON + close)
+            await _send(send, *_error_reply(exc))
             return
-        encoding = _response_encoding(headers.get(b"accept-encoding", b""))
-        if encoding and len(body) > 0 and _is_infer(scope["path"]):  # Triton compresses only these
-            body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
-            extra = [*extra, (b"content-encoding", encoding)]
+        if _is_infer(scope["path"]):  # Triton compresses only these
+            status, body, extra = _compressed((status, body, extra), headers)
         await _send(send, status, body, extra)
 
-    async def _route(
-        self, scope: Scope, receive: Receive, headers: dict[bytes, bytes]
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    def infer_route(self, path: str) -> tuple[str, str] | None:
+        """The model and version of an inference path (``/v2/models/NAME[/versions/V]/infer``), or None."""
+        match = _MODEL_PATH.fullmatch(path)
+        if match is None or match.group(3) != "/infer":
+            return None
+        return match.group(1), match.group(2) or ""
+
+    def answer_now(
+        self, peer: Peer, headers: dict[bytes, bytes], model: str, version: str, body: bytes
+    ) -> Answer | _Later:
+        """An inference request whose whole body is here, answered in this thread where it can be.
+
+        The protocol calls this for a small uncompressed body (see ``http_protocol``): decoding it and a
+        model that runs inline (:mod:`edge_server.scheduler.inline`) need no request cycle, no task and no
+        ASGI messages, which cost uvicorn about 40 us a request, a sixth of a tiny model's.  A request
+        that waits for an instance gives back a :class:`_Later`, which the ASGI app answers.
+        """
+        try:
+            decoded = self._decode(headers, model, version, body, peer)
+            future = self.service.submit(decoded.request)
+            if not future.done():
+                return _Later(self, decoded, future, peer, headers)
+            return _compressed(self.encode(decoded, future.result(), peer), headers)
+        except Exception as exc:  # noqa: BLE001 - as in __call__
+            return _error_reply(exc)
+
+    async def _route(self, scope: Scope, receive: Receive, headers: dict[bytes, bytes]) -> Answer:
         path: str = scope["path"]
         method: str = scope["method"]
         service = self.service
@@ -177,7 +220,7 @@ class KServeHttpApp:
 
     async def _settings(
         self, scope: Scope, method: str, receive: Receive, headers: dict[bytes, bytes], path: str
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    ) -> Answer:
         """GET: the settings in force; POST: change them (all or none; 400 naming what cannot be).
 
         A POST is a control operation (403 unless the caller may control the daemon), even one that
@@ -195,7 +238,19 @@ class KServeHttpApp:
 
     async def _infer(
         self, scope: Scope, headers: dict[bytes, bytes], model: str, version: str, body: bytes
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    ) -> Answer:
+        peer = _peer(scope)
+        if len(body) < OFF_LOOP_BYTES:
+            decoded = self._decode(headers, model, version, body, peer)
+        else:  # parsing megabytes of JSON would stall every other client of this loop
+            decoded = await asyncio.to_thread(self._decode, headers, model, version, body, peer)
+        future = self.service.submit(decoded.request)
+        outputs = future.result() if future.done() else await asyncio.wrap_future(future)
+        return self.encode(decoded, outputs, peer)
+
+    def _decode(
+        self, headers: dict[bytes, bytes], model: str, version: str, body: bytes, peer: Peer
+    ) -> rest.RestInfer:
         header_length = headers.get(b"inference-header-content-length")
         length: int | None = None
         if header_length is not None:
@@ -203,12 +258,10 @@ class KServeHttpApp:
                 length = int(header_length)
             except ValueError:
                 raise InvalidArgument("Inference-Header-Content-Length must be an integer") from None
-        peer = _peer(scope)
-        if len(body) < OFF_LOOP_BYTES:
-            decoded = rest.decode(self.service, model, version, body, length, peer)
-        else:  # parsing megabytes of JSON would stall every other client of this loop
-            decoded = await asyncio.to_thread(rest.decode, self.service, model, version, body, length, peer)
-        outputs = await self.service.infer(decoded.request)
+        return rest.decode(self.service, model, version, body, length, peer)
+
+    def encode(self, decoded: rest.RestInfer, outputs: dict[str, np.ndarray], peer: Peer) -> Answer:
+        """The answer to a decoded request: JSON, or JSON then binary tensors (its length in a header)."""
         response, json_length = rest.encode(self.service, decoded, outputs, peer)
         if json_length is None:
             return 200, response, _JSON
@@ -223,7 +276,7 @@ class KServeHttpApp:
 
     async def _shm(
         self, scope: Scope, receive: Receive, headers: dict[bytes, bytes], match: re.Match[str]
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    ) -> Answer:
         kind, region, action = match.group(1), match.group(2) or "", match.group(3)
         if kind == "cuda":  # none is ever registered: its status is empty and unregistering is a no-op
             if action == "status":
@@ -340,7 +393,7 @@ def _inflate(body: bytes, encoding: bytes, limit: int) -> bytes | None:
     return plain
 
 
-def _json(value: Any) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+def _json(value: Any) -> Answer:
     return 200, json.dumps(value, separators=(",", ":")).encode(), _JSON
 
 
@@ -378,6 +431,24 @@ def _peer(scope: Scope) -> Peer:
     if cached is not None:
         cached.append(peer)
     return peer
+
+
+def _error_reply(exc: Exception) -> Answer:
+    """Any error as its answer: Triton's status and text (error_status), our stable code beside it."""
+    status, _code, message = error_status(exc)
+    close = [(b"connection", b"close")] if isinstance(exc, (MessageTooLarge, ProtocolError)) else []
+    body = json.dumps({"error": message, "code": error_code(exc)}).encode()
+    return status, body, _JSON + close
+
+
+def _compressed(answer: Answer, headers: dict[bytes, bytes]) -> Answer:
+    """An inference answer compressed when the request's ``Accept-Encoding`` asks for gzip or deflate."""
+    status, body, extra = answer
+    encoding = _response_encoding(headers.get(b"accept-encoding", b""))
+    if not encoding or not body:
+        return status, body, extra
+    body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
+    return status, body, [*extra, (b"content-encoding", encoding)]
 
 
 def _response_encoding(accept: bytes) -> bytes:

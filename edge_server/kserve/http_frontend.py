@@ -67,7 +67,7 @@ class HttpFrontend:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
-            http=http_protocol(self.limits, self.app.max_body_bytes),
+            http=http_protocol(self.limits, self.app.max_body_bytes, self.app),
             loop=_loop_impl(),
             lifespan="off",
             log_config=None,

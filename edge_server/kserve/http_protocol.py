@@ -16,6 +16,12 @@ that stops one byte short, and counts neither descriptors nor body bytes.  Here 
   there (:meth:`~edge_server.limits.Limits.penalize`).
 
 Its responses leave in one write (see :class:`_OneWriteTransport`).
+
+An inference request with a small uncompressed body is answered by the connection itself, once its body is
+whole, when nothing else of the connection is in flight: the app decodes it and runs the model inline
+where the model allows it (:meth:`KServeHttpApp.answer_now`), and the answer is written without uvicorn's
+request cycle, task and ASGI messages (about 40 us a request; a tiny model's round trip costs the daemon
+about 230).  Any other request, and one that must wait for an instance, goes through uvicorn's cycle.
 """
 
 from __future__ import annotations
@@ -24,10 +30,14 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from edge_server.kserve.shm import Peer, peer_uid
 from edge_server.limits import Connection, Limits
+
+if TYPE_CHECKING:
+    from edge_server.kserve.http import KServeHttpApp
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +50,19 @@ LINGER_BYTES = 8 << 20
 PEER_KEY = "edge_server.peer"  # scope key: the connection's Peer (a list of one)
 BODY_KEY = "edge_server.body"  # scope key: the request body's chunks as they came (a list of bytes)
 BUDGET_KEY = "edge_server.budget"  # scope key: the connection's BodyBudget
+LATER_KEY = "edge_server.later"  # scope key: an inference the connection started, for the app to answer
+#: The largest body answered by the connection itself (larger ones are decoded off the event loop).
+DIRECT_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class _Direct:
+    """An inference request the connection answers itself, between its headers and its body's end."""
+
+    model: str
+    version: str
+    headers: dict[bytes, bytes]
+    keep_alive: bool
 
 
 class _OneWriteTransport:
@@ -125,14 +148,17 @@ class BodyBudget:
             self.held = 0
 
 
-def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
+def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None = None) -> Any:
     """The protocol class for uvicorn's ``http`` setting: httptools, bounded as the module says; or h11.
+
+    With ``app``, the connection answers small inference requests itself (see the module doc).
 
     Without httptools uvicorn's h11 protocol runs unbounded by the budget (the daemon's dependencies
     include httptools; this is for a library user's stripped-down install).
     """
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        import httptools
+        from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:
         log.warning("httptools is missing: the HTTP frontend runs on h11, without connection limits")
         return "h11"
@@ -150,6 +176,7 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
         _body_arriving = False  # between the headers of a request with a body and that body's end
         _lingering = False  # refused: what still comes is read and dropped until the close
         _linger_room = 0  # bytes a lingering connection may still read
+        _direct: _Direct | None = None  # the request the connection answers itself, its body arriving
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -188,7 +215,7 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
 
         def _expired(self) -> None:
             self._timer = None
-            what = "its request headers" if self._in_headers or self.cycle is None else "its request body"
+            what = "its request body" if self._body_arriving else "its request headers"
             log.info("HTTP: closing a connection that did not send %s in time", what)
             self._refuse(408, "Request Timeout", f"the connection did not send {what} in time")
 
@@ -275,7 +302,9 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
         def on_headers_complete(self) -> None:
             self._in_headers = False
             self._disarm()
-            super().on_headers_complete()
+            self._direct = self._answerable()
+            if self._direct is None:
+                super().on_headers_complete()
             expects_body = any(
                 (name == b"content-length" and value.strip() not in (b"0", b""))
                 or name == b"transfer-encoding"
@@ -309,19 +338,93 @@ def http_protocol(limits: Limits, max_body_bytes: int) -> Any:
             ``max_body_bytes`` the app is woken to refuse it and the rest is dropped.
             """
             cycle = self.cycle
-            if cycle.response_complete or (self.parser.should_upgrade() and self._should_upgrade()):
+            if self._direct is None and (
+                cycle.response_complete or (self.parser.should_upgrade() and self._should_upgrade())
+            ):
                 return
             if self._body is None or self._body_bytes > max_body_bytes:
                 return
             self._body.append(body)
             self._body_bytes += len(body)
-            if self._body_bytes > max_body_bytes:
+            if self._body_bytes > max_body_bytes:  # (never a direct request's: its length was checked)
                 cycle.message_event.set()
 
         def on_message_complete(self) -> None:
             self._body_arriving = False
             self._disarm()
-            super().on_message_complete()
+            direct, self._direct = self._direct, None
+            if direct is None:
+                super().on_message_complete()
+            elif not (self._lingering or self.transport.is_closing()):  # (not when refused meanwhile)
+                self._answer(direct)
+
+        # -- inference requests answered here -----------------------------------------------------------
+
+        def _answerable(self) -> _Direct | None:
+            """The request, if the connection answers it itself (see the module doc); else None."""
+            if (
+                app is None
+                or self.parser.get_method() != b"POST"
+                or (self.cycle is not None and not self.cycle.response_complete)
+                or self.pipeline
+                or self.expect_100_continue
+                or self.flow.write_paused  # a client that does not read: uvicorn's cycle waits for it
+                or self.parser.should_upgrade()
+            ):
+                return None
+            headers = dict(self.headers)
+            declared = headers.get(b"content-length", b"")
+            if (
+                not declared.isdigit()
+                or int(declared) > min(DIRECT_BODY_BYTES, max_body_bytes)
+                or b"content-encoding" in headers
+                or b"transfer-encoding" in headers
+            ):
+                return None
+            try:
+                path = httptools.parse_url(self.url).path
+            except httptools.HttpParserInvalidURLError:
+                return None  # uvicorn answers it
+            if b"%" in path:
+                return None
+            route = app.infer_route(path.decode("ascii", "replace"))
+            if route is None:
+                return None
+            keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+            return _Direct(*route, headers, keep_alive)
+
+        def _answer(self, direct: _Direct) -> None:
+            assert app is not None
+            chunks = self._body or []
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            answer = app.answer_now(self._peer[0], direct.headers, direct.model, direct.version, body)
+            if not isinstance(answer, tuple):  # it waits for an instance: uvicorn's cycle answers it
+                self.scope[LATER_KEY] = answer  # type: ignore[literal-required]
+                super().on_headers_complete()
+                self.cycle.keep_alive &= direct.keep_alive  # (False when the server began to stop meanwhile)
+                super().on_message_complete()
+                return
+            status, content, headers = answer
+            close = not direct.keep_alive or (b"connection", b"close") in headers
+            head = [STATUS_LINE[status]]
+            for name, value in (*self.server_state.default_headers, *headers):
+                head += (name, b": ", value, b"\r\n")
+            head.append(b"content-length: %d\r\n" % len(content))
+            if close and (b"connection", b"close") not in headers:
+                head.append(b"connection: close\r\n")
+            head.append(b"\r\n")
+            raw = self._raw
+            assert raw is not None
+            raw.writelines((b"".join(head), content))
+            if close:
+                raw.close()
+            self.on_response_complete()
+
+        def shutdown(self) -> None:
+            if self._direct is not None:  # its body is arriving: answer it, then close
+                self._direct.keep_alive = False
+                return
+            super().shutdown()
 
         def on_response_complete(self) -> None:
             if not self.pipeline:  # a pipelined request's body may be counted already: keep it

@@ -9,7 +9,6 @@ gRPC status codes in one place (:func:`error_status`), from each error's own ``h
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -312,11 +311,6 @@ class KServeService:
         """The uid of the client on the other end of ``peer`` (-1: not on this host, or not known)."""
         uid = None if peer is None else known_uid(peer)
         return -1 if uid is None else uid
-
-    async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
-        """Run ``request``; a cheap model answers inline on the caller's (event loop) thread."""
-        future = self.submit(request)
-        return future.result() if future.done() else await asyncio.wrap_future(future)
 
     def submit(self, request: InferRequest) -> Future[dict[str, np.ndarray]]:
         """Run ``request``; a cheap model runs inline, in this thread, and its future is done on return."""
