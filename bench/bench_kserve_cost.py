@@ -188,7 +188,9 @@ def measure(args: argparse.Namespace) -> None:
         )
 
 
-def http_rows(service: Any, peer: Any, x: Any, outputs: dict[str, Any]) -> list[tuple[str, float]]:
+def http_rows(
+    service: Any, peer: Any, x: Any, outputs: dict[str, Any], calls: int
+) -> list[tuple[str, float]]:
     """The tiny HTTP request's decode and its response's encode (kserve/rest.py), binary and shm."""
     import json
 
@@ -211,8 +213,8 @@ def http_rows(service: Any, peer: Any, x: Any, outputs: dict[str, Any]) -> list[
         rest.encode(service, rest.decode(service, "tiny_py", "", data, length, peer), outputs, peer)
 
     return [
-        ("HTTP: decode and encode, binary", best(partial(call, binary, len(header)))),
-        ("HTTP: decode and encode, system shm in and out", best(partial(call, shm, None))),
+        ("HTTP: decode and encode, binary", best(partial(call, binary, len(header)), calls)),
+        ("HTTP: decode and encode, system shm in and out", best(partial(call, shm, None), calls)),
     ]
 
 
@@ -222,7 +224,7 @@ def best(call: Callable[[], Any], number: int = 20000) -> float:
     return min(timeit.repeat(call, number=number, repeat=5)) / number * 1e6
 
 
-def parts() -> None:
+def parts(calls: int = 20000) -> None:
     """edge-server's steps of a tiny gRPC and a shared-memory KServe call, timed in this process."""
     from tritonclient.grpc import service_pb2
 
@@ -256,7 +258,7 @@ def parts() -> None:
         data = message.SerializeToString()
         wire = parse_infer_request(data)
         request, wants = grpc_codec.decode(service, wire.message, peer, wire.raw)
-        outputs = service.infer_blocking(request)
+        outputs = service.submit(request).result()
         decode = partial(grpc_codec.decode, service, wire.message, peer)
 
         def output() -> None:
@@ -265,18 +267,18 @@ def parts() -> None:
             lease.close()
 
         rows += [
-            ("gRPC: parse the request (grpc_wire)", best(partial(parse_infer_request, data))),
-            ("gRPC: decode to a data-plane request", best(decode)),
-            ("tiny model.py through the data plane", best(partial(service.infer_blocking, request))),
+            ("gRPC: parse the request (grpc_wire)", best(partial(parse_infer_request, data), calls)),
+            ("gRPC: decode to a data-plane request", best(decode, calls)),
+            ("tiny model.py through the data plane", best(lambda: service.submit(request).result(), calls)),
             ("gRPC: encode and serialize the response", best(
-                lambda: grpc_codec.encode(service, request, wants, outputs, peer).SerializeToString()
+                lambda: grpc_codec.encode(service, request, wants, outputs, peer).SerializeToString(), calls
             )),
-            *http_rows(service, peer, x, outputs),
+            *http_rows(service, peer, x, outputs, calls),
             ("shm: an input read (lookup, owner and permission, pread)", best(
-                lambda: shm.read("in", 0, x.nbytes, x.nbytes, peer, "input 'INPUT'")
+                lambda: shm.read("in", 0, x.nbytes, x.nbytes, peer, "input 'INPUT'"), calls
             )),
-            ("shm: an output held, then written (pwrite)", best(output)),
-            ("one fstat(2), for scale", best(partial(os.fstat, 0))),
+            ("shm: an output held, then written (pwrite)", best(output, calls)),
+            ("one fstat(2), for scale", best(partial(os.fstat, 0), calls)),
         ]  # fmt: skip
     print("\n| edge-server step (in process, best of 5) | µs |\n|---|---|")
     for name, value in rows:
@@ -291,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-triton", action="store_true")
     parser.add_argument("--parts", action="store_true", help="edge-server's own steps, in this process")
+    parser.add_argument("--calls", type=int, default=20000, help="--parts: calls per timing (best of 5)")
     args = parser.parse_args(argv)
     if args.parts:
-        parts()
+        parts(args.calls)
     else:
         measure(args)
     return 0

@@ -170,3 +170,15 @@ def test_bench_reload_runs_its_reloads_end_to_end() -> None:
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     assert "| failed requests | 0 |" in result.stdout, result.stdout
     assert "PASS" in result.stdout
+
+
+def test_bench_kserve_cost_parts_times_each_step() -> None:
+    """``--parts`` times edge-server's own steps in process; it called a method the service no longer had,
+    and nothing ran it."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_kserve_cost.py"), "--parts", "--calls", "20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[-3:-2].isdigit()]
+    assert len(rows) == 9 and "tiny model.py through the data plane" in result.stdout, result.stdout
