@@ -645,3 +645,19 @@ def test_an_inference_answered_by_its_connection_reads_as_one_the_app_answers(
         assert json.loads(body)["outputs"][0]["data"] == x.tolist()
     else:
         assert head.split(b" ")[1] in (b"400", b"404") and b"unknown model" in body, replies
+
+
+def test_a_read_of_many_pipelined_inferences_is_answered_in_order(kserve: KServeDaemon) -> None:
+    """The first request of a read may be answered by its connection, the rest by uvicorn's cycles in turn:
+    each gets its own answer, in order."""
+    _measured(kserve)
+    xs = [np.full(3, k, np.float32) for k in range(40)]
+    with socket.create_connection(("127.0.0.1", kserve.http_port), timeout=30) as sock:
+        sock.sendall(b"".join(_identity_request(x) for x in xs))
+        answers = _responses(sock, len(xs))
+        sock.sendall(_identity_request(xs[0]))  # and the connection still answers the next one
+        answers += _responses(sock, 1)
+    assert [head.split(b" ")[1] for head, _ in answers] == [b"200"] * (len(xs) + 1)
+    assert [json.loads(body)["outputs"][0]["data"] for _, body in answers] == [
+        x.tolist() for x in xs + xs[:1]
+    ]

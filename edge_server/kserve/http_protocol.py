@@ -21,7 +21,9 @@ An inference request with a small uncompressed body is answered by the connectio
 whole, when nothing else of the connection is in flight: the app decodes it and runs the model inline
 where the model allows it (:meth:`KServeHttpApp.answer_now`), and the answer is written without uvicorn's
 request cycle, task and ASGI messages (about 40 us a request; a tiny model's round trip costs the daemon
-about 230).  Any other request, and one that must wait for an instance, goes through uvicorn's cycle.
+about 230).  Any other request, and one that must wait for an instance, goes through uvicorn's cycle; so
+do the requests pipelined behind the first one of a read, which then take turns with other connections'
+(answered here, a read of a thousand pipelined requests would hold the event loop for all of them).
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
         _lingering = False  # refused: what still comes is read and dropped until the close
         _linger_room = 0  # bytes a lingering connection may still read
         _direct: _Direct | None = None  # the request the connection answers itself, its body arriving
+        _answered_in_read = False  # one request per read is answered here; pipelined ones take turns
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -265,6 +268,7 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
 
         def data_received(self, data: bytes) -> None:
             if not self._lingering:
+                self._answered_in_read = False
                 super().data_received(data)
                 return
             self._linger_room -= len(data)  # a refused connection: its request's rest is dropped unparsed
@@ -364,6 +368,7 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
             """The request, if the connection answers it itself (see the module doc); else None."""
             if (
                 app is None
+                or self._answered_in_read  # the rest of a pipelined read: uvicorn's cycles, one a turn
                 or self.parser.get_method() != b"POST"
                 or (self.cycle is not None and not self.cycle.response_complete)
                 or self.pipeline
@@ -395,6 +400,7 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
 
         def _answer(self, direct: _Direct) -> None:
             assert app is not None
+            self._answered_in_read = True
             chunks = self._body or []
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             answer = app.answer_now(self._peer[0], direct.headers, direct.model, direct.version, body)
