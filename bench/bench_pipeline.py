@@ -169,8 +169,8 @@ def process_counters(pid: int) -> tuple[float, int]:
     """(CPU seconds, voluntary context switches) of every thread of process ``pid`` so far.
 
     ``/proc/PID/status`` counts only the main thread's switches; each thread has its own under
-    ``task/``.  Threads that ended meanwhile drop out of the sum, which is why the daemons here
-    keep theirs for their whole life.
+    ``task/``.  Threads that ended meanwhile drop out of the sum: the daemon's workers live as long as
+    it does, but it starts short-lived ones (its heap-trim timers), whose few switches are not counted.
     """
     ticks = os.sysconf("SC_CLK_TCK")
     with open(f"/proc/{pid}/stat") as f:
@@ -183,7 +183,7 @@ def process_counters(pid: int) -> tuple[float, int]:
                 for line in f:
                     if line.startswith("voluntary_ctxt_switches"):
                         switches += int(line.split()[1])
-        except FileNotFoundError:  # the thread ended between listing and reading
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended after listing (ESRCH: while read)
             pass
     return cpu, switches
 

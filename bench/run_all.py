@@ -5,9 +5,9 @@
     .venv/bin/python bench/run_all.py --only bench_triton bench_ipc --out bench/results/all.md
 
 Each script runs in its own process with this interpreter; its output is kept under ``bench/results/``
-(one file per script) and printed under a heading.  Benchmarks run one at a time because they measure
-the machine: running two at once would measure each other.  A script that fails is reported and the
-rest still run; the exit status says whether all of them succeeded.
+(or ``--results DIR``; one file per script) and printed under a heading.  Benchmarks run one at a time
+because they measure the machine: running two at once would measure each other.  A script that fails is
+reported and the rest still run; the exit status says whether all of them succeeded.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), help="run only these")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per script")
     parser.add_argument("--out", type=Path, default=None, help="also write everything to this file")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the folder of one file per script")
     args = parser.parse_args(argv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.results.mkdir(parents=True, exist_ok=True)
     sections, failed = [], []
     for name, (short, full) in BENCHMARKS.items():
         if args.only and name not in args.only:
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = full if args.full else short
         print(f"running {name} {' '.join(flags)}", file=sys.stderr, flush=True)
         ok, text, elapsed = run(name, flags, args.timeout)
-        (RESULTS / f"{name}.txt").write_text(text)
+        (args.results / f"{name}.txt").write_text(text)
         if not ok:
             failed.append(name)
         status = f"{elapsed:.0f} s" + ("" if ok else ", FAILED")

@@ -160,7 +160,7 @@ def python_stubs(pid: int) -> dict[str, int]:
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended (ESRCH: while it was read)
             continue
         for child in children:
             try:
@@ -549,7 +549,7 @@ def _children() -> set[int]:
         try:
             with open(f"/proc/self/task/{task}/children") as f:
                 pids.update(int(pid) for pid in f.read().split())
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended (ESRCH: while it was read)
             continue
     return pids
 

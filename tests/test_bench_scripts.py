@@ -1,5 +1,5 @@
 """bench/bench_triton.py without Triton, the Triton repository it generates on both servers, and
-bench_hostile.py and bench_reload.py run end to end.
+bench_hostile.py, bench_reload.py and every other script in bench/ run end to end.
 
 No timing is asserted: the benchmark is run in its quick mode only to show that it runs end to end,
 prints the table and says why Triton was skipped.
@@ -182,3 +182,149 @@ def test_bench_kserve_cost_parts_times_each_step() -> None:
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[-3:-2].isdigit()]
     assert len(rows) == 9 and "tiny model.py through the data plane" in result.stdout, result.stdout
+
+
+# -- every other script in bench/, in its smallest run --------------------------------------------------
+# Nothing ran them, and a refactor could break one unseen (as it broke bench_reload and bench_kserve_cost).
+# No timing is asserted: each runs once with small counts, exits 0 and prints its table; ``lines`` are
+# the beginnings of lines its output must hold, in this order (the table's header and its rows).
+QUICK_RUNS = [
+    pytest.param(
+        "bench_batch_cost", ["--rounds", "1", "--budget", "0.05"],
+        ["model ", "digits (8x8 MLP)", "crop CNN (64x64)", "crop CNN (64x64)", "anchor CNN (224x224)"],
+        id="batch_cost",
+    ),
+    pytest.param(
+        "bench_batching", ["--seconds", "0.3", "--clients", "2"],
+        ["| batch | median ms per call", "| 1 |", "| 8 |", "| batching | instances | req/s", "| off | 1 |",
+         "| on | 1 |", "| off | 2 |", "| on | 2 |", "| path | µs per call", "| backend.execute directly",
+         "| DataPlane.run_here", "| DataPlane.submit"],
+        id="batching",
+    ),
+    pytest.param(
+        "bench_http_stacks", ["--short"],
+        ["aiohttp (asyncio loop)", "uvicorn+httptools (asyncio)", "uvicorn+httptools (uvloop)"] * 2,
+        id="http_stacks",
+    ),
+    pytest.param(
+        "bench_ipc", ["--runs", "1", "--requests", "100", "--frames", "5", "--pipelined", "300"],
+        ["| case | median | ratio | target | met |", "| bare pyzmq", "| identity (16 x FP32) through Client",
+         "| frame model, 64 B request", "| 1080x1920x3 UINT8 frame through shared memory",
+         "| 1080p frame through shared memory, copying", "| 1080p frame inline", "| pipelined identity"],
+        id="ipc",
+    ),
+    pytest.param(
+        "bench_kserve_ab", [str(ROOT), "--blocks", "1", "--models", "tiny_py,frametx"],
+        ["| model | transport | before | after |", "| tiny_py | HTTP |", "| tiny_py | gRPC |",
+         "| tiny_py | IPC |", "| frametx | HTTP |", "| frametx | gRPC |", "| frametx | IPC |"],
+        id="kserve_ab",  # this checkout against itself
+    ),
+    pytest.param(
+        "bench_kserve_floor", ["--quick", "--rounds", "1"],
+        ["| payload | transport | bare grpcio |", "| tiny | HTTP |", "| tiny | gRPC |", "| frame | HTTP |",
+         "| frame | gRPC |"],
+        id="kserve_floor",
+    ),
+    pytest.param(
+        "bench_pipeline", ["--short", "--cameras", "1", "4"],
+        ["plain in-process loop over ONNX Runtime", "classifier ", "batching on ", "batching on ",
+         "batching, no delay ", "batching, no delay ", "batching off ", "batching off "],
+        id="pipeline", marks=pytest.mark.slow,  # it failed reading a daemon thread that had just ended
+    ),
+    pytest.param(
+        "bench_python_isolation", ["--quick"],
+        ["| path | model | thread median", "| in-process | tiny |", "| in-process | frame |",
+         "| IPC | tiny |", "| IPC | frame |"],
+        id="python_isolation",
+    ),
+    pytest.param(
+        "bench_sequence", ["--short", "--cameras", "4"],
+        ["| variant | frames/s |", "| oldest, batch 16 |", "| oldest, batch 1 |", "| direct, batch 16 |",
+         "| client state, no batching |", "| client state, dynamic batching |"],
+        id="sequence",
+    ),
+    pytest.param(
+        "bench_shm_outputs", ["--short"],
+        ["1080p UINT8 frame in and out", "  backend: run + copy into shm", "  backend: IOBinding into shm",
+         "  IPC: direct (IOBinding)", "  IPC: copied after the run", "  IPC: frontend pwrite",
+         "  IPC: output inline", "  paths counted by the daemon"],
+        id="shm_outputs",
+    ),
+    pytest.param(
+        "bench_soak", ["--minutes", "0.15", "--clients", "2"],  # exits 1 on a lost reply, an unexpected code
+        ["| what | count |", "| lost replies | 0 |", "| worker threads that never returned | 0 |",
+         "| daemon exit status | 0 |", "| sender | code | count |", "| t (s) | RSS (MiB) | open fds |"],
+        id="soak", marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "bench_baselines", ["--runs", "1", "--requests", "50", "--cnn-requests", "5", "--seconds", "0.3"],
+        ["| case | median | ratio | target |", "| bare pyzmq echo", "| minimal zmq+ORT server, tiny",
+         "| edge-server IPC, tiny (ONNX)", "| edge-server HTTP",
+         "| edge-server IPC, CNN 224, 8 clients, dynamic", "dynamic batching, 8 clients: batches by size"],
+        id="baselines", marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "run_all", ["--only", "bench_sequence"],
+        ["## bench_sequence --short (", "| variant | frames/s |", "| oldest, batch 16 |"],
+        id="run_all",
+    ),
+]  # fmt: skip
+
+
+def run_bench(script: str, *args: str) -> str:
+    """``bench/<script>.py args`` in this interpreter: its stdout, once it has exited 0."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{script}.py"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    return result.stdout
+
+
+def assert_lines_in_order(out: str, beginnings: list[str]) -> None:
+    lines = iter(out.splitlines())
+    for beginning in beginnings:
+        assert any(line.startswith(beginning) for line in lines), (beginning, out)
+
+
+@pytest.mark.parametrize(("script", "args", "lines"), QUICK_RUNS)
+def test_bench_script_runs_end_to_end(script: str, args: list[str], lines: list[str], tmp_path: Path) -> None:
+    if script == "run_all":  # its per-script files go here, not over the checkout's bench/results/
+        args = [*args, "--results", str(tmp_path), "--out", str(tmp_path / "all.md")]
+    out = run_bench(script, *args)
+    assert_lines_in_order(out, lines)
+    if script == "run_all":
+        assert (tmp_path / "bench_sequence.txt").read_text().strip() in (tmp_path / "all.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_kserve_quick_compares_every_transport_with_fastapi() -> None:
+    pytest.importorskip("fastapi", reason="bench_kserve's baseline needs fastapi: pip install -e '.[bench]'")
+    out = run_bench("bench_kserve", "--quick", "--requests", "30", "--frames", "3")
+    assert_lines_in_order(
+        out,
+        ["| case | median us | range us | x IPC | FastAPI / case |", "| tiny: ipc Client |",
+         "| tiny: http http.client (FastAPI+ORT) |", "| frame: ipc shm |", "| frame: grpc tritonclient shm |",
+         "| frame: http http.client (FastAPI+ORT) |", "tiny, same bare client: our HTTP"],
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bench_ocr_compares_the_daemon_with_the_package() -> None:
+    pytest.importorskip("rapidocr_onnxruntime", reason="the OCR example's package (Python < 3.13)")
+    out = run_bench("bench_ocr", "--rounds", "1", "--seconds", "1", "--cameras", "1")
+    assert_lines_in_order(
+        out,
+        ["| case | cameras | frames/s |", "| package, defaults | 1 |", "| package, 1 thread/model | 1 |",
+         "| daemon, batching on | 1 |", "| daemon, batching off | 1 |"],
+    )  # fmt: skip
+
+
+def test_bench_perf_analyzer_quick_measures_both_protocols_or_says_why_not() -> None:
+    """perf_analyzer ships only in tritonclient 2.36.0's wheel (see the script): where none runs, the
+    script's skip is this test's."""
+    out = run_bench("bench_perf_analyzer", "--quick")
+    if out.startswith("SKIP: "):
+        pytest.skip(out.strip())
+    header = "| protocol | concurrency | infer/s |"
+    assert_lines_in_order(out, [header, "| http | 1 |", "| http | 4 |", "| grpc | 1 |", "| grpc | 4 |"])
