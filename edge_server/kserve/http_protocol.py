@@ -278,6 +278,8 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
         # -- parser callbacks -------------------------------------------------------------------------
 
         def on_message_begin(self) -> None:
+            # a request pipelined behind one answered here: the idle timer that answer armed is not for it
+            self._unset_keepalive_if_required()
             self._header_bytes = 0
             self._in_headers = True
             super().on_message_begin()
