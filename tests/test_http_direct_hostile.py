@@ -81,3 +81,21 @@ def test_a_request_pipelined_behind_a_direct_answer_is_not_cut_by_the_idle_timeo
         (first_head, _), (head, body) = responses(sock, 2)
     assert first_head.startswith(b"HTTP/1.1 400") and head.startswith(b"HTTP/1.1 200"), head
     assert json.loads(body)["outputs"][0]["data"] == x.tolist()
+
+
+@pytest.mark.parametrize("path", ["direct", "cycle"])
+def test_nothing_pipelined_behind_an_answer_that_closes_the_connection_runs(
+    short: KServeDaemon, gate: Gate, path: str
+) -> None:
+    """An answer with ``connection: close`` (a malformed body) ends the connection: the requests pipelined
+    behind it in the same read are neither answered nor run, whichever path answered the first."""
+    bad = b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n%s\r\n{{{{{" % (
+        OLD_PATH + b"\r\n" if path == "cycle" else b""
+    )
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+        sock.sendall(bad + infer(np.ones(2, np.float32), model=b"gate") + live)
+        data = until_closed(sock)
+    assert statuses(data) == [b"400"] and b"connection: close" in data, data
+    with pytest.raises(TimeoutError):
+        gate.wait_started(1, timeout=2 * IDLE_S)

@@ -428,6 +428,11 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
                 raw.close()
             self.on_response_complete()
 
+        def _start_asgi_task(self, cycle: Any, asgi: Any) -> None:
+            if self._raw is not None and self._raw.is_closing():
+                return  # answered with a close in this read: what was pipelined behind it is not run
+            super()._start_asgi_task(cycle, asgi)
+
         def shutdown(self) -> None:
             if self._direct is not None:  # its body is arriving: answer it, then close
                 self._direct.keep_alive = False
