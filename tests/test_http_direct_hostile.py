@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from edge_server.client import Client
-from tests.daemon import Gate, stop_daemon
+from tests.daemon import Gate, stop_daemon, wait_for
 from tests.kserve_daemon import KServeDaemon, start_kserve_daemon
 from tests.test_kserve_http import _identity_request as infer
 from tests.test_kserve_http import _responses as responses
@@ -99,3 +99,82 @@ def test_nothing_pipelined_behind_an_answer_that_closes_the_connection_runs(
     assert statuses(data) == [b"400"] and b"connection: close" in data, data
     with pytest.raises(TimeoutError):
         gate.wait_started(1, timeout=2 * IDLE_S)
+
+
+_X = np.arange(3, dtype=np.float32)
+_PLAIN = infer(_X)
+_HEAD, _, _BODY = _PLAIN.partition(b"\r\n\r\n")
+_LENGTH = b"Content-Length: %d" % len(_BODY)
+
+HOSTILE = {
+    "two-content-lengths": _HEAD + b"\r\n" + _LENGTH + b"\r\n\r\n" + _BODY,
+    "two-different-content-lengths": _HEAD + b"\r\nContent-Length: 5\r\n\r\n" + _BODY,
+    "content-length-and-chunked": _HEAD + b"\r\nTransfer-Encoding: chunked\r\n\r\n" + _BODY,
+    "content-length-and-odd-te": _HEAD + b"\r\ntRANSFER-encoding : chunked\r\n\r\n" + _BODY,
+    "te-chunked-identity": _HEAD + b"\r\nTransfer-Encoding: chunked, identity\r\n\r\n" + _BODY,
+    "content-length-plus": _PLAIN.replace(_LENGTH, b"Content-Length: +%d" % len(_BODY)),
+    "content-length-spaces": _PLAIN.replace(_LENGTH, b"Content-Length:  %d " % len(_BODY)),
+    "content-length-zeros": _PLAIN.replace(_LENGTH, b"Content-Length: 000%d" % len(_BODY)),
+    "absolute-uri": _PLAIN.replace(b"POST /v2", b"POST http://x/v2", 1),
+    "query": _PLAIN.replace(b"/infer HTTP", b"/infer?a=b HTTP", 1),
+    "dot-dot": _PLAIN.replace(b"/v2/models/", b"/v2/models/../models/", 1),
+    "percent": _PLAIN.replace(b"/identity/", b"/identit%79/", 1),
+    "not-ascii": _PLAIN.replace(b"/identity/", "/idéntity/".encode(), 1),
+    "long-name": _PLAIN.replace(b"/identity/", b"/" + b"a" * 60000 + b"/", 1),
+    "http-1.0-keep-alive": _PLAIN.replace(b"HTTP/1.1", b"HTTP/1.0", 1).replace(
+        b"Host: x", b"Host: x\r\nConnection: keep-alive"
+    ),
+    "bad-inference-header-length": _PLAIN.replace(b"Length: 1", b"Length: x1", 1),
+    "upgrade": _PLAIN.replace(b"Host: x", b"Host: x\r\nConnection: Upgrade\r\nUpgrade: websocket"),
+}
+
+
+@pytest.mark.parametrize("request_bytes", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_a_hostile_request_is_answered_as_uvicorns_cycle_answers_it(
+    short: KServeDaemon, request_bytes: bytes
+) -> None:
+    """Smuggling and parsing oddities, each followed by a request on the same connection: the statuses, the
+    error texts and the close are the same on both paths (most are refused by the parser before either)."""
+    replies = []
+    for extra in (b"", OLD_PATH + b"\r\n"):
+        with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+            sock.sendall(
+                request_bytes.replace(b"Host: x\r\n", b"Host: x\r\n" + extra, 1)
+                + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            data = until_closed(sock)
+        errors = re.findall(rb'"error": ?"([^"]*)"', data)
+        replies.append((statuses(data), errors, b"connection: close" in data.lower()))
+    assert replies[0] == replies[1]
+
+
+def test_the_body_budget_comes_back_after_direct_requests_cut_off_or_left_unread(
+    short: KServeDaemon, gate: Gate
+) -> None:
+    """Clients gone mid-body, gone before reading their answer, or gone while their request waits for an
+    instance: every body byte counted for them is given back."""
+    request = infer(np.ones(8, np.float32))
+    for cut in (len(request) - 3, len(request)):
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+                sock.sendall(request[:cut])
+    sock = socket.create_connection(("127.0.0.1", short.http_port), timeout=30)
+    sock.sendall(infer(np.ones(8, np.float32), model=b"gate"))
+    gate.wait_started(1)
+    assert body_bytes_in_flight(short) > 0
+    sock.close()
+    gate.release(1)
+    wait_for(lambda: body_bytes_in_flight(short) == 0, what="the body budget to come back")
+
+
+@pytest.mark.parametrize("sent", ["headers", "part-of-the-body"])
+def test_a_direct_request_that_stops_short_is_timed_out(short: KServeDaemon, sent: str) -> None:
+    """A small inference whose headers or body stop short gets its 408 and the close, as any other."""
+    cut = _PLAIN.index(b"\r\n\r\n") + (4 if sent == "headers" else len(_BODY) - 1)
+    if sent == "headers":
+        cut -= 6  # inside the last header
+    with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+        sock.sendall(_PLAIN[:cut])
+        data = until_closed(sock)
+    what = b"headers" if sent == "headers" else b"body"
+    assert statuses(data) == [b"408"] and b"its request " + what in data, data
