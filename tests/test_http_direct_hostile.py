@@ -25,13 +25,15 @@ from tests.test_kserve_http import _responses as responses
 
 OLD_PATH = b"Content-Encoding: identity"  # a body only the ASGI app reads: uvicorn's request cycle answers
 IDLE_S = 1  # the daemon's --idle-timeout-secs (also its header and body timeouts)
+USER_BODY_BYTES = 256 << 10  # its --max-client-body-bytes
 
 
 @pytest.fixture(scope="module")
 def short(ipc_root: Path, ipc_repository: Path) -> Iterator[KServeDaemon]:
-    """One daemon with one-second idle, header and body timeouts."""
+    """One daemon with one-second idle, header and body timeouts, and a small body budget per user."""
     timeouts = ("--idle-timeout-secs", "--header-timeout-secs", "--body-timeout-secs")
     flags = [part for flag in timeouts for part in (flag, str(IDLE_S))]
+    flags += ["--max-client-body-bytes", str(USER_BODY_BYTES)]
     server = start_kserve_daemon(ipc_root, ipc_repository, "hostile.sock", *flags)
     try:
         yield server
@@ -99,6 +101,26 @@ def test_nothing_pipelined_behind_an_answer_that_closes_the_connection_runs(
     assert statuses(data) == [b"400"] and b"connection: close" in data, data
     with pytest.raises(TimeoutError):
         gate.wait_started(1, timeout=2 * IDLE_S)
+
+
+@pytest.mark.parametrize("path", ["direct", "cycle"])
+def test_nothing_pipelined_behind_a_body_refused_as_it_arrives_runs(short: KServeDaemon, path: str) -> None:
+    """A body over the user's budget is refused as it arrives (503; the rest is read and dropped until the
+    close): a control request pipelined behind it in the same read is not run."""
+    big = infer(np.ones(USER_BODY_BYTES // 4 + 64, np.float32), *([OLD_PATH] if path == "cycle" else []))
+    unload = b"POST /v2/repository/models/text/unload HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+            sock.sendall(big + unload)
+            data = until_closed(sock)
+        assert statuses(data) == [b"503"] and b"--max-client-body-bytes" in data, data
+        with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+            sock.sendall(b"GET /v2/models/text/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            ((head, _),) = responses(sock, 1)
+        assert head.startswith(b"HTTP/1.1 200"), head  # still loaded
+    finally:
+        with Client(short.daemon.address, timeout=30) as client:
+            client.load_model("text")
 
 
 _X = np.arange(3, dtype=np.float32)

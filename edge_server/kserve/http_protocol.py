@@ -429,8 +429,10 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
             self.on_response_complete()
 
         def _start_asgi_task(self, cycle: Any, asgi: Any) -> None:
-            if self._raw is not None and self._raw.is_closing():
-                return  # answered with a close in this read: what was pipelined behind it is not run
+            if self._lingering or (self._raw is not None and self._raw.is_closing()):
+                # answered with a close, or refused mid-body, in this read: what was pipelined behind it
+                # in the same read is not run (uvicorn's cycle would run it, its answer lost)
+                return
             super()._start_asgi_task(cycle, asgi)
 
         def shutdown(self) -> None:
