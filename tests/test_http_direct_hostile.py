@@ -123,6 +123,26 @@ def test_nothing_pipelined_behind_a_body_refused_as_it_arrives_runs(short: KServ
             client.load_model("text")
 
 
+@pytest.mark.parametrize("path", ["direct", "cycle"])
+def test_a_connection_whose_body_was_refused_is_closed_after_its_linger(
+    short: KServeDaemon, path: str
+) -> None:
+    """A body over the user's budget, sent whole: its 503 and the end of the daemon's side of the stream, then
+    the close once the linger is over, although the client keeps its side open."""
+
+    def connections() -> int:
+        with Client(short.daemon.address, timeout=10) as client:
+            return int(client.ipc_status()["limits"]["connections"])
+
+    wait_for(lambda: connections() == 1, what="no HTTP connection but the status client's")
+    big = infer(np.ones(USER_BODY_BYTES // 4 + 64, np.float32), *([OLD_PATH] if path == "cycle" else []))
+    with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+        sock.sendall(big)
+        data = until_closed(sock)  # the 503, then the daemon's end of stream
+        assert statuses(data) == [b"503"], data
+        wait_for(lambda: connections() == 1, timeout=10 * IDLE_S, what="the daemon to close the connection")
+
+
 _X = np.arange(3, dtype=np.float32)
 _PLAIN = infer(_X)
 _HEAD, _, _BODY = _PLAIN.partition(b"\r\n\r\n")

@@ -199,6 +199,7 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
+            self._lingering = False  # over, and its close timer with it
             self._disarm()
             self._give_back()
             if self._connection is not None:
@@ -208,11 +209,13 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
         # -- timeouts ---------------------------------------------------------------------------------
 
         def _arm(self, seconds: float) -> None:
+            if self._lingering:
+                return
             self._disarm()
             self._timer = self.loop.call_later(seconds, self._expired)
 
         def _disarm(self) -> None:
-            if self._timer is not None:
+            if self._timer is not None and not self._lingering:  # a lingering connection's close stays due
                 self._timer.cancel()
                 self._timer = None
 
@@ -260,9 +263,9 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
             if self._lingering or raw.is_closing() or not raw.can_write_eof():
                 return self._lingering
             raw.write_eof()
+            self._disarm()
             self._lingering, self._linger_room = True, LINGER_BYTES
             raw.resume_reading()  # uvicorn pauses reading while a body waits for the app
-            self._disarm()
             self._timer = self.loop.call_later(LINGER_S, raw.close)
             return True
 
