@@ -143,6 +143,27 @@ def test_a_connection_whose_body_was_refused_is_closed_after_its_linger(
         wait_for(lambda: connections() == 1, timeout=10 * IDLE_S, what="the daemon to close the connection")
 
 
+@pytest.mark.parametrize("path", ["direct", "cycle"])
+def test_an_answer_that_closes_the_connection_reaches_a_client_still_sending(
+    short: KServeDaemon, path: str
+) -> None:
+    """A malformed body is answered 400 and the connection closed while the next request's body (pipelined
+    behind it) is still arriving: the close lingers, so that the client reads its 400, not a reset."""
+    bad = b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n%s\r\n{{{{{" % (
+        OLD_PATH + b"\r\n" if path == "cycle" else b""
+    )
+    behind = infer(np.ones(USER_BODY_BYTES // 5, np.float32))  # within the user's body budget
+    data, reset = b"", False
+    with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+        try:
+            sock.sendall(bad + behind)
+            while chunk := sock.recv(65536):
+                data += chunk
+        except ConnectionError:
+            reset = True
+    assert statuses(data) == [b"400"] and not reset, (data, reset)
+
+
 _X = np.arange(3, dtype=np.float32)
 _PLAIN = infer(_X)
 _HEAD, _, _BODY = _PLAIN.partition(b"\r\n\r\n")

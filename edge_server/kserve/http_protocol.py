@@ -24,6 +24,8 @@ request cycle, task and ASGI messages (about 40 us a request; a tiny model's rou
 about 230).  Any other request, and one that must wait for an instance, goes through uvicorn's cycle; so
 do the requests pipelined behind the first one of a read, which then take turns with other connections'
 (answered here, a read of a thousand pipelined requests would hold the event loop for all of them).
+An answer here that closes the connection lingers as a refusal does; and once a connection is closing or
+lingering, nothing more of its read is run.
 """
 
 from __future__ import annotations
@@ -427,7 +429,7 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
             raw = self._raw
             assert raw is not None
             raw.writelines((b"".join(head), content))
-            if close:
+            if close and not self._linger():  # what the client still sends must not reset the answer
                 raw.close()
             self.on_response_complete()
 
