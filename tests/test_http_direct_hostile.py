@@ -86,6 +86,17 @@ def test_a_request_pipelined_behind_a_direct_answer_is_not_cut_by_the_idle_timeo
 
 
 @pytest.mark.parametrize("path", ["direct", "cycle"])
+def test_a_connection_idle_after_its_answer_is_closed(short: KServeDaemon, path: str) -> None:
+    """After its answer, a keep-alive connection that sends nothing more is closed at the idle timeout,
+    without a 408 (there is no request to answer)."""
+    with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+        sock.sendall(infer(np.ones(2, np.float32), *([OLD_PATH] if path == "cycle" else [])))
+        ((head, _),) = responses(sock, 1)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert until_closed(sock) == b""
+
+
+@pytest.mark.parametrize("path", ["direct", "cycle"])
 def test_nothing_pipelined_behind_an_answer_that_closes_the_connection_runs(
     short: KServeDaemon, gate: Gate, path: str
 ) -> None:
