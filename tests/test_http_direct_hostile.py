@@ -175,6 +175,31 @@ def test_an_answer_that_closes_the_connection_reaches_a_client_still_sending(
     assert statuses(data) == [b"400"] and not reset, (data, reset)
 
 
+def errors_logged(server: KServeDaemon) -> int:
+    """Error lines in the daemon's log (a write after the end of a stream, an exception out of the app)."""
+    return len(re.findall(r"^\S+ \S+ E ", server.daemon.log_path.read_text(errors="replace"), re.MULTILINE))
+
+
+@pytest.mark.parametrize("path", ["direct", "cycle"])
+def test_garbage_behind_an_answer_that_closes_the_connection_is_not_answered(
+    short: KServeDaemon, path: str
+) -> None:
+    """A malformed body answered 400 with a close, then bytes no parser takes in the same read: one answer,
+    the end of the stream, and nothing written after it (no error logged for a write after the end)."""
+    bad = b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n%s\r\n{{{{{" % (
+        OLD_PATH + b"\r\n" if path == "cycle" else b""
+    )
+    before = errors_logged(short)
+    with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+        sock.sendall(bad + b"GARBAGE\x01 / HTTP/1.1\r\n\r\n")
+        data = until_closed(sock)
+    assert statuses(data) == [b"400"], data
+    with socket.create_connection(("127.0.0.1", short.http_port), timeout=30) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")  # the loop is past that read
+        assert responses(sock, 1)[0][0].startswith(b"HTTP/1.1 200")
+    assert errors_logged(short) == before, short.daemon.log()
+
+
 _X = np.arange(3, dtype=np.float32)
 _PLAIN = infer(_X)
 _HEAD, _, _BODY = _PLAIN.partition(b"\r\n\r\n")

@@ -433,12 +433,21 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
                 raw.close()
             self.on_response_complete()
 
+        def _ended(self) -> bool:
+            """Whether the connection had its last answer (a close, a refusal): nothing more is run.
+
+            Nor answered: uvicorn would run a request pipelined behind it in the same read, its answer
+            lost, and answer a parser error in the rest of that read after the end of the stream.
+            """
+            return self._lingering or (self._raw is not None and self._raw.is_closing())
+
         def _start_asgi_task(self, cycle: Any, asgi: Any) -> None:
-            if self._lingering or (self._raw is not None and self._raw.is_closing()):
-                # answered with a close, or refused mid-body, in this read: what was pipelined behind it
-                # in the same read is not run (uvicorn's cycle would run it, its answer lost)
-                return
-            super()._start_asgi_task(cycle, asgi)
+            if not self._ended():
+                super()._start_asgi_task(cycle, asgi)
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._ended():
+                super().send_400_response(msg)
 
         def shutdown(self) -> None:
             if self._direct is not None:  # its body is arriving: answer it, then close
