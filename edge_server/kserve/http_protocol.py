@@ -24,6 +24,8 @@ request cycle, task and ASGI messages (about 40 us a request; a tiny model's rou
 about 230).  Any other request, and one that must wait for an instance, goes through uvicorn's cycle; so
 do the requests pipelined behind the first one of a read, which then take turns with other connections'
 (answered here, a read of a thousand pipelined requests would hold the event loop for all of them).
+An answer here that closes the connection lingers as a refusal does; and once a connection is closing or
+lingering, nothing more of its read is run.
 """
 
 from __future__ import annotations
@@ -199,6 +201,7 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
+            self._lingering = False  # over, and its close timer with it
             self._disarm()
             self._give_back()
             if self._connection is not None:
@@ -208,11 +211,13 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
         # -- timeouts ---------------------------------------------------------------------------------
 
         def _arm(self, seconds: float) -> None:
+            if self._lingering:
+                return
             self._disarm()
             self._timer = self.loop.call_later(seconds, self._expired)
 
         def _disarm(self) -> None:
-            if self._timer is not None:
+            if self._timer is not None and not self._lingering:  # a lingering connection's close stays due
                 self._timer.cancel()
                 self._timer = None
 
@@ -260,9 +265,9 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
             if self._lingering or raw.is_closing() or not raw.can_write_eof():
                 return self._lingering
             raw.write_eof()
+            self._disarm()
             self._lingering, self._linger_room = True, LINGER_BYTES
             raw.resume_reading()  # uvicorn pauses reading while a body waits for the app
-            self._disarm()
             self._timer = self.loop.call_later(LINGER_S, raw.close)
             return True
 
@@ -278,6 +283,8 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
         # -- parser callbacks -------------------------------------------------------------------------
 
         def on_message_begin(self) -> None:
+            # a request pipelined behind one answered here: the idle timer that answer armed is not for it
+            self._unset_keepalive_if_required()
             self._header_bytes = 0
             self._in_headers = True
             super().on_message_begin()
@@ -422,9 +429,25 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
             raw = self._raw
             assert raw is not None
             raw.writelines((b"".join(head), content))
-            if close:
+            if close and not self._linger():  # what the client still sends must not reset the answer
                 raw.close()
             self.on_response_complete()
+
+        def _ended(self) -> bool:
+            """Whether the connection had its last answer (a close, a refusal): nothing more is run.
+
+            Nor answered: uvicorn would run a request pipelined behind it in the same read, its answer
+            lost, and answer a parser error in the rest of that read after the end of the stream.
+            """
+            return self._lingering or (self._raw is not None and self._raw.is_closing())
+
+        def _start_asgi_task(self, cycle: Any, asgi: Any) -> None:
+            if not self._ended():
+                super()._start_asgi_task(cycle, asgi)
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._ended():
+                super().send_400_response(msg)
 
         def shutdown(self) -> None:
             if self._direct is not None:  # its body is arriving: answer it, then close
