@@ -236,8 +236,11 @@ class IsolatedPythonBackend(Backend):
         """The pipe closed: end every open stream (the process died, or the instance was unloaded)."""
         self._child_gone = True
         self._on_ready({"v": False, "why": f"the process of instance {self._name} is gone"})
-        if self._closing:
-            error: EdgeServerError = ServerShuttingDown(
+        error: EdgeServerError
+        if self._failure is not None:  # its death was seen first, and the instance may be closing for it
+            error = self._failure
+        elif self._closing:
+            error = ServerShuttingDown(
                 f"model {self._model!r} was unloaded before it sent the final response"
             )
         else:
