@@ -228,9 +228,11 @@ class PeerTable:
         for stream in peer.streams.values():
             stream.cancel()  # the model sees is_cancelled(); its further responses are dropped
         peer.streams.clear()
+        releases = len(peer.registry) > 0 or bool(peer.in_flight)
+        if releases:  # counted first: a status read from another thread that sees its regions gone
+            self.dropped += 1  # sees the client released too
         names = peer.registry.unregister(None)
-        if names or peer.in_flight:
-            self.dropped += 1
+        if releases:
             log.info(
                 "client %s %s: released %d shared-memory regions, cancelled %d of %d queued requests",
                 identity.hex(),
