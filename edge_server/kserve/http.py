@@ -91,15 +91,6 @@ class _Later:
             return _error_reply(exc)
 
 
-def _is_infer(path: str) -> bool:
-    """Whether ``path`` is an inference route: only their responses are compressed, as by Triton.
-
-    ``tritonclient.http.aio`` cannot read a compressed metadata, config or statistics answer.
-    """
-    match = _MODEL_PATH.fullmatch(path)
-    return match is not None and match.group(3) == "/infer"
-
-
 class KServeHttpApp:
     """The ASGI application: routes, body bounds, compression, errors."""
 
@@ -129,7 +120,9 @@ class KServeHttpApp:
                 scope[BUDGET_KEY].penalize(why)
             await _send(send, *_error_reply(exc))
             return
-        if _is_infer(scope["path"]):  # Triton compresses only these
+        # Triton compresses only inference answers: tritonclient.http.aio cannot read a compressed
+        # metadata, config or statistics answer.
+        if self.infer_route(scope["path"]) is not None:
             status, body, extra = _compressed((status, body, extra), headers)
         await _send(send, status, body, extra)
 

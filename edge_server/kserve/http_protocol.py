@@ -366,7 +366,7 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
             direct, self._direct = self._direct, None
             if direct is None:
                 super().on_message_complete()
-            elif not (self._lingering or self.transport.is_closing()):  # (not when refused meanwhile)
+            elif not self._ended():  # (not when refused meanwhile)
                 self._answer(direct)
 
         # -- inference requests answered here -----------------------------------------------------------
@@ -418,12 +418,13 @@ def http_protocol(limits: Limits, max_body_bytes: int, app: KServeHttpApp | None
                 super().on_message_complete()
                 return
             status, content, headers = answer
-            close = not direct.keep_alive or (b"connection", b"close") in headers
+            asks_close = (b"connection", b"close") in headers
+            close = asks_close or not direct.keep_alive
             head = [STATUS_LINE[status]]
             for name, value in (*self.server_state.default_headers, *headers):
                 head += (name, b": ", value, b"\r\n")
             head.append(b"content-length: %d\r\n" % len(content))
-            if close and (b"connection", b"close") not in headers:
+            if close and not asks_close:
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
             raw = self._raw
