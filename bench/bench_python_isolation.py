@@ -94,7 +94,8 @@ def measure(call: Callable[[str], object], case: str, iterations: int, rounds: i
 def start_daemon(repo: Path, address: str, log: Path) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "edge_server", "serve", "--model-repository", str(repo), "--ipc", address,
-        "--allow-http", "false", "--allow-grpc", "false", "--max-message-bytes", str(64 << 20),
+        "--allow-http", "false", "--allow-grpc", "false", "--allow-metrics", "false",
+        "--max-message-bytes", str(64 << 20),
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
