@@ -202,6 +202,12 @@ QUICK_RUNS = [
         id="batching",
     ),
     pytest.param(
+        "bench_busy_instance", ["--rounds", "1", "--seconds", "1.5", "--clients", "2"],
+        ["| checkout | transport | inferences/s | gap per execution", "| this checkout | gRPC |",
+         "| this checkout | IPC |"],
+        id="busy_instance",
+    ),
+    pytest.param(
         "bench_http_stacks", ["--short"],
         ["aiohttp (asyncio loop)", "uvicorn+httptools (asyncio)", "uvicorn+httptools (uvloop)"] * 2,
         id="http_stacks",

@@ -62,11 +62,13 @@ def test_signal_keeps_the_gil(eventfd: int) -> None:
             time.sleep(0)  # releases the GIL between counts, so the main thread gets it back
 
     old = sys.getswitchinterval()
+    # Set before the spinner exists: a wait for the GIL it began under the old 5 ms interval could
+    # still time out during the loop and make this thread drop the GIL (3 counts, once in CI).
+    sys.setswitchinterval(1.0)
     thread = threading.Thread(target=spin)
     thread.start()
     try:
         time.sleep(0.05)
-        sys.setswitchinterval(1.0)
         before = len(ran)
         for _ in range(1000):
             wakeup.signal_eventfd(eventfd)

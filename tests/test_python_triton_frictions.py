@@ -478,7 +478,10 @@ def test_the_decoupled_error_and_the_cancel_over_ipc(daemon: tuple[Daemon, int])
             "TARGET": np.array([b"until_cancelled"], dtype=np.object_),
         }
         out = client.infer("bls_cancel_isolated", inputs)
-        assert (out["SUM"].tolist(), out["IS_CANCELLED"].tolist()) == ([3], [True])
+        assert out["IS_CANCELLED"].tolist() == [True]
+        # stopped before its 20; responses sent before the cancel reached the called model's process
+        # are still read (as in test_a_bls_stream_can_be_cancelled): 3 on a quiet box, once 4 in CI
+        assert 3 <= out["SUM"][0] < 20
 
 
 def test_every_streamed_grpc_response_says_whether_it_is_the_final_one(daemon: tuple[Daemon, int]) -> None:

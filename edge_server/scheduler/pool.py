@@ -37,6 +37,7 @@ from edge_server.config.model import ModelConfig, seconds_parameter
 from edge_server.errors import EdgeServerError, InstanceFailed, ModelExecutionError
 from edge_server.model_readiness import answered
 from edge_server.scheduler import inline
+from edge_server.scheduler.handoff import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class InstancePool(Generic[W]):
         #: finished executions, inline ones too (the watchdog's progress counter)
         self.progress = 0
         self._batcher = batcher
+        self._handoff = Handoff(model)
         self._instances = instances
         self._idle: set[Backend] = set()  # instances whose worker waits for work
         self._lent: set[Backend] = set()  # idle instances lent to a caller's thread
@@ -194,7 +196,12 @@ class InstancePool(Generic[W]):
     # -- lending an idle instance to the caller's thread ------------------------------------------
 
     def lend(self) -> Backend | None:
-        """An idle, healthy instance for the caller's thread, or None (lock held)."""
+        """An idle, healthy instance for the caller's thread, or None (lock held).
+
+        None while batches wait for the delivering thread: an answer given here would overtake them.
+        """
+        if self._handoff.busy():
+            return None
         for backend in self._idle:
             if backend not in self._lent and backend not in self._failed:
                 self._lent.add(backend)
@@ -238,6 +245,16 @@ class InstancePool(Generic[W]):
             self._busy_ns[backend] += time.monotonic_ns() - start
             if outer.on_worker:
                 inline.state(outer)
+
+    def deliver(self, deliver: Callable[[], None]) -> None:
+        """Complete a finished batch here, or on the delivering thread while requests wait (:mod:`handoff`).
+
+        Handed off, it lets this worker's instance take the next batch at once.
+
+        ``deliver`` must not raise.  What it leaves for after the delivery (the in-flight count a drain
+        waits on) it does itself.
+        """
+        self._handoff.deliver(deliver, others_wait=bool(self._batcher.waiting()))
 
     def _work(self, index: int) -> None:
         # What this thread lets others' requests cost while it delivers (an ensemble's next step).
@@ -351,8 +368,11 @@ class InstancePool(Generic[W]):
     # -- draining and stopping --------------------------------------------------------------------
 
     def drain(self, deadline: float, busy: Callable[[], bool]) -> bool:
-        """Wait until ``busy()`` (read under the lock) is false, or ``deadline`` passes (False)."""
-        return wait_until_idle(self.cond, busy, deadline)
+        """Wait until ``busy()`` (read under the lock) is false and every batch is delivered.
+
+        False if ``deadline`` (monotonic) passed first.
+        """
+        return wait_until_idle(self.cond, busy, deadline) and self._handoff.wait_idle(deadline)
 
     def stop(self, grace: float = 2.0) -> None:
         """Stop the workers and close every instance, holding the caller ``grace`` seconds at most.
@@ -379,6 +399,8 @@ class InstancePool(Generic[W]):
                 backend.close()
             except Exception:
                 log.exception("closing instance %s failed", name)
+        if not self._handoff.close(max(0.0, deadline - time.monotonic())):
+            log.error("%r: a delivery is still running after the stop deadline; left running", self.model)
 
     def mark_stopping(self) -> None:
         """Workers stop taking work (lock held): the batcher calls it as it empties its queue."""

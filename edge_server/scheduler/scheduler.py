@@ -25,6 +25,7 @@ the lock and failed after it is released.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -318,19 +319,71 @@ class ModelScheduler:
                 request.future.set_exception(timed_out(request, now))
 
     def _run(self, backend: Backend, batch: list[QueuedRequest], seq: int) -> None:
+        """Run a batch, then deliver it, here or handed off (:meth:`InstancePool.deliver`).
+
+        With ``preserve_ordering`` it is delivered here, in ``seq`` order.
+        """
+        start = time.monotonic_ns()
+        live: list[QueuedRequest] = []
+        results: list[Result] = []
+        timing = Timing()
         try:
-            self._execute(backend, batch, seq=seq if self._preserve_ordering else None)
+            live = [r for r in batch if r.future.set_running_or_notify_cancel()]
+            if live:
+                results = self._compute(backend, [r.item for r in live], timing)
+                if len(live) == 1:
+                    self._inline.observe(time.monotonic_ns() - start, live[0].item)
         except Exception as exc:  # a bug of ours: every request of the batch still gets an answer
             log.exception("running a batch of %r failed unexpectedly", self._config.name)
-            for request in batch:
-                if not request.future.done():
-                    request.future.set_exception(ModelExecutionError(f"internal error: {exc!r}"))
+            live, results = [], []
+            self._fail_undone(batch, exc)
+        finish = functools.partial(self._finish, batch, live, results, timing, start, seq)
+        if self._preserve_ordering:
+            finish()
+        else:
+            self._pool.deliver(finish)
+
+    def _finish(
+        self,
+        batch: list[QueuedRequest],
+        live: list[QueuedRequest],
+        results: list[Result],
+        timing: Timing,
+        start: int,
+        seq: int,
+    ) -> None:
+        """Deliver a run batch's results, record its statistics, and let it leave the in-flight count."""
+        try:
+            if self._preserve_ordering:
+                with self._lock:
+                    while self._delivered_seq != seq:
+                        self._cond.wait()
+            end = time.monotonic_ns()
+            if live:  # counted before its answers leave: a client that reads statistics next sees it
+                self._stats.record_batch(
+                    batch_size=sum(r.batch_size for r in live),
+                    queue_ns=[start - r.enqueue_ns for r in live],
+                    request_ns=[end - r.enqueue_ns for r in live],
+                    succeeded=[not isinstance(res, Exception) for res in results],
+                    timing=timing,
+                )
+            for request, result in zip(live, results, strict=True):
+                self._deliver(request.future, result)
+        except Exception as exc:  # a bug of ours: every request of the batch still gets an answer
+            log.exception("delivering a batch of %r failed unexpectedly", self._config.name)
+            self._fail_undone(batch, exc)
         finally:
             with self._lock:
                 self._in_flight -= len(batch)
                 self._delivered_seq += 1
                 if self._preserve_ordering or not self._accepting:
                     self._cond.notify_all()
+
+    @staticmethod
+    def _fail_undone(batch: list[QueuedRequest], exc: Exception) -> None:
+        for request in batch:
+            if not request.future.done():
+                request.future.set_exception(ModelExecutionError(f"internal error: {exc!r}"))
 
     def _restore_output_shapes(self, outputs: dict[str, np.ndarray]) -> Result:
         """Undo ``reshape`` on outputs: the backend produced the reshape shape, clients expect ``dims``."""
@@ -348,7 +401,7 @@ class ModelScheduler:
         return outputs
 
     def _run_inline(self, backend: Backend, item: BatchItem, enqueue_ns: int) -> Result:
-        """One request on a lent instance, in the caller's thread: :meth:`_execute` without a queue."""
+        """One request on a lent instance, in the caller's thread: :meth:`_run` without a queue."""
         start = time.monotonic_ns()
         timing = Timing()
         try:
@@ -363,33 +416,6 @@ class ModelScheduler:
         ok = not isinstance(result, Exception)
         self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
         return result
-
-    def _execute(self, backend: Backend, batch: list[QueuedRequest], *, seq: int | None) -> None:
-        """Run a batch, deliver each result to its future (in ``seq`` order when given), record stats."""
-        start = time.monotonic_ns()
-        live = [r for r in batch if r.future.set_running_or_notify_cancel()]
-        timing = Timing()
-        results: list[Result] = []
-        if live:
-            results = self._compute(backend, [r.item for r in live], timing)
-            spent = time.monotonic_ns() - start
-            if len(live) == 1:
-                self._inline.observe(spent, live[0].item)
-        if seq is not None:
-            with self._lock:
-                while self._delivered_seq != seq:
-                    self._cond.wait()
-        end = time.monotonic_ns()
-        for request, result in zip(live, results, strict=True):
-            self._deliver(request.future, result)
-        if live:
-            self._stats.record_batch(
-                batch_size=sum(r.batch_size for r in live),
-                queue_ns=[start - r.enqueue_ns for r in live],
-                request_ns=[end - r.enqueue_ns for r in live],
-                succeeded=[not isinstance(res, Exception) for res in results],
-                timing=timing,
-            )
 
     def _compute(self, backend: Backend, items: Sequence[BatchItem], timing: Timing) -> list[Result]:
         """One result per item (the pool's execute: faults, busy time, the worker's mark)."""

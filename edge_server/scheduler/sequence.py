@@ -43,6 +43,7 @@ consistent: the state is written back before ``busy`` is cleared.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Hashable
@@ -445,18 +446,7 @@ class SequenceScheduler:
                 for _, request in live + cancelled:
                     self._order.finished(request, done.get(request))
                 answers = self._order.take(self._first_queued()) or []
-        while answers:
-            for request, result in answers:
-                if isinstance(result, Exception):
-                    request.future.set_exception(result)
-                else:
-                    request.future.set_result(result)
-            if self._order is None:
-                break
-            with self._lock:  # earlier ones may have finished on another instance meanwhile
-                self._order.delivered()
-                answers = self._order.take(self._first_queued()) or []
-        if live:
+        if live:  # counted before its answers leave: a client that reads statistics next sees it
             self._stats.record_batch(
                 batch_size=len(live),
                 queue_ns=[start_ns - r.enqueue_ns for _, r in live],
@@ -464,6 +454,14 @@ class SequenceScheduler:
                 succeeded=[not isinstance(r, Exception) for r in results],
                 timing=timing,
             )
+        if self._order is None:  # here, or handed off while requests wait (InstancePool.deliver)
+            self._pool.deliver(functools.partial(_answer, answers))
+            return
+        while answers:
+            _answer(answers)
+            with self._lock:  # earlier ones may have finished on another instance meanwhile
+                self._order.delivered()
+                answers = self._order.take(self._first_queued()) or []
 
     def _first_queued(self) -> int | None:
         """The arrival of the earliest request queued on a sequence with a candidate place (lock held)."""
@@ -519,3 +517,11 @@ class SequenceScheduler:
                 if not isinstance(result, Exception | Rescheduled) and seq.state is not None:
                     seq.state.update(tensors.take_state(result, request.item.requested_outputs))
         return results
+
+
+def _answer(answers: list[tuple[SequenceRequest, Result]]) -> None:
+    for request, result in answers:
+        if isinstance(result, Exception):
+            request.future.set_exception(result)
+        else:
+            request.future.set_result(result)
