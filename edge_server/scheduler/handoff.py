@@ -4,8 +4,8 @@ Delivering a batch (completing its futures) runs the frontends' callbacks in the
 them: a gRPC answer is encoded and started on its call there, an HTTP answer handed to the event loop,
 an IPC answer queued for its socket.  With 7 gRPC requests queued, that held a worker 0.4-1.2 ms per
 request on a 2-core box while its instance sat idle: for a model whose work is off the CPU (a GPU or
-DLA engine) that is lost throughput (``bench/bench_busy_instance.py``: 0.89 of the ceiling over gRPC,
-0.97 handed off; ``docs/batching.md``, "Delivering").
+DLA engine) that is lost throughput (``bench/bench_busy_instance.py``: 0.87 of the ceiling over gRPC,
+0.96 handed off; ``docs/batching.md``, "Delivering").
 
 So a worker whose instance has requests waiting hands its delivery to this one thread per model version
 and goes back to its instance; a worker with nothing waiting delivers itself, which costs a single
