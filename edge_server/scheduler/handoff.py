@@ -43,6 +43,7 @@ class Handoff:
         self._running = False  # the thread is inside a delivery taken off _pending
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._no_thread_logged = False
 
     def deliver(self, deliver: Callable[[], None], *, others_wait: bool) -> None:
         """Run ``deliver`` here, or hand it to the delivering thread.
@@ -59,16 +60,30 @@ class Handoff:
             else:
                 while len(self._pending) >= MAX_PENDING and not self._closed:
                     self._cond.wait()
-                if not self._closed:
+                if not self._closed and self._started():
                     self._pending.append(deliver)
-                    if self._thread is None:
-                        self._thread = threading.Thread(
-                            target=self._loop, name=f"edge-{self._name}-deliver", daemon=True
-                        )
-                        self._thread.start()
                     self._cond.notify_all()
                     return
         deliver()
+
+    def _started(self) -> bool:
+        """Whether the delivering thread runs, started now if needed (lock held).
+
+        False where no thread can be had (a pids limit, memory): the worker delivers itself, as it did
+        before the hand-off, rather than leave the batch with a thread that never runs.
+        """
+        if self._thread is not None:
+            return True
+        thread = threading.Thread(target=self._loop, name=f"edge-{self._name}-deliver", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            if not self._no_thread_logged:  # once: a pids limit would otherwise log every batch
+                self._no_thread_logged = True
+                log.warning("%r: no delivering thread (%s); its workers deliver themselves", self._name, exc)
+            return False
+        self._thread = thread
+        return True
 
     def _loop(self) -> None:
         # No request runs in this thread: a step it ran could wait (BLS) for a delivery queued behind it.
