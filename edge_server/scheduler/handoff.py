@@ -111,8 +111,14 @@ class Handoff:
                     self._cond.notify_all()
 
     def busy(self) -> bool:
-        """Whether deliveries are with the delivering thread (a hint: read without its lock)."""
-        return self._running or bool(self._pending)
+        """Whether deliveries are with the delivering thread.
+
+        Under its lock: read without it, ``_running`` (False) then ``_pending`` (emptied meanwhile by
+        the thread taking the last one) could both say idle while that one is being delivered, and
+        :meth:`InstancePool.lend` let an inline answer overtake it.
+        """
+        with self._cond:
+            return self._running or bool(self._pending)
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until everything handed off was delivered, or ``deadline`` (monotonic) passes (False)."""
