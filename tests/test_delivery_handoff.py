@@ -230,7 +230,6 @@ def test_a_callback_that_waits_for_another_request_of_its_model_gets_its_answer(
 
         first = _submit(server, two_gates, 0)
         busy = _submit(server, two_gates, 5)  # the other instance, held until "open2"
-        _wait_for(lambda: len(server.statistics("gate")) > 0, "the model")
         first.add_done_callback(waits)
         rest = [_submit(server, two_gates, value) for value in (1, 2)]  # waiting when the first finishes
         (two_gates / "open").touch()
