@@ -188,6 +188,10 @@ class Server:
         ``options`` are :class:`~edge_server.request.InferRequest`'s fields: ``version``, ``outputs``,
         ``priority``, ``timeout_us``, ``request_id``, ``parameters``, ``correlation_id``,
         ``sequence_start``, ``sequence_end``.
+
+        The future's done-callbacks run on the model's threads: they must not wait for another request
+        to the same model version, whose answer may be queued behind them (docs/batching.md,
+        "Delivering"); chain a callback instead.
         """
         self._check_open()
         return self._dataplane.submit(_request(model, inputs, options))

@@ -184,61 +184,6 @@ def test_unloading_delivers_what_was_handed_off(gate: Path) -> None:
         assert not server.is_ready("gate")
 
 
-# Two gates: input 0 waits for the file "open", input 5 for "open2" (a second instance kept busy).
-TWO_GATES = MODEL.replace(
-    """            if int(x[0]) == 0:
-                while not os.path.exists(os.path.join(self.dir, "open")):
-                    time.sleep(0.005)""",
-    """            gate = {0: "open", 5: "open2"}.get(int(x[0]))
-            if gate is not None:
-                while not os.path.exists(os.path.join(self.dir, gate)):
-                    time.sleep(0.005)""",
-)
-
-
-@pytest.fixture
-def two_gates(tmp_path: Path) -> Path:
-    model = tmp_path / "repo" / "gate"
-    (model / "1").mkdir(parents=True)
-    (model / "1" / "model.py").write_text(textwrap.dedent(TWO_GATES))
-    (model / "config.pbtxt").write_text(CONFIG.format(batcher="").replace("count: 1", "count: 2"))
-    model.joinpath("sequence").write_text("dynamic")
-    return model
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of 4a877a8: a handed-off callback that waits for a request of the same model waits for "
-    "a delivery queued behind itself; delivered by the worker, another instance delivered it",
-)
-def test_a_callback_that_waits_for_another_request_of_its_model_gets_its_answer(two_gates: Path) -> None:
-    """A done-callback waits (in process) for a second request to the same two-instance model.
-
-    Before the hand-off, the worker that delivered the first request ran the callback, and the other
-    instance ran and delivered the second.  Handed off, the second's delivery queues behind the
-    callback that waits for it.
-    """
-    outcome: Future[object] = Future()
-    with Server(two_gates.parent) as server:
-
-        def waits(_: Future[dict[str, np.ndarray]]) -> None:
-            try:
-                second = server.submit("gate", {"IN": np.array([9], np.int32)})
-                outcome.set_result(second.result(20)["OUT"].tolist())
-            except BaseException as exc:  # noqa: BLE001 - the test reads it
-                outcome.set_result(repr(exc))
-
-        first = _submit(server, two_gates, 0)
-        busy = _submit(server, two_gates, 5)  # the other instance, held until "open2"
-        first.add_done_callback(waits)
-        rest = [_submit(server, two_gates, value) for value in (1, 2)]  # waiting when the first finishes
-        (two_gates / "open").touch()
-        _wait_for(lambda: 0 in _runs(two_gates), "the first request to run")
-        (two_gates / "open2").touch()
-        assert outcome.result(60) == [9]
-        assert [f.result(30)["OUT"].tolist() for f in [busy, *rest]] == [[5], [1], [2]]
-
-
 def test_answers_arrive_when_the_delivering_thread_cannot_start(
     gate: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

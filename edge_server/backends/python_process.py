@@ -130,6 +130,7 @@ class IsolatedPythonBackend(Backend):
         self._name = ctx.instance.name
         self._execute_timeout = seconds_parameter(ctx.config, EXECUTE_TIMEOUT_KEY, None)
         self._failure: InstanceFailed | None = None
+        self._report: Callable[[InstanceFailed], None] | None = None  # the pool's, given to watch()
         self._busy = False  # in execute(), which reports a death itself (the watcher stays quiet)
         # decoupled: the open streams by token (requests whose final response has not come yet); a
         # rescheduled request keeps its token for its next run (see _tokens_for)
@@ -249,6 +250,12 @@ class IsolatedPythonBackend(Backend):
                 f"model {self._model!r}: instance {self._name} failed: its process {self._child.pid} "
                 f"{exit_reason(self._child.reap())} before it sent the final response"
             )
+            # Out of service before its streams hear of it: a client that sends its next request as
+            # soon as its stream fails must find the instance being replaced, not the dead process
+            # (the exit watcher may see the death only after this reader did).
+            self._failure = error
+            if self._report is not None:
+                self._report(error)
         while self._streams:
             _, sink = self._streams.popitem()
             sink.put(None, error, final=True)
@@ -261,6 +268,7 @@ class IsolatedPythonBackend(Backend):
         """
         child = self._child
         assert child is not None
+        self._report = report
 
         def exited(returncode: int) -> None:
             # While busy, execute() sees the pipe end (the exit watcher ended it) and reports itself.
