@@ -166,11 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         repo = build(root / "repo", args.compute_ms)
         addresses = {}
         for label, checkout in checkouts.items():
-            test_daemon.ROOT = checkout  # the daemon's working directory: its edge_server package
             http, grpc = test_daemon.free_port(), test_daemon.free_port()
             name = label.replace(" ", "-")
             daemon = test_daemon.Daemon(
-                repo, f"ipc://{root}/{name}.sock", root / f"{name}.log", *test_daemon.kserve_flags(http, grpc)
+                repo,
+                f"ipc://{root}/{name}.sock",
+                root / f"{name}.log",
+                *test_daemon.kserve_flags(http, grpc),
+                checkout=checkout,
             )
             stack.callback(daemon.stop)
             daemon.start(timeout=120)

@@ -68,12 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for label, checkout in (("before", args.before.resolve()), ("after", ROOT)):
                 http_port, grpc_port = test_daemon.free_port(), test_daemon.free_port()
-                test_daemon.ROOT = checkout  # the daemon's working directory: its edge_server package
                 daemon = test_daemon.Daemon(
                     repo,
                     f"ipc://{root}/{label}.sock",
                     root / f"{label}.log",
                     *test_daemon.kserve_flags(http_port, grpc_port),
+                    checkout=checkout,
                 )
                 daemons[label] = (daemon.start(timeout=180), http_port, grpc_port)
             cases: dict[tuple[str, str, str], Callable[[], Any]] = {}

@@ -254,7 +254,11 @@ class Gate:
 class Daemon:
     """``python -m edge_server serve`` in a subprocess; its output goes to ``log_path``."""
 
-    def __init__(self, repository: Path, address: str, log_path: Path, *args: str) -> None:
+    def __init__(
+        self, repository: Path, address: str, log_path: Path, *args: str, checkout: Path = ROOT
+    ) -> None:
+        """``checkout``: whose ``edge_server`` runs (its working directory): a benchmark's before/after."""
+        self.checkout = checkout
         self.gate: Gate | None = None
         self.repository = repository
         self.address = address
@@ -301,7 +305,12 @@ class Daemon:
         )
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit, env=self.env
+                command,
+                cwd=self.checkout,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=limit,
+                env=self.env,
             )
         try:
             self.wait_ready(timeout)
