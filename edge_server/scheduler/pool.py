@@ -99,6 +99,14 @@ def _name_os_thread(name: str) -> None:
         pass
 
 
+def complete(future: Future[dict], result: Result) -> None:
+    """Complete a request's future with its result: the outputs, or the error that is its answer."""
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
 def wait_until_idle(cond: threading.Condition, busy: Callable[[], bool], deadline: float) -> bool:
     """Wait on ``cond`` until ``busy()`` is false or ``deadline`` (monotonic) passes: the one drain.
 

@@ -49,7 +49,7 @@ from edge_server.scheduler.inline import (  # noqa: F401  (re-exported: tests an
     InlinePolicy,
 )
 from edge_server.scheduler.policy import BatchSettings, next_batch
-from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
+from edge_server.scheduler.pool import InstancePool, Restart, complete, restart_backoff
 from edge_server.scheduler.queue import QueuedRequest, RequestQueue, timed_out
 from edge_server.scheduler.stats import ModelStats
 
@@ -182,10 +182,7 @@ class ModelScheduler:
                 self._in_flight -= 1
                 if self._queue.size or not self._accepting:
                     self._cond.notify_all()  # the instance's worker may be waiting for it
-        if isinstance(result, Exception):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
+        complete(future, result)
         return future
 
     def _queued(
@@ -424,7 +421,4 @@ class ModelScheduler:
     def _deliver(self, future: Future[dict], result: Result) -> None:
         if self._output_dims and not isinstance(result, Exception):
             result = self._restore_output_shapes(result)
-        if isinstance(result, Exception):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
+        complete(future, result)

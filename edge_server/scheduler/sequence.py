@@ -65,7 +65,7 @@ from edge_server.errors import (
 from edge_server.request import REQUEST_FLAG_SEQUENCE_END, REQUEST_FLAG_SEQUENCE_START, Rescheduled
 from edge_server.scheduler.inline import QUEUE_ONLY, Budget
 from edge_server.scheduler.policy import BatchSettings, next_batch
-from edge_server.scheduler.pool import InstancePool, Restart, restart_backoff
+from edge_server.scheduler.pool import InstancePool, Restart, complete, restart_backoff
 from edge_server.scheduler.queue import Turns
 from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.sequence_order import ArrivalOrder
@@ -521,7 +521,4 @@ class SequenceScheduler:
 
 def _answer(answers: list[tuple[SequenceRequest, Result]]) -> None:
     for request, result in answers:
-        if isinstance(result, Exception):
-            request.future.set_exception(result)
-        else:
-            request.future.set_result(result)
+        complete(request.future, result)
