@@ -54,17 +54,14 @@ class Handoff:
         ``deliver`` must not raise: it completes futures and logs its own failures.
         """
         with self._cond:
-            behind = self._running or bool(self._pending)
-            if self._closed or not (others_wait or behind):
-                pass  # delivered below, in this thread
-            else:
+            if not self._closed and (others_wait or self._holding()):
                 while len(self._pending) >= MAX_PENDING and not self._closed:
                     self._cond.wait()
                 if not self._closed and self._started():
                     self._pending.append(deliver)
                     self._cond.notify_all()
                     return
-        deliver()
+        deliver()  # here, in the caller's thread
 
     def _started(self) -> bool:
         """Whether the delivering thread runs, started now if needed (lock held).
@@ -118,12 +115,16 @@ class Handoff:
         :meth:`InstancePool.lend` let an inline answer overtake it.
         """
         with self._cond:
-            return self._running or bool(self._pending)
+            return self._holding()
+
+    def _holding(self) -> bool:
+        """Whether deliveries are with the delivering thread (lock held)."""
+        return self._running or bool(self._pending)
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until everything handed off was delivered, or ``deadline`` (monotonic) passes (False)."""
         with self._cond:
-            while self._running or self._pending:
+            while self._holding():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
