@@ -26,7 +26,6 @@ import random
 import statistics
 import sys
 import tempfile
-import textwrap
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -36,33 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import tests.daemon as test_daemon  # noqa: E402
-
-MODEL_PY = """
-import time
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "input").as_numpy()
-            time.sleep({seconds})  # the accelerator's time: the CPU and the GIL are free meanwhile
-            y = np.full((1, 10), float(x[0, 0, 0, 0]), np.float32)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("logits", y)]))
-        return responses
-"""
-
-CONFIG = """
-name: "{name}"
-backend: "python"
-max_batch_size: 0
-input [ {{ name: "input", data_type: TYPE_FP32, dims: [ 1, 3, 224, 224 ] }} ]
-output [ {{ name: "logits", data_type: TYPE_FP32, dims: [ 1, 10 ] }} ]
-instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
-"""
+from bench.triton_models import accelerator_model  # noqa: E402
 
 MODELS = ("accel", "beside")
 #: The clients' first and last half second are left out: they do not start and stop all at once.
@@ -71,10 +44,7 @@ EDGE_S = 0.5
 
 def build(repo: Path, compute_ms: float) -> Path:
     for name in MODELS:
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name))
-        source = textwrap.dedent(MODEL_PY.format(seconds=compute_ms / 1000))
-        (repo / name / "1" / "model.py").write_text(source)
+        accelerator_model(repo, name, compute_ms)
     return repo
 
 

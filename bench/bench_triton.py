@@ -13,7 +13,10 @@ unchanged.  Then, interleaved round by round so that a busy machine weighs on ev
 * per-request latency (median over every call) of each workload over KServe HTTP (binary tensors) and
   gRPC with ``tritonclient`` on both servers, through system shared memory (``tritonclient`` HTTP, input
   and output in registered regions) on both, and over edge-server's IPC, inline and through shared memory;
-* the CNN's throughput with 8 clients at once (gRPC on both; IPC on edge-server), median over rounds.
+* throughput with 8 clients at once (gRPC on both; IPC on edge-server), median over rounds, of the CNN
+  (its compute shares the 2 cores with the servers) and of an accelerator stand-in (the CNN's input and
+  output, 4 ms off the CPU per request: the servers have the CPU to themselves, as beside a TensorRT
+  engine on a Jetson's GPU or DLA).
 
 The same ``tritonclient`` calls go to both servers, so the client's cost is the same on both sides.
 When tritonserver is missing or cannot start, the reason is printed and edge-server is measured alone.
@@ -40,7 +43,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.triton_models import WORKLOADS, Workload, build_repository, cnn_flops, python_models  # noqa: E402
+from bench.triton_models import (  # noqa: E402
+    ACCEL,
+    ACCEL_MS,
+    WORKLOADS,
+    Workload,
+    build_repository,
+    cnn_flops,
+    python_models,
+)
 from bench.triton_models import sample_inputs as make_inputs  # noqa: E402
 from bench.triton_server import Tritonserver, TritonUnavailable, find_tritonserver  # noqa: E402
 from edge_server.client import Client  # noqa: E402
@@ -264,14 +275,32 @@ def throughput(make_call: Callable[[], Callable[[], Any]], clients: int, seconds
     return sum(done) / (time.perf_counter() - start)
 
 
+#: (model, transport, column) -> a factory of one client's call
+Factories = dict[tuple[str, str, str], Callable[[], Callable[[], Any]]]
+#: The throughput rows: the CNN (its compute on the CPU, beside the servers) and the accelerator stand-in
+#: (its 4 ms off the CPU, which is left to the servers, as on a Jetson whose engine runs on the GPU or DLA).
+CONCURRENT = {"cnn": "CNN 224", ACCEL: f"accelerator stand-in ({ACCEL_MS:g} ms off the CPU)"}
+
+
 def concurrency_cases(
     endpoints: list[Endpoint], inputs: dict[str, np.ndarray], stack: ExitStack
-) -> dict[tuple[str, str], Callable[[], Callable[[], Any]]]:
-    """(transport, column) -> a factory of one client's call on the CNN (a new connection per client)."""
+) -> Factories:
+    """(model, transport, column) -> a factory of one client's call (a new connection per client).
+
+    The accelerator stand-in is a ``model.py`` only: the model.py columns serve it.  Each client's first
+    call is checked (the stand-in answers its input's first value).
+    """
     import tritonclient.grpc as grpcclient
 
     x = inputs["cnn"]
-    cases: dict[tuple[str, str], Callable[[], Callable[[], Any]]] = {}
+    want = np.full((1, 10), x.flat[0], np.float32)
+    cases: Factories = {}
+
+    def checked(call: Callable[[], np.ndarray], model: str) -> Callable[[], Any]:
+        got = call()
+        if model == ACCEL and not np.array_equal(got, want):
+            raise AssertionError(f"{model} answered {got}, not {want}")
+        return call
 
     def grpc_factory(port: int, model: str) -> Callable[[], Callable[[], Any]]:
         def make() -> Callable[[], Any]:
@@ -279,7 +308,7 @@ def concurrency_cases(
             stack.callback(client.close)
             gin = grpcclient.InferInput("input", list(x.shape), "FP32")
             gin.set_data_from_numpy(x)
-            return lambda: client.infer(model, [gin])
+            return checked(lambda: client.infer(model, [gin]).as_numpy("logits"), model)
 
         return make
 
@@ -287,22 +316,26 @@ def concurrency_cases(
         def make() -> Callable[[], Any]:
             client = Client(address, timeout=120)
             stack.callback(client.close)
-            return lambda: client.infer(model, {"input": x})
+            return checked(lambda: client.infer(model, {"input": x})["logits"], model)
 
         return make
 
     for ep in endpoints:
         for column, suffix in ep.columns.items():
-            cases[("gRPC", column)] = grpc_factory(ep.grpc_port, f"cnn_{suffix}")
-            if ep.ipc_address is not None:
-                cases[("IPC", column)] = ipc_factory(ep.ipc_address, f"cnn_{suffix}")
+            for key in CONCURRENT:
+                if key == ACCEL and suffix != "py":
+                    continue
+                model = ACCEL if key == ACCEL else f"cnn_{suffix}"
+                cases[(key, "gRPC", column)] = grpc_factory(ep.grpc_port, model)
+                if ep.ipc_address is not None:
+                    cases[(key, "IPC", column)] = ipc_factory(ep.ipc_address, model)
     return cases
 
 
 def measure_throughput(
-    cases: dict[tuple[str, str], Callable[[], Callable[[], Any]]], clients: int, seconds: float, rounds: int
-) -> dict[tuple[str, str], float]:
-    results: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
+    cases: Factories, clients: int, seconds: float, rounds: int
+) -> dict[tuple[str, str, str], float]:
+    results: dict[tuple[str, str, str], list[float]] = {key: [] for key in cases}
     for r in range(rounds):
         for key, factory in cases.items():
             results[key].append(throughput(factory, clients, seconds))
@@ -319,7 +352,7 @@ def ratio(theirs: float | None, ours: float | None, higher_is_better: bool = Fal
 
 def report(
     latency: dict[tuple[str, str, str], float],
-    tput: dict[tuple[str, str], float],
+    tput: dict[tuple[str, str, str], float],
     clients: int,
     triton_note: str,
 ) -> str:
@@ -353,18 +386,19 @@ def report(
             lines.append(
                 f"| {names[w.name]} | {transport} | {' | '.join(cell(v) for v in values)} | {versus} |"
             )
-    triton_grpc = tput.get(("gRPC", COLUMNS[0]))
-    for transport in ("gRPC", "IPC"):
-        values = [tput.get((transport, col)) for col in COLUMNS]
-        if all(v is None for v in values):
-            continue
-        versus = ratio(triton_grpc, values[1], higher_is_better=True)
-        if transport == "IPC" and versus != "—":
-            versus += " (vs Triton gRPC)"
-        lines.append(
-            f"| CNN 224, {clients} clients, inferences/s | {transport} | "
-            f"{' | '.join(cell(v, 1) for v in values)} | {versus} |"
-        )
+    for key, label in CONCURRENT.items():
+        triton_grpc = tput.get((key, "gRPC", COLUMNS[0]))
+        for transport in ("gRPC", "IPC"):
+            values = [tput.get((key, transport, col)) for col in COLUMNS]
+            if all(v is None for v in values):
+                continue
+            versus = ratio(triton_grpc, values[1], higher_is_better=True)
+            if transport == "IPC" and versus != "—":
+                versus += " (vs Triton gRPC)"
+            lines.append(
+                f"| {label}, {clients} clients, inferences/s | {transport} | "
+                f"{' | '.join(cell(v, 1) for v in values)} | {versus} |"
+            )
     floor = ", ".join(
         f"{w.name} {latency[(w.name, DIRECT, DIRECT)]:,.0f} µs"
         for w in WORKLOADS

@@ -15,6 +15,10 @@ The workloads (the ones issue #16 anchors its figures on):
   about 1.4 GFLOP per image: a model whose compute dominates;
 * ``frame``: a 1080p RGB UINT8 frame [1080, 1920, 3] -> its three channel means: the cost of moving
   6.2 MB into the model.
+
+And one ``model.py`` without a graph, ``accel_py`` (:func:`accelerator_model`): the CNN's input and output,
+and :data:`ACCEL_MS` of work off the CPU (it sleeps with the GIL released), standing in for a TensorRT
+engine on a Jetson's GPU or DLA, where the CPU is the servers' own and not the model's.
 """
 
 from __future__ import annotations
@@ -65,6 +69,29 @@ max_batch_size: 0
 input [ {{ name: "{input}", data_type: {in_type}, dims: {in_dims} }} ]
 output [ {{ name: "{output}", data_type: TYPE_FP32, dims: {out_dims} }} ]
 instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
+"""
+
+
+ACCEL = "accel_py"
+#: The accelerator stand-in's time per request: about what a small detector takes on an Orin's GPU.
+ACCEL_MS = 4.0
+ACCEL_PY = """
+\"\"\"Stands in for a model whose work runs on an accelerator: it sleeps, the CPU and the GIL free.\"\"\"
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "input").as_numpy()
+            time.sleep({seconds})  # the accelerator's time: the CPU and the GIL are free meanwhile
+            y = np.full((1, 10), float(x[0, 0, 0, 0]), np.float32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("logits", y)]))
+        return responses
 """
 
 
@@ -205,11 +232,32 @@ def build_repository(repo: Path, onnx_backend: bool = True) -> Path:
                     out_dims=workload.out_dims,
                 )
             )
+    accelerator_model(repo)
     return repo
 
 
+def accelerator_model(repo: Path, name: str = ACCEL, compute_ms: float = ACCEL_MS) -> Path:
+    """Write ``name``: the CNN's input and output, ``compute_ms`` off the CPU, answering ``x[0, 0, 0, 0]``."""
+    cnn = next(w for w in WORKLOADS if w.name == "cnn")
+    (repo / name / "1").mkdir(parents=True)
+    source = ACCEL_PY.format(seconds=compute_ms / 1000)
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(source).lstrip())
+    (repo / name / "config.pbtxt").write_text(
+        CONFIG.format(
+            name=name,
+            backend="python",
+            input=cnn.input,
+            output=cnn.output,
+            in_type=cnn.in_type,
+            in_dims=cnn.in_dims,
+            out_dims=cnn.out_dims,
+        )
+    )
+    return repo / name
+
+
 def python_models() -> list[str]:
-    return [f"{w.name}_py" for w in WORKLOADS]
+    return [f"{w.name}_py" for w in WORKLOADS] + [ACCEL]
 
 
 def sample_inputs(seed: int = 1) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from bench.triton_models import WORKLOADS, build_repository, python_models, sample_inputs
+from bench.triton_models import ACCEL, WORKLOADS, build_repository, python_models, sample_inputs
 from bench.triton_server import Tritonserver, TritonUnavailable, find_tritonserver
 from edge_server.client import Client
 from tests.daemon import Daemon
@@ -70,6 +70,8 @@ def test_generated_triton_repository_is_served_unchanged_by_edge_server(tmp_path
             for w in WORKLOADS:
                 out = client.infer(f"{w.name}_py", {w.input: inputs[w.name]})[w.output]
                 np.testing.assert_allclose(out, direct(repo, w.name, inputs[w.name]), rtol=1e-5, atol=1e-5)
+            x = inputs["cnn"]  # the accelerator stand-in answers its input's first value, ten times
+            assert client.infer(ACCEL, {"input": x})["logits"].tolist() == [[float(x.flat[0])] * 10]
     finally:
         assert daemon.stop() == 0
 
