@@ -6,7 +6,8 @@
 The model stands in for one whose work runs off the CPU (a TensorRT engine on the GPU or a DLA): a
 ``model.py`` that takes a CNN's 224x224 input and sleeps ``--compute-ms`` with the GIL released.  A
 second model is loaded beside it, as on any box that serves more than one (the daemon's only model may
-run on the frontend's thread instead of its instance's worker; a TensorRT model never does).  Client
+run on the frontend's thread instead of its instance's worker; a TensorRT model never does); with
+``--alone`` it is the daemon's only model, as on a camera box that serves one.  Client
 processes (``--clients``, each with one request in flight) keep its queue full over gRPC
 (``tritonclient``) and over IPC (``edge_server.client``), in rounds that alternate the checkouts.
 
@@ -42,8 +43,8 @@ MODELS = ("accel", "beside")
 EDGE_S = 0.5
 
 
-def build(repo: Path, compute_ms: float) -> Path:
-    for name in MODELS:
+def build(repo: Path, compute_ms: float, alone: bool) -> Path:
+    for name in MODELS[:1] if alone else MODELS:
         accelerator_model(repo, name, compute_ms)
     return repo
 
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=Path, help="a checkout to measure side by side (a git worktree)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--compute-ms", type=float, default=4.0)
+    parser.add_argument("--alone", action="store_true", help="the model is the daemon's only one")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--seconds", type=float)
     args = parser.parse_args(argv)
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-busy-") as tmp, ExitStack() as stack:
         root = Path(tmp)
-        repo = build(root / "repo", args.compute_ms)
+        repo = build(root / "repo", args.compute_ms, args.alone)
         addresses = {}
         for label, checkout in checkouts.items():
             http, grpc = test_daemon.free_port(), test_daemon.free_port()
@@ -156,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
                 sample = one_round(ctx, transport, addresses[label][transport], ipc, args.clients, seconds)
                 samples.setdefault((label, transport), []).append(sample)
             print(f"round {number + 1}/{rounds} done", file=sys.stderr, flush=True)
+    company = "the daemon's only model" if args.alone else "another model beside it"
     print(
         f"\n{args.clients} client processes, one request in flight each; model: {args.compute_ms:g} ms "
-        f"off the CPU per request; {rounds} rounds of {seconds:g} s; medians over rounds\n"
+        f"off the CPU per request, {company}; {rounds} rounds of {seconds:g} s; medians over rounds\n"
     )
     print("| checkout | transport | inferences/s | gap per execution, µs | share of 1/compute |")
     print("|---|---|---|---|---|")

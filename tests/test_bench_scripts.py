@@ -205,9 +205,14 @@ QUICK_RUNS = [
     ),
     pytest.param(
         "bench_busy_instance", ["--rounds", "1", "--seconds", "1.5", "--clients", "2"],
-        ["| checkout | transport | inferences/s | gap per execution", "| this checkout | gRPC |",
-         "| this checkout | IPC |"],
+        ["2 client processes", "| checkout | transport | inferences/s | gap per execution",
+         "| this checkout | gRPC |", "| this checkout | IPC |"],
         id="busy_instance",
+    ),
+    pytest.param(
+        "bench_busy_instance", ["--alone", "--rounds", "1", "--seconds", "1.5", "--clients", "2"],
+        ["2 client processes", "| this checkout | gRPC |", "| this checkout | IPC |"],
+        id="busy_instance_alone",
     ),
     pytest.param(
         "bench_http_stacks", ["--short"],

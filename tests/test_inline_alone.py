@@ -4,6 +4,10 @@ A model whose executions take milliseconds goes to its worker thread when other 
 daemon (its run on a frontend thread would hold their requests), but when it is the only model and
 has one instance, nothing but requests for that same instance could wait behind it: it runs where
 the request arrived, as a hand-written loop would, and saves two thread wake-ups per request.
+
+Only while it computes, though: a model that waits (for a GPU or DLA, another process, a sleep) keeps
+its worker, so that the frontend's thread reads other clients' requests (and answers their control
+calls) meanwhile.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import numpy as np
 
 from edge_server import Server
 from edge_server.client import Client
+from edge_server.request import ClientKey, InferRequest
+from edge_server.scheduler import inline
 from edge_server.scheduler.scheduler import INLINE_BUDGET_NS, SOLE_VERSION_INLINE_BUDGET_NS
-from tests.daemon import Daemon
+from tests.daemon import Daemon, wait_for
 from tests.test_python_inline import threads_that_ran
 
 CONFIG = """
@@ -29,7 +35,7 @@ output [ {{ name: "OUT", data_type: TYPE_STRING, dims: [ 1 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: {count} }} ]
 """
 
-# Sleeps for SECONDS, then names the thread that ran execute().
+# Computes for SECONDS (on this thread's CPU), then names the thread that ran execute().
 MODEL = """
 import threading
 import time
@@ -39,7 +45,33 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
+        end = time.perf_counter() + {seconds}
+        while time.perf_counter() < end:
+            pass
+        out = pb_utils.Tensor("OUT", np.array([threading.current_thread().name.encode()], object))
+        return [pb_utils.InferenceResponse([out]) for _ in requests]
+"""
+
+# Waits for SECONDS, as for an accelerator; a request whose IN[0] > 0 also waits, once it has written
+# GATE/holding, until GATE/release exists.  Then names the thread that ran execute().
+WAITING_MODEL = """
+import os
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+GATE = {gate!r}
+
+
+class TritonPythonModel:
+    def execute(self, requests):
         time.sleep({seconds})
+        for request in requests:
+            if pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0] > 0:
+                open(os.path.join(GATE, "holding"), "w").close()
+                while not os.path.exists(os.path.join(GATE, "release")):
+                    time.sleep(0.005)
         out = pb_utils.Tensor("OUT", np.array([threading.current_thread().name.encode()], object))
         return [pb_utils.InferenceResponse([out]) for _ in requests]
 """
@@ -48,9 +80,11 @@ SLOW_S = 0.002  # well over the shared budget, well under the alone budget
 assert INLINE_BUDGET_NS < SLOW_S * 1e9 < SOLE_VERSION_INLINE_BUDGET_NS / 4
 
 
-def _model(repo: Path, name: str, seconds: float, count: int = 1) -> None:
+def _model(
+    repo: Path, name: str, seconds: float, count: int = 1, source: str = MODEL, gate: str = ""
+) -> None:
     (repo / name / "1").mkdir(parents=True)
-    (repo / name / "1" / "model.py").write_text(textwrap.dedent(MODEL.format(seconds=seconds)))
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(source.format(seconds=seconds, gate=gate)))
     (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, count=count))
 
 
@@ -100,4 +134,56 @@ def test_the_daemons_only_model_runs_on_its_ipc_thread(tmp_path: Path) -> None:
                 names.append(client.infer("slow", {"IN": x})["OUT"][0].decode())
         assert names[-5:] == ["edge-ipc-frontend"] * 5, names
     finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def _ran(server: Server, model: str, clients: list[ClientKey]) -> list[str]:
+    """Who ran one request from each of ``clients`` in turn, with a frontend's budget."""
+    x = np.ones(2, np.float32)
+    names = []
+    for client in clients:
+        request = InferRequest(model=model, inputs={"IN": x}, client=client)
+        names.append(server.dataplane.run_here(request, inline.FRONTEND).result()["OUT"][0].decode())
+    return names
+
+
+def test_the_only_model_that_waits_runs_inline_for_one_clients_stream_only(tmp_path: Path) -> None:
+    # With several clients its wait would hold the caller's thread while the others' requests could be
+    # read; one client's stream has nothing else to read, and saves the two wake-ups.
+    repo = tmp_path / "repo"
+    _model(repo, "waits", SLOW_S, source=WAITING_MODEL, gate=str(tmp_path))
+    (tmp_path / "release").touch()  # _ran sends ones: each waits its 2 ms, then passes
+    me = threading.current_thread().name
+    with Server(repo) as server:
+        taking_turns = _ran(server, "waits", [(0, "a"), (0, "b")] * 6)
+        assert me not in taking_turns[-5:], taking_turns
+        alone = _ran(server, "waits", [(0, "a")] * 8)
+        assert alone[-5:] == [me] * 5, alone
+
+
+def test_the_ipc_thread_answers_while_the_daemons_only_model_waits(tmp_path: Path) -> None:
+    repo, gate = tmp_path / "repo", tmp_path / "gate"
+    gate.mkdir()
+    _model(repo, "waits", SLOW_S, source=WAITING_MODEL, gate=str(gate))
+    daemon = Daemon(repo, f"ipc://{tmp_path}/waits.sock", tmp_path / "waits.log").start()
+    zeros, ones = {"IN": np.zeros(2, np.float32)}, {"IN": np.ones(2, np.float32)}
+    try:
+        with Client(daemon.address, timeout=30) as one, Client(daemon.address, timeout=60) as other:
+            taking_turns = [
+                c.infer("waits", zeros)["OUT"][0].decode() for _ in range(6) for c in (one, other)
+            ]
+            assert "edge-ipc-frontend" not in taking_turns[-5:], taking_turns
+            alone = [one.infer("waits", zeros)["OUT"][0].decode() for _ in range(8)]
+            assert alone[-5:] == ["edge-ipc-frontend"] * 5, alone  # one client's stream: no hand-off
+            answer: list[dict[str, np.ndarray]] = []
+            holder = threading.Thread(target=lambda: answer.append(other.infer("waits", ones)))
+            holder.start()  # another client than the last: on the instance's worker
+            wait_for(lambda: (gate / "holding").exists(), timeout=30)
+            # The model holds its instance; the IPC thread is not inside it, so this is answered.
+            assert one.statistics("waits")[0]["inference_stats"]["success"]["count"] == 20
+            (gate / "release").touch()
+            holder.join(timeout=60)
+            assert len(answer) == 1 and answer[0]["OUT"][0].decode() != "edge-ipc-frontend", answer
+    finally:
+        (gate / "release").touch()
         assert daemon.stop() == 0, daemon.log()

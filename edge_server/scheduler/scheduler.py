@@ -60,6 +60,11 @@ class SchedulerClosed(ServerShuttingDown):
     """The version stopped taking requests (being replaced or unloaded); route to another."""
 
 
+def _cpu_since(start: int | None) -> int | None:
+    """The calling thread's CPU time since ``start`` (``time.thread_time_ns``), where one was taken."""
+    return None if start is None else time.thread_time_ns() - start
+
+
 def batch_settings(config: ModelConfig) -> BatchSettings:
     db = config.dynamic_batching
     if config.max_batch_size == 0 or db is None:
@@ -326,10 +331,12 @@ class ModelScheduler:
         timing = Timing()
         try:
             live = [r for r in batch if r.future.set_running_or_notify_cancel()]
-            if live:
+            if len(live) == 1:
+                cpu = time.thread_time_ns() if self._inline.measures_cpu() else None
+                results = self._compute(backend, [live[0].item], timing)
+                self._inline.observe(time.monotonic_ns() - start, live[0].item, _cpu_since(cpu))
+            elif live:
                 results = self._compute(backend, [r.item for r in live], timing)
-                if len(live) == 1:
-                    self._inline.observe(time.monotonic_ns() - start, live[0].item)
         except Exception as exc:  # a bug of ours: every request of the batch still gets an answer
             log.exception("running a batch of %r failed unexpectedly", self._config.name)
             live, results = [], []
@@ -400,6 +407,7 @@ class ModelScheduler:
     def _run_inline(self, backend: Backend, item: BatchItem, enqueue_ns: int) -> Result:
         """One request on a lent instance, in the caller's thread: :meth:`_run` without a queue."""
         start = time.monotonic_ns()
+        cpu = time.thread_time_ns() if self._inline.measures_cpu() else None
         timing = Timing()
         try:
             (result,) = self._compute(backend, (item,), timing)
@@ -409,7 +417,7 @@ class ModelScheduler:
             log.exception("inline execution of %r failed unexpectedly", self._config.name)
             result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
         end = time.monotonic_ns()
-        self._inline.observe(end - start, item)
+        self._inline.observe(end - start, item, _cpu_since(cpu))
         ok = not isinstance(result, Exception)
         self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
         return result
