@@ -161,6 +161,19 @@ def test_the_only_model_that_waits_runs_inline_for_one_clients_stream_only(tmp_p
         assert alone[-5:] == [me] * 5, alone
 
 
+def test_the_only_model_that_computes_runs_inline_whichever_client_sends(tmp_path: Path) -> None:
+    # Its run keeps the caller's thread on a CPU: nothing could be read meanwhile that the CPU would
+    # run, so clients taking turns keep the saved wake-ups (the CPU-share half of the rule).
+    _model(tmp_path, "computes", SLOW_S)
+    me = threading.current_thread().name
+    with Server(tmp_path) as server:
+        # Measured on the worker first; a loaded machine may stretch a few runs: ask until it settles.
+        names: list[str] = []
+        while names[-5:] != [me] * 5 and len(names) < 200:
+            names += _ran(server, "computes", [(0, "a"), (0, "b")])
+        assert names[-5:] == [me] * 5, names
+
+
 def test_the_ipc_thread_answers_while_the_daemons_only_model_waits(tmp_path: Path) -> None:
     repo, gate = tmp_path / "repo", tmp_path / "gate"
     gate.mkdir()
