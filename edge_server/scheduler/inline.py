@@ -15,7 +15,8 @@ Every caller of the data plane gets a future.  :meth:`DataPlane.submit` only que
   loop does, without the two thread wake-ups (a tenth of a millisecond each on a loaded 2-core box)
   that a worker costs every request.  A model whose executions mostly wait rather than compute (its
   thread on a CPU for less than ``SOLE_VERSION_CPU_SHARE`` of the time: a ``model.py`` driving a GPU
-  or DLA, a process-isolated model) does so only for a request from the same client as the one before:
+  or DLA, or waiting for another process; a process-isolated model never opts in) does so only for a
+  request from the same client (``BatchItem.client``: one connection) as the one before:
   with several clients it runs on its worker, so that the frontend reads the next clients' requests
   while it waits, instead of after (8 gRPC clients on a 4 ms wait: 192 against 233 inferences/s),
   and one client's stream still saves its two wake-ups.
