@@ -51,7 +51,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
-from edge_server.backends.base import Backend, BatchItem
+from edge_server.backends.base import Backend, BatchItem, Result
 
 # A request runs in the caller's thread only for models whose executions average less than this:
 # about what two thread hand-offs cost in CPython, and short enough not to stall an IPC frontend.
@@ -175,12 +175,15 @@ class InlinePolicy:
         """Whether the next execution's CPU time decides anything (it costs a system call to read)."""
         return self._capable and self._sole and self._compute_ema_ns >= INLINE_BUDGET_NS
 
-    def observe(self, spent_ns: int, item: BatchItem, cpu_ns: int | None = None) -> None:
+    def observe(self, spent_ns: int, item: BatchItem, result: Result, cpu_ns: int | None = None) -> None:
         """Fold one single-request execution into the estimates that decide inline execution.
 
         ``cpu_ns``: the executing thread's CPU time meanwhile, where :meth:`measures_cpu` asked for it.
+        A failed execution is left out: it is no measure of the model's (refused at once, a client's
+        burst of bad requests would teach a slow model cheap, or a waiting one computing, and the next
+        clients' requests would hold a frontend's thread).
         """
-        if not self._capable:
+        if not self._capable or isinstance(result, Exception):
             return
         ema = self._compute_ema_ns  # a benign race: only these estimates are at stake
         nbytes = _input_bytes(item)
