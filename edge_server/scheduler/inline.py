@@ -148,7 +148,8 @@ class InlinePolicy:
         """
         if budget is FRONTEND:
             same_client, self._last_client = item.client == self._last_client, item.client
-            if not self._capable or self._compute_ema_ns >= self._budget_ns(same_client):
+            ema = self._compute_ema_ns  # under INLINE_BUDGET_NS, within every budget (no call to ask)
+            if not self._capable or (ema >= INLINE_BUDGET_NS and ema >= self._budget_ns(same_client)):
                 return False
             # Out of line with what was measured: a worker runs it (and measures it).
             return _input_bytes(item) <= INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK
