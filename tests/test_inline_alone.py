@@ -76,6 +76,27 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([out]) for _ in requests]
 """
 
+# Waits for SECONDS, as for an accelerator, but refuses a request whose IN[0] < 0 at once.
+REFUSING_MODEL = """
+import threading
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            if pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0] < 0:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("refused")))
+                continue
+            time.sleep({seconds})
+            out = pb_utils.Tensor("OUT", np.array([threading.current_thread().name.encode()], object))
+            responses.append(pb_utils.InferenceResponse([out]))
+        return responses
+"""
+
 SLOW_S = 0.002  # well over the shared budget, well under the alone budget
 assert INLINE_BUDGET_NS < SLOW_S * 1e9 < SOLE_VERSION_INLINE_BUDGET_NS / 4
 
@@ -159,6 +180,50 @@ def test_the_only_model_that_waits_runs_inline_for_one_clients_stream_only(tmp_p
         assert me not in taking_turns[-5:], taking_turns
         alone = _ran(server, "waits", [(0, "a")] * 8)
         assert alone[-5:] == [me] * 5, alone
+
+
+def test_the_only_model_that_computes_runs_inline_whichever_client_sends(tmp_path: Path) -> None:
+    # Its run keeps the caller's thread on a CPU: nothing could be read meanwhile that the CPU would
+    # run, so clients taking turns keep the saved wake-ups (the CPU-share half of the rule).
+    _model(tmp_path, "computes", SLOW_S)
+    me = threading.current_thread().name
+    with Server(tmp_path) as server:
+        # Measured on the worker first; a loaded machine may stretch a few runs: ask until it settles.
+        names: list[str] = []
+        while names[-5:] != [me] * 5 and len(names) < 200:
+            names += _ran(server, "computes", [(0, "a"), (0, "b")])
+        assert names[-5:] == [me] * 5, names
+
+
+def _refused(server: Server, model: str, client: ClientKey, count: int) -> None:
+    """``count`` requests from ``client`` that ``model`` refuses at once (REFUSING_MODEL)."""
+    request = InferRequest(model=model, inputs={"IN": -np.ones(2, np.float32)}, client=client)
+    for _ in range(count):
+        assert server.dataplane.run_here(request, inline.FRONTEND).exception() is not None
+
+
+def test_refused_requests_do_not_make_the_only_model_that_waits_look_computing(tmp_path: Path) -> None:
+    # Refused at once, a request spends no wait and little time: measured, a client's burst of them
+    # would teach the estimates that the model computes, and cheaply, and the other clients' requests
+    # would hold the frontend's thread through their waits again.
+    _model(tmp_path, "waits", SLOW_S, source=REFUSING_MODEL)
+    me = threading.current_thread().name
+    with Server(tmp_path) as server:
+        assert me not in _ran(server, "waits", [(0, "a"), (0, "b")] * 6)[-5:]
+        _refused(server, "waits", (0, "c"), 40)
+        assert me not in _ran(server, "waits", [(0, "a"), (0, "b")] * 3)
+
+
+def test_refused_requests_do_not_bring_a_slow_model_onto_the_frontends_thread(tmp_path: Path) -> None:
+    # The same with a second model loaded (the 100 us budget): a client whose requests fail at once
+    # must not make the next client's slow request hold the frontend's thread (and everyone behind it).
+    _model(tmp_path, "waits", SLOW_S, source=REFUSING_MODEL)
+    _model(tmp_path, "other", 0.0)
+    me = threading.current_thread().name
+    with Server(tmp_path) as server:
+        assert me not in _ran(server, "waits", [(0, "a")] * 4)
+        _refused(server, "waits", (0, "c"), 40)
+        assert me not in _ran(server, "waits", [(0, "a")] * 3)
 
 
 def test_the_ipc_thread_answers_while_the_daemons_only_model_waits(tmp_path: Path) -> None:

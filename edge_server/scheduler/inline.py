@@ -15,7 +15,8 @@ Every caller of the data plane gets a future.  :meth:`DataPlane.submit` only que
   loop does, without the two thread wake-ups (a tenth of a millisecond each on a loaded 2-core box)
   that a worker costs every request.  A model whose executions mostly wait rather than compute (its
   thread on a CPU for less than ``SOLE_VERSION_CPU_SHARE`` of the time: a ``model.py`` driving a GPU
-  or DLA, a process-isolated model) does so only for a request from the same client as the one before:
+  or DLA, or waiting for another process; a process-isolated model never opts in) does so only for a
+  request from the same client (``BatchItem.client``: one connection) as the one before:
   with several clients it runs on its worker, so that the frontend reads the next clients' requests
   while it waits, instead of after (8 gRPC clients on a 4 ms wait: 192 against 233 inferences/s),
   and one client's stream still saves its two wake-ups.
@@ -50,7 +51,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
-from edge_server.backends.base import Backend, BatchItem
+from edge_server.backends.base import Backend, BatchItem, Result
 
 # A request runs in the caller's thread only for models whose executions average less than this:
 # about what two thread hand-offs cost in CPython, and short enough not to stall an IPC frontend.
@@ -147,7 +148,8 @@ class InlinePolicy:
         """
         if budget is FRONTEND:
             same_client, self._last_client = item.client == self._last_client, item.client
-            if not self._capable or self._compute_ema_ns >= self._budget_ns(same_client):
+            ema = self._compute_ema_ns  # under INLINE_BUDGET_NS, within every budget (no call to ask)
+            if not self._capable or (ema >= INLINE_BUDGET_NS and ema >= self._budget_ns(same_client)):
                 return False
             # Out of line with what was measured: a worker runs it (and measures it).
             return _input_bytes(item) <= INLINE_SIZE_FACTOR * self._bytes_ema + INLINE_SIZE_SLACK
@@ -174,12 +176,15 @@ class InlinePolicy:
         """Whether the next execution's CPU time decides anything (it costs a system call to read)."""
         return self._capable and self._sole and self._compute_ema_ns >= INLINE_BUDGET_NS
 
-    def observe(self, spent_ns: int, item: BatchItem, cpu_ns: int | None = None) -> None:
+    def observe(self, spent_ns: int, item: BatchItem, result: Result, cpu_ns: int | None = None) -> None:
         """Fold one single-request execution into the estimates that decide inline execution.
 
         ``cpu_ns``: the executing thread's CPU time meanwhile, where :meth:`measures_cpu` asked for it.
+        A failed execution is left out: it is no measure of the model's (refused at once, a client's
+        burst of bad requests would teach a slow model cheap, or a waiting one computing, and the next
+        clients' requests would hold a frontend's thread).
         """
-        if not self._capable:
+        if not self._capable or isinstance(result, Exception):
             return
         ema = self._compute_ema_ns  # a benign race: only these estimates are at stake
         nbytes = _input_bytes(item)

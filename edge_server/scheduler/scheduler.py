@@ -334,7 +334,8 @@ class ModelScheduler:
             if len(live) == 1:
                 cpu = time.thread_time_ns() if self._inline.measures_cpu() else None
                 results = self._compute(backend, [live[0].item], timing)
-                self._inline.observe(time.monotonic_ns() - start, live[0].item, _cpu_since(cpu))
+                spent = time.monotonic_ns() - start
+                self._inline.observe(spent, live[0].item, results[0], _cpu_since(cpu))
             elif live:
                 results = self._compute(backend, [r.item for r in live], timing)
         except Exception as exc:  # a bug of ours: every request of the batch still gets an answer
@@ -417,7 +418,7 @@ class ModelScheduler:
             log.exception("inline execution of %r failed unexpectedly", self._config.name)
             result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
         end = time.monotonic_ns()
-        self._inline.observe(end - start, item, _cpu_since(cpu))
+        self._inline.observe(end - start, item, result, _cpu_since(cpu))
         ok = not isinstance(result, Exception)
         self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
         return result
