@@ -60,8 +60,9 @@ INLINE_BUDGET_NS = 100_000
 # the longest that control requests (status, health over IPC, shared-memory registration) wait
 # behind it; beyond it the two wake-ups saved are under 2% of the run.
 SOLE_VERSION_INLINE_BUDGET_NS = 20_000_000
-# ... if its executions keep the thread on a CPU for at least this share of their time (a thread that
-# computes; a busy box's preemptions leave it well above this), measured on its thread.  One that waits
+# ... if its executions keep the thread on a CPU for at least this share of their time, measured on its
+# thread (short computing runs read 0.4-1.0 here on a 2-core box shared with spinning threads; sleeping
+# ones under 0.05; a run-long spin among six spinners on two cores fell to 0.25).  One that waits
 # holds the frontend's thread through the wait, when the thread's other clients could be read: it gets
 # the longer budget only for a request from the client of the request before.
 SOLE_VERSION_CPU_SHARE = 0.25
