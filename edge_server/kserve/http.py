@@ -440,7 +440,7 @@ def _compressed(answer: Answer, headers: dict[bytes, bytes]) -> Answer:
     encoding = _response_encoding(headers.get(b"accept-encoding", b""))
     if not encoding or not body:
         return status, body, extra
-    body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
+    body = gzip.compress(body, 1, mtime=0) if encoding == b"gzip" else zlib.compress(body, 1)
     return status, body, [*extra, (b"content-encoding", encoding)]
 
 
