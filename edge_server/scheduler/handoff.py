@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from edge_server.scheduler import inline
@@ -123,13 +122,9 @@ class Handoff:
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until everything handed off was delivered, or ``deadline`` (monotonic) passes (False)."""
-        with self._cond:
-            while self._holding():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+        from edge_server.scheduler.pool import wait_until_idle  # the one drain (pool imports this module)
+
+        return wait_until_idle(self._cond, self._holding, deadline)
 
     def close(self, timeout: float) -> bool:
         """Deliver what was handed off, then end the thread; False if it did not within ``timeout`` s.

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 
 from edge_server.backends.base import Backend, BatchItem, Result
@@ -173,14 +174,20 @@ class InlinePolicy:
             return SOLE_VERSION_INLINE_BUDGET_NS
         return INLINE_BUDGET_NS
 
-    def measures_cpu(self) -> bool:
-        """Whether the next execution's CPU time decides anything (it costs a system call to read)."""
-        return self._capable and self._sole and self._compute_ema_ns >= INLINE_BUDGET_NS
+    def cpu_mark(self) -> int | None:
+        """The executing thread's CPU time before a single-request run, where it decides anything.
 
-    def observe(self, spent_ns: int, item: BatchItem, result: Result, cpu_ns: int | None = None) -> None:
+        None otherwise: reading it costs a system call, and only the daemon's only model, measured over
+        the shared budget, uses it.  Pass it to :meth:`observe`, from the same thread, after the run.
+        """
+        if self._capable and self._sole and self._compute_ema_ns >= INLINE_BUDGET_NS:
+            return time.thread_time_ns()
+        return None
+
+    def observe(self, spent_ns: int, item: BatchItem, result: Result, cpu_mark: int | None = None) -> None:
         """Fold one single-request execution into the estimates that decide inline execution.
 
-        ``cpu_ns``: the executing thread's CPU time meanwhile, where :meth:`measures_cpu` asked for it.
+        ``cpu_mark``: :meth:`cpu_mark` taken before the run on this thread (the run's CPU share).
         A failed execution is left out: it is no measure of the model's (refused at once, a client's
         burst of bad requests would teach a slow model cheap, or a waiting one computing, and the next
         clients' requests would hold a frontend's thread).
@@ -194,6 +201,7 @@ class InlinePolicy:
         else:
             self._compute_ema_ns = ema + _EMA_WEIGHT * (spent_ns - ema)
             self._bytes_ema += _EMA_WEIGHT * (nbytes - self._bytes_ema)
-        if cpu_ns is not None and spent_ns > 0:
-            share, measured = self._cpu_share_ema, min(cpu_ns / spent_ns, 1.0)
+        if cpu_mark is not None and spent_ns > 0:
+            measured = min((time.thread_time_ns() - cpu_mark) / spent_ns, 1.0)
+            share = self._cpu_share_ema
             self._cpu_share_ema = measured if share is None else share + _EMA_WEIGHT * (measured - share)

@@ -60,11 +60,6 @@ class SchedulerClosed(ServerShuttingDown):
     """The version stopped taking requests (being replaced or unloaded); route to another."""
 
 
-def _cpu_since(start: int | None) -> int | None:
-    """The calling thread's CPU time since ``start`` (``time.thread_time_ns``), where one was taken."""
-    return None if start is None else time.thread_time_ns() - start
-
-
 def batch_settings(config: ModelConfig) -> BatchSettings:
     db = config.dynamic_batching
     if config.max_batch_size == 0 or db is None:
@@ -332,10 +327,9 @@ class ModelScheduler:
         try:
             live = [r for r in batch if r.future.set_running_or_notify_cancel()]
             if len(live) == 1:
-                cpu = time.thread_time_ns() if self._inline.measures_cpu() else None
+                cpu = self._inline.cpu_mark()
                 results = self._compute(backend, [live[0].item], timing)
-                spent = time.monotonic_ns() - start
-                self._inline.observe(spent, live[0].item, results[0], _cpu_since(cpu))
+                self._inline.observe(time.monotonic_ns() - start, live[0].item, results[0], cpu)
             elif live:
                 results = self._compute(backend, [r.item for r in live], timing)
         except Exception as exc:  # a bug of ours: every request of the batch still gets an answer
@@ -408,7 +402,7 @@ class ModelScheduler:
     def _run_inline(self, backend: Backend, item: BatchItem, enqueue_ns: int) -> Result:
         """One request on a lent instance, in the caller's thread: :meth:`_run` without a queue."""
         start = time.monotonic_ns()
-        cpu = time.thread_time_ns() if self._inline.measures_cpu() else None
+        cpu = self._inline.cpu_mark()
         timing = Timing()
         try:
             (result,) = self._compute(backend, (item,), timing)
@@ -418,7 +412,7 @@ class ModelScheduler:
             log.exception("inline execution of %r failed unexpectedly", self._config.name)
             result = ModelExecutionError(f"model {self._config.name!r} failed: {exc!r}")
         end = time.monotonic_ns()
-        self._inline.observe(end - start, item, result, _cpu_since(cpu))
+        self._inline.observe(end - start, item, result, cpu)
         ok = not isinstance(result, Exception)
         self._stats.record_one(item.batch_size, start - enqueue_ns, end - enqueue_ns, ok, timing, end)
         return result
