@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "bench_batching": (["--seconds", "1.5"], []),
     "bench_batch_cost": (["--rounds", "1"], []),
     "bench_busy_instance": (["--quick"], []),
+    "bench_cnn_runs": (["--seconds", "3", "--rounds", "1"], []),
     "bench_pipeline": (["--short"], []),
     "bench_ocr": (["--quick"], []),
     "bench_sequence": (["--short"], []),

@@ -57,7 +57,7 @@ try:  # Linux; elsewhere watchdog's default observer is used as it is
 except Exception:  # noqa: BLE001 - watchdog raises its own error where inotify is missing
     InotifyObserver = None  # type: ignore[assignment,misc]
 try:  # watchdog 7.1 and newer
-    from watchdog.observers.inotify import InotifyWatchGroup
+    from watchdog.observers.inotify import InotifyWatchGroup  # type: ignore[attr-defined]  # not in 6
 except Exception:  # noqa: BLE001
     InotifyWatchGroup = None  # type: ignore[assignment,misc]
 
@@ -219,11 +219,11 @@ if (
     class _TolerantEmitter(InotifyEmitter):
         def on_thread_start(self) -> None:
             self._inotify = _TolerantWatchGroup(
-                self._inotify_fd,
+                self._inotify_fd,  # type: ignore[attr-defined]  # watchdog >= 7.1, as this class
                 os.fsencode(self.watch.path),
                 is_recursive=self.watch.is_recursive,
                 event_mask=self.get_event_mask_from_filter(),
-                follow_symlink=self.watch.follow_symlink,
+                follow_symlink=self.watch.follow_symlink,  # type: ignore[attr-defined]
             )
 
     _EMITTER: type[InotifyEmitter] | None = _TolerantEmitter

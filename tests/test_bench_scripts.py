@@ -209,6 +209,13 @@ QUICK_RUNS = [
          "| this checkout | gRPC |", "| this checkout | IPC |"],
         id="busy_instance",
     ),
+    pytest.param(  # without Triton (no binary there): the timed model.py checked and measured on ours
+        "bench_cnn_runs",
+        ["--rounds", "1", "--seconds", "2", "--clients", "2", "--tritonserver", "/nonexistent"],
+        ["Triton: SKIPPED, no tritonserver binary at /nonexistent", "2 gRPC clients, 1 rounds of 2 s",
+         "| server | inferences/s | run, median µs | gap, median µs", "| edge-server |"],
+        id="cnn_runs",
+    ),
     pytest.param(
         "bench_busy_instance", ["--alone", "--rounds", "1", "--seconds", "1.5", "--clients", "2"],
         ["2 client processes", "| this checkout | gRPC |", "| this checkout | IPC |"],

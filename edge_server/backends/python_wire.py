@@ -154,7 +154,7 @@ class Arena:
             self.follow()
 
     def write(self, offset: int, array: np.ndarray) -> None:
-        target = np.ndarray(array.shape, array.dtype, buffer=self.map, offset=offset)
+        target: np.ndarray = np.ndarray(array.shape, array.dtype, buffer=self.map, offset=offset)
         np.copyto(target, array, casting="no")
 
     def view(self, dtype: np.dtype, shape: tuple[int, ...], offset: int, nbytes: int) -> np.ndarray:

@@ -147,7 +147,7 @@ def crop_input(patch: np.ndarray, size: int = 8) -> np.ndarray:
     import cv2
 
     gray = patch.min(axis=2).astype(np.float32)
-    low, high = float(gray.min()), float(gray.max())
+    low, high = float(np.min(gray)), float(np.max(gray))
     gray = (gray - low) / (high - low) if high > low else np.zeros_like(gray)
     return cv2.resize(gray, (size, size), interpolation=cv2.INTER_AREA)[None].astype(np.float32)
 

@@ -276,7 +276,7 @@ def tensor_array(desc: Mapping[str, Any], buffer: Any, role: str, name: str) -> 
     # One array object (frombuffer + reshape makes two).  ndarray(buffer=) references the buffer's
     # owner (the zmq frame, whose bytes live as long as it does) but holds no export of it, so shared
     # memory, which must not be unmapped under a live view, goes through to_array instead.
-    array = np.ndarray(shape, dtype, buffer)
+    array: np.ndarray = np.ndarray(shape, dtype, buffer)
     if not array.flags.aligned:  # numpy and runtimes tolerate it badly; a copy is cheaper than a crash
         array = array.copy()
     return array

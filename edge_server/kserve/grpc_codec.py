@@ -146,10 +146,12 @@ def _from_contents(contents: Any, datatype: str, shape: tuple[int, ...], name: s
         # raises OverflowError for a Python int out of the target's range).
         wide = np.array(values, dtype=np.int64)
         info = np.iinfo(codec.NUMPY[datatype])
-        if count and (wide.min() < info.min or wide.max() > info.max):
+        # np.min, not wide.min(): numpy 2.5's stubs (Python >= 3.12) read as 3.10 lack the no-argument form
+        low, high = (int(np.min(wide)), int(np.max(wide))) if count else (0, 0)
+        if low < info.min or high > info.max:
             raise InvalidArgument(
                 f"input {shorten(name)}: a value is out of range for {datatype} "
-                f"([{info.min}, {info.max}], got {int(wide.min())}..{int(wide.max())})"
+                f"([{info.min}, {info.max}], got {low}..{high})"
             )
         return wide.astype(codec.NUMPY[datatype]).reshape(shape)
     array = np.array(values, dtype=codec.NUMPY[datatype].newbyteorder("="))
