@@ -38,8 +38,8 @@ from edge_server.pipeline.decoupled import DecoupledWalk
 from edge_server.pipeline.graph import EnsembleGraph, Step, build_graph
 from edge_server.pipeline.steps import ensemble_outputs, step_request
 from edge_server.request import BatchItem, ModelAccess, Timing
+from edge_server.scheduler.drain import wait_until_idle
 from edge_server.scheduler.inline import QUEUE_ONLY, Budget
-from edge_server.scheduler.pool import wait_until_idle
 from edge_server.scheduler.scheduler import SchedulerClosed
 from edge_server.scheduler.stats import ModelStats
 

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 
 from edge_server.scheduler import inline
+from edge_server.scheduler.drain import wait_until_idle
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,6 @@ class Handoff:
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until everything handed off was delivered, or ``deadline`` (monotonic) passes (False)."""
-        from edge_server.scheduler.pool import wait_until_idle  # the one drain (pool imports this module)
-
         return wait_until_idle(self._cond, self._holding, deadline)
 
     def close(self, timeout: float) -> bool:

@@ -51,7 +51,7 @@ class RequestScheduler(Protocol):
     def drain(self, deadline: float) -> bool:
         """Close intake and wait until ``deadline`` (monotonic) for what it accepted to finish.
 
-        Every drain waits through :func:`edge_server.scheduler.pool.wait_until_idle`.
+        Every drain waits through :func:`edge_server.scheduler.drain.wait_until_idle`.
         """
         ...
 

@@ -37,6 +37,7 @@ from edge_server.config.model import ModelConfig, seconds_parameter
 from edge_server.errors import EdgeServerError, InstanceFailed, ModelExecutionError
 from edge_server.model_readiness import answered
 from edge_server.scheduler import inline
+from edge_server.scheduler.drain import wait_until_idle
 from edge_server.scheduler.handoff import Handoff
 
 log = logging.getLogger(__name__)
@@ -105,20 +106,6 @@ def complete(future: Future[dict], result: Result) -> None:
         future.set_exception(result)
     else:
         future.set_result(result)
-
-
-def wait_until_idle(cond: threading.Condition, busy: Callable[[], bool], deadline: float) -> bool:
-    """Wait on ``cond`` until ``busy()`` is false or ``deadline`` (monotonic) passes: the one drain.
-
-    Returns False if the deadline passed first.  Every scheduler drains through this.
-    """
-    with cond:
-        while busy():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            cond.wait(remaining)
-    return True
 
 
 class InstancePool(Generic[W]):
