@@ -9,14 +9,13 @@ closes those that did not) would turn every other client away.  This module keep
 
 The kernel knows both ends of a loopback connection: the client's socket, owned by its uid, and the
 daemon's, by its inode.  :class:`ConnectionCap` asks the kernel for the sockets of the gRPC port
-whenever the host's count of TCP sockets changes, checked every :data:`TICK_S` (``sock_diag`` netlink,
-filtered by port in the kernel: well under a millisecond with thousands of sockets on the host; where
-it is missing, the text tables ``/proc/net/tcp{,6}`` every :data:`SLOW_INTERVAL_S`, ~10 ms per 2,000
-sockets), pairs each connection with its client's uid, and shuts down (``shutdown(2)`` on the
-daemon's descriptor, which grpc then closes as after any peer reset) the connections of a user past
-its cap.  Connections from other hosts have no uid here and obey only the total.  A descriptor is
-matched to its socket by inode on a duplicate of it, so a number that grpc closed and reused
-meanwhile is never touched.
+whenever the host's TCP counters move, checked every :data:`TICK_S` (``sock_diag`` netlink, filtered by
+port in the kernel: milliseconds, mostly the kernel's walk of its whole table; where it is missing, the
+text tables ``/proc/net/tcp{,6}`` every :data:`SLOW_INTERVAL_S`, ~10 ms per 2,000 sockets), pairs each
+connection with its client's uid, and shuts down (``shutdown(2)`` on the daemon's descriptor, which grpc
+then closes as after any peer reset) the connections of a user past its cap.  Connections from other
+hosts have no uid here and obey only the total.  A descriptor is matched to its socket by inode on a
+duplicate of it, so a number that grpc closed and reused meanwhile is never touched.
 
 Between two looks a user can fill grpc's total, and every other client's new connection is refused
 then (grpc core accepts and closes it; grpc clients wait about a second before they try again).  So
@@ -61,22 +60,6 @@ class Link:
 
     inode: int
     uid: int
-
-
-def tcp_sockets(proc_net: str = "/proc/self/net") -> int:
-    """TCP sockets in use on the host, both families (``sockstat``: one small read, ~20 us)."""
-    total = 0
-    for name in ("sockstat", "sockstat6"):
-        try:
-            with open(os.path.join(proc_net, name)) as f:
-                text = f.read()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            fields = line.split()
-            if fields[:1] in (["TCP:"], ["TCP6:"]) and "inuse" in fields:
-                total += int(fields[fields.index("inuse") + 1])
-    return total
 
 
 def _diag_sockets(port: int) -> Iterator[Socket]:
@@ -238,19 +221,20 @@ class ConnectionCap:
         return links(self.port, "/proc/net")
 
     def _run(self) -> None:
-        """Look when the host's count of TCP sockets changed since the last look, else every 0.5 s.
+        """Look when the host's TCP counters moved since the last look, else every 0.5 s.
 
         Any change, not only a rise: while grpc closes what was shut down, a user reconnecting at once
-        leaves the count flat or falling.  The count is cheap (:func:`tcp_sockets`); with the text
-        tables, look only every :data:`SLOW_INTERVAL_S`.
+        leaves the count flat or falling.  The counters are cheap (:func:`sock_diag.tcp_activity`); with
+        the text tables, look only every :data:`SLOW_INTERVAL_S`.
         """
-        base, due = -1, 0.0
+        base: tuple[int, ...] = (-1,)
+        due = 0.0
         while not self._stop.wait(self.tick if self._diag else SLOW_INTERVAL_S):
-            count = tcp_sockets()
-            if self._diag and count == base and time.monotonic() < due:
+            counters = sock_diag.tcp_activity()
+            if self._diag and counters == base and time.monotonic() < due:
                 continue
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - the watcher never dies; the total cap still holds
                 log.exception("gRPC connection cap: check failed")
-            base, due = tcp_sockets(), time.monotonic() + SLOW_INTERVAL_S
+            base, due = sock_diag.tcp_activity(), time.monotonic() + SLOW_INTERVAL_S

@@ -62,6 +62,38 @@ def port_filter(port: int) -> bytes:
     return b"".join(OP.pack(*op) for op in ops)
 
 
+def local_port_filter(port: int) -> bytes:
+    """Bytecode for "the local port is ``port``": a listener's ends of its connections (not its clients')."""
+    ops = [
+        (BC_S_GE, 8, 20), (0, 0, port),  # 0: local < port: reject (20)
+        (BC_S_LE, 8, 12), (0, 0, port),  # 8: local > port: reject (20); else accept (16)
+    ]  # fmt: skip
+    return b"".join(OP.pack(*op) for op in ops)
+
+
+def tcp_activity(proc_net: str = "/proc/self/net") -> tuple[int, ...]:
+    """The host's TCP counters that move when a connection opens or closes (``sockstat``: ~20 µs).
+
+    Sockets in use, orphaned (closed by their process, not yet by the kernel), in TIME_WAIT and
+    allocated, per family.  A dump (:func:`sockets`) walks the kernel's whole table of TCP sockets,
+    however few of them the filter keeps: about 2.5 ms per family on a 24 GB host.  A caller that only
+    looks for connections that opened or closed dumps when these moved.
+    """
+    counters: list[int] = []
+    for name in ("sockstat", "sockstat6"):
+        try:
+            with open(os.path.join(proc_net, name)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            fields = line.split()
+            if fields[:1] in (["TCP:"], ["TCP6:"]):
+                pairs = zip(fields[1::2], fields[2::2], strict=False)
+                counters += (int(value) for key, value in pairs if key != "mem")
+    return tuple(counters)
+
+
 def sockets(
     family: int, *, states: int = ALL_STATES, exact: bytes | None = None, bytecode: bytes = b""
 ) -> Iterator[Socket]:

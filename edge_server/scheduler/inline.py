@@ -55,8 +55,10 @@ from collections.abc import Callable, Hashable, Sequence
 from edge_server.backends.base import Backend, BatchItem, Result
 
 # A request runs in the caller's thread only for models whose executions average less than this:
-# about what two thread hand-offs cost in CPython, and short enough not to stall an IPC frontend.
-INLINE_BUDGET_NS = 100_000
+# about what the two thread wake-ups of a hand-off cost on a loaded 2-core box, and short enough not to
+# stall a frontend.  It was 100 µs: on a slower 2-core VM bench/triton_models.py's tiny ``model.py``
+# measured 90 µs on its worker, crossed it, and then paid 164 µs of queue per request for the hand-off.
+INLINE_BUDGET_NS = 200_000
 # The daemon's only model (one instance) may hold the caller's thread longer: a frame period at 50 fps,
 # the longest that control requests (status, health over IPC, shared-memory registration) wait
 # behind it; beyond it the two wake-ups saved are under 2% of the run.
