@@ -13,11 +13,16 @@ end (``perf_counter_ns``) to a file: the same ``model.py`` in each, each with it
 On a box whose cores ONNX Runtime's threads fill, what a server does during a run slows the run (one of
 ONNX Runtime's threads is preempted mid-section and the other spins), and what it does between runs
 idles the model: the two columns show which way each server pays (docs/benchmarks.md).
+
+A second table gives the CPU each server's processes (Triton: ``tritonserver`` and the python_backend
+stub) and this process (the clients) spent per inference.  Where every core is busy, the row's
+inferences per second are the cores over the CPU of one inference, whoever spends it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -80,6 +85,31 @@ def runs_between(times: Path, start_ns: int, end_ns: int) -> tuple[np.ndarray, n
     return (rows[:, 1] - rows[:, 0]) / 1e3, (rows[1:, 0] - rows[:-1, 1]) / 1e3
 
 
+def processes(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += (child for kid in task.read_text().split() for child in processes(int(kid)))
+        except OSError:
+            continue
+    return found
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds used so far by ``pid`` and its descendants (every thread, ended ones too), per command."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for each in processes(pid):
+        try:
+            stat = Path(f"/proc/{each}/stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -94,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-cnn-runs-") as tmp, ExitStack() as stack:
         root = Path(tmp)
         servers: dict[str, tuple[int, Path]] = {}  # name -> (gRPC port, its runs' file)
+        pids: dict[str, int] = {}
         try:
             repo = timed_repository(root / "triton", root / "triton.times")
             triton = Tritonserver(
@@ -102,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.callback(triton.stop)
             triton.start()
             servers["triton"] = (triton.grpc_port, root / "triton.times")
+            assert triton.proc is not None
+            pids["triton"] = triton.proc.pid
         except TritonUnavailable as exc:
             print(f"Triton: SKIPPED, {str(exc).splitlines()[0]}")
         repo = timed_repository(root / "edge", root / "edge.times")
@@ -111,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(daemon.stop)
         daemon.start(timeout=180)
         servers["edge-server"] = (grpc_port, root / "edge.times")
+        assert daemon.proc is not None
+        pids["edge-server"] = daemon.proc.pid
 
         def client(port: int):  # type: ignore[no-untyped-def]
             connection = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
@@ -127,12 +162,23 @@ def main(argv: list[str] | None = None) -> int:
                 raise AssertionError(f"{name} answered {got}, ONNX Runtime {want}")
 
         results: dict[str, dict[str, list[float]]] = {name: {} for name in servers}
+        cpu: dict[str, dict[str, list[float]]] = {name: {} for name in servers}  # ms per inference
         for r in range(args.rounds):
             for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
                 port, times = servers[name]
+                before, mine = cpu_seconds(pids[name]), time.process_time()
                 start = time.perf_counter_ns()
                 rate = throughput(lambda port=port: client(port), args.clients, args.seconds)
-                runs, gaps = runs_between(times, start, time.perf_counter_ns())
+                end = time.perf_counter_ns()
+                after, mine = cpu_seconds(pids[name]), time.process_time() - mine
+                # throughput() makes one untimed call per client first: counted with the CPU they cost
+                inferences = rate * args.seconds + args.clients
+                used = {process: after[process] - before.get(process, 0.0) for process in after}
+                used["clients (this process)"] = mine
+                for process, seconds in used.items():
+                    cpu[name].setdefault(process, []).append(seconds / inferences * 1e3)
+                cpu[name].setdefault("cores busy", []).append(sum(used.values()) / ((end - start) / 1e9))
+                runs, gaps = runs_between(times, start, end)
                 row = results[name]
                 for key, value in (
                     ("rate", rate),
@@ -152,6 +198,17 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {name} | {statistics.median(row['rate']):.1f} | {run:,.0f} | {gap:,.0f} | {gap_mean:,.0f} "
             f"| {run + gap_mean:,.0f} |"
+        )
+    print("\nCPU per inference, ms (/proc/PID/stat of each server's processes; this process's own)\n")
+    print("| server | process | CPU per inference, ms |")
+    print("|---|---|---|")
+    for name, rows in cpu.items():
+        for process, values in rows.items():
+            if process != "cores busy":
+                print(f"| {name} | {process} | {statistics.median(values):.2f} |")
+        total = sum(statistics.median(values) for process, values in rows.items() if process != "cores busy")
+        print(
+            f"| {name} | **all**, on {statistics.median(rows['cores busy']):.2f} cores busy | {total:.2f} |"
         )
     return 0
 

@@ -213,7 +213,8 @@ QUICK_RUNS = [
         "bench_cnn_runs",
         ["--rounds", "1", "--seconds", "2", "--clients", "2", "--tritonserver", "/nonexistent"],
         ["Triton: SKIPPED, no tritonserver binary at /nonexistent", "2 gRPC clients, 1 rounds of 2 s",
-         "| server | inferences/s | run, median µs | gap, median µs", "| edge-server |"],
+         "| server | inferences/s | run, median µs | gap, median µs", "| edge-server |",
+         "| edge-server | clients (this process) |", "| edge-server | **all**, on "],
         id="cnn_runs",
     ),
     pytest.param(
