@@ -11,10 +11,10 @@ object with ``__int__`` as a pointer argument.  So :class:`GrpcAcceptor` listens
 learns each connection's uid from the kernel, asks the daemon's one budget
 (:meth:`~edge_server.limits.Limits.connect`: total, per uid, penalties) and either closes the
 connection or hands it to grpc; a connection grpc has closed since is found gone from the kernel's
-socket table (sock_diag) and leaves the budget.  That look walks the kernel's whole table (about
-5 ms of CPU on the 2-core VM, with one connection or a hundred), so it is taken when the host's TCP
-counters moved (:func:`~edge_server.kserve.sock_diag.tcp_activity`), at least every
-:data:`RECHECK_S`, and before a connection is refused; at every :data:`RECONCILE_S` while a single
+socket table (sock_diag) and leaves the budget.  That look walks the kernel's whole table (2.5 ms of
+CPU per address family on the 2-core VM, however few connections it keeps), so it is taken when the
+host's TCP counters moved (:func:`~edge_server.kserve.sock_diag.tcp_activity`), at least every
+:data:`RECHECK_S`, and before a connection is refused; taken every :data:`RECONCILE_S` while any
 client stayed connected, it cost an idle daemon 1.2% of a core with 100 connections open.
 
 The descriptor must be non-blocking, as grpc's own accept makes it: a blocking one stalls grpc's
