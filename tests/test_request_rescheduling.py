@@ -13,6 +13,7 @@ import os
 import signal
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -258,11 +259,32 @@ def test_a_finished_iterative_stream_is_not_kept(server: Server, model: str) -> 
     with server.stream(model, _n(100_000), timeout=10, request_id=f"{model}-closed", **_seq()) as closed:
         assert int(next(closed)["OUT"][0, 0]) == 99_999  # then cancelled between two of its runs
     del closed
-    # Forgotten at a later batch: the cancelled request may run once more, beside the first of these.
+    # The cancelled request may run once more, beside the first of these.
     for i in range(2):
         list(server.stream(model, _n(1), timeout=10, request_id=f"{model}-sync{i}", **_seq()))
     # (a thread that delivered a final response may hold its sink a moment longer)
     wait_for(lambda: open_sinks() <= before, 10, what="the finished streams to be let go")
+
+
+def test_a_stream_cancelled_in_the_queue_is_let_go_without_a_later_batch(server: Server) -> None:
+    """The isolated instance forgot a stream that ended outside its process (a rescheduled request
+    cancelled in the queue) only at its next batch: with no later request it kept the stream, and the
+    request it holds, until one came (a test that counted on two later requests failed under load)."""
+
+    def open_sinks() -> int:
+        gc.collect()
+        return sum(isinstance(o, ResponseSink) for o in gc.get_objects())
+
+    model = "streamer_isolated"
+    list(server.stream(model, _n(2), timeout=10, request_id=f"{model}-alone-warm", **_seq()))
+    before = open_sinks()
+    for _ in range(10):  # a thread that delivered a final response may hold its sink a moment longer
+        time.sleep(0.1)
+        before = min(before, open_sinks())
+    with server.stream(model, _n(100_000), timeout=10, request_id=f"{model}-alone", **_seq()) as closed:
+        assert int(next(closed)["OUT"][0, 0]) == 99_999  # then cancelled between two of its runs
+    del closed
+    wait_for(lambda: open_sinks() <= before, 10, what="the cancelled stream to be let go")
 
 
 def test_reschedule_without_iterative_sequence_fails_precisely(server: Server) -> None:

@@ -19,6 +19,7 @@ as in the thread mode.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -135,6 +136,9 @@ class IsolatedPythonBackend(Backend):
         # decoupled: the open streams by token (requests whose final response has not come yet); a
         # rescheduled request keeps its token for its next run (see _tokens_for)
         self._streams: dict[int, ResponseSink] = {}
+        # streams that ended here, not in the process (a rescheduled request cancelled or timed out in
+        # the queue): forgotten at once, and by the process at the next batch
+        self._ended_here: collections.deque[int] = collections.deque()
         self._bls_streams: dict[int, ResponseSink] = {}  # the model's open streamed BLS calls, by id
         # the clients of the batch sent last, by position: whose turns the model's BLS calls take
         self._bls_clients: list[ClientKey | None] = []
@@ -354,11 +358,13 @@ class IsolatedPythonBackend(Backend):
         A rescheduled request runs again with the token it had, so that its stream is one entry here
         however often it runs (and still ended if the process dies meanwhile).  A stream that ended
         without its final response coming from the process (a rescheduled request cancelled or timed
-        out in the queue) is forgotten here, and the process is told to forget it too.
+        out in the queue) was forgotten here when it ended (:meth:`_ended`); the process is told now.
         """
-        forgotten = [token for token, sink in list(self._streams.items()) if sink.finished]
+        forgotten = [token for token, sink in list(self._streams.items()) if sink.finished]  # (a hook lost)
         for token in forgotten:
             self._streams.pop(token, None)
+        while self._ended_here:
+            forgotten.append(self._ended_here.popleft())
         open_tokens = {id(sink): token for token, sink in list(self._streams.items())}
         tokens = []
         for item in batch:
@@ -376,7 +382,21 @@ class IsolatedPythonBackend(Backend):
         token = next(self._tokens)
         self._streams[token] = stream
         stream.on_cancel = partial(self._cancel, token)
+        stream.on_final = partial(self._ended, token, stream.on_final)
         return token
+
+    def _ended(self, token: int, then: Callable[[], None] | None) -> None:
+        """A stream's final response was put (on any thread): it is forgotten now, not at a next batch.
+
+        Kept until then, the last stream cancelled in the queue held its request (inputs and all) for as
+        long as no other request came.  One whose final came from the process was forgotten already.
+        """
+        try:
+            if self._streams.pop(token, None) is not None:
+                self._ended_here.append(token)
+        finally:
+            if then is not None:
+                then()
 
     def _fail(self, when: str) -> NoReturn:
         assert self._child is not None
