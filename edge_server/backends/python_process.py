@@ -383,6 +383,8 @@ class IsolatedPythonBackend(Backend):
         self._streams[token] = stream
         stream.on_cancel = partial(self._cancel, token)
         stream.on_final = partial(self._ended, token, stream.on_final)
+        if stream.finished:  # ended before this run (cancelled in the queue): its final will not come
+            self._ended(token, None)
         return token
 
     def _ended(self, token: int, then: Callable[[], None] | None) -> None:
