@@ -115,8 +115,14 @@ def frame_daemon(tmp_path: Path) -> tuple[Daemon, int, int]:
     return start_daemon(tmp_path, repo, "f.sock", *kserve_flags(http_port, grpc_port)), http_port, grpc_port
 
 
-def frame_calls(proc: Daemon, http_port: int, grpc_port: int) -> dict[str, Callable[[], object]]:
-    """One call of the frame model per frontend, each with its own client, each checked."""
+def frame_calls(
+    proc: Daemon, http_port: int, grpc_port: int, closers: list[Callable[[], None]] | None = None
+) -> dict[str, Callable[[], object]]:
+    """One call of the frame model per frontend, each with its own client, each checked.
+
+    ``closers`` gets the function that closes the three clients: a client that stopped (grpc keeps a
+    connection's read buffers, megabytes for frames, while the connection is open).
+    """
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
@@ -133,6 +139,13 @@ def frame_calls(proc: Daemon, http_port: int, grpc_port: int) -> dict[str, Calla
     def check(got: np.ndarray) -> None:
         assert int(got[0]) == want, (got, want)
 
+    def close() -> None:
+        http.close()
+        grpc.close()
+        ipc.close()
+
+    if closers is not None:
+        closers.append(close)
     return {
         "HTTP": lambda: check(http.infer("frame_sum", [http_in]).as_numpy("SUM")),
         "gRPC": lambda: check(grpc.infer("frame_sum", [grpc_in]).as_numpy("SUM")),
@@ -178,12 +191,16 @@ def test_memory_of_a_burst_of_frames_goes_back_once_it_ends(tmp_path: Path, fron
         errors: list[BaseException] = []
 
         def client() -> None:
+            closers: list[Callable[[], None]] = []
             try:
-                call = frame_calls(proc, http_port, grpc_port)[frontend]
+                call = frame_calls(proc, http_port, grpc_port, closers)[frontend]
                 for _ in range(15):
                     call()
             except BaseException as exc:  # reported by the test's thread
                 errors.append(exc)
+            finally:  # the burst ends with its clients gone
+                for close in closers:
+                    close()
 
         threads = [threading.Thread(target=client) for _ in range(4)]
         for thread in threads:
