@@ -253,14 +253,18 @@ def test_the_ipc_thread_answers_while_the_daemons_only_model_waits(tmp_path: Pat
                 c.infer("waits", zeros)["OUT"][0].decode() for _ in range(6) for c in (one, other)
             ]
             assert "edge-ipc-frontend" not in taking_turns[-5:], taking_turns
-            alone = [one.infer("waits", zeros)["OUT"][0].decode() for _ in range(8)]
+            alone: list[str] = []
+            # a loaded machine's slow runs keep the model's estimates up for a few more: ask until settled
+            while alone[-5:] != ["edge-ipc-frontend"] * 5 and len(alone) < 60:
+                alone.append(one.infer("waits", zeros)["OUT"][0].decode())
             assert alone[-5:] == ["edge-ipc-frontend"] * 5, alone  # one client's stream: no hand-off
             answer: list[dict[str, np.ndarray]] = []
             holder = threading.Thread(target=lambda: answer.append(other.infer("waits", ones)))
             holder.start()  # another client than the last: on the instance's worker
             wait_for(lambda: (gate / "holding").exists(), timeout=30)
             # The model holds its instance; the IPC thread is not inside it, so this is answered.
-            assert one.statistics("waits")[0]["inference_stats"]["success"]["count"] == 20
+            served = one.statistics("waits")[0]["inference_stats"]["success"]["count"]
+            assert served == len(taking_turns) + len(alone)
             (gate / "release").touch()
             holder.join(timeout=60)
             assert len(answer) == 1 and answer[0]["OUT"][0].decode() != "edge-ipc-frontend", answer
