@@ -360,9 +360,7 @@ class IsolatedPythonBackend(Backend):
         without its final response coming from the process (a rescheduled request cancelled or timed
         out in the queue) was forgotten here when it ended (:meth:`_ended`); the process is told now.
         """
-        forgotten = [token for token, sink in list(self._streams.items()) if sink.finished]  # (a hook lost)
-        for token in forgotten:
-            self._streams.pop(token, None)
+        forgotten: list[int] = []
         while self._ended_here:
             forgotten.append(self._ended_here.popleft())
         open_tokens = {id(sink): token for token, sink in list(self._streams.items())}
