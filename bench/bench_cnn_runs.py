@@ -22,7 +22,6 @@ inferences per second are the cores over the CPU of one inference, whoever spend
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_kserve_cost import process_cpu_by_command  # noqa: E402
 from bench.bench_triton import throughput  # noqa: E402
 from bench.triton_models import build_repository, python_models, sample_inputs  # noqa: E402
 from bench.triton_server import Tritonserver, TritonUnavailable, find_tritonserver  # noqa: E402
@@ -83,31 +83,6 @@ def runs_between(times: Path, start_ns: int, end_ns: int) -> tuple[np.ndarray, n
     if len(rows) < 2:
         raise RuntimeError(f"{len(rows)} runs recorded in {times} inside the window: give it more --seconds")
     return (rows[:, 1] - rows[:, 0]) / 1e3, (rows[1:, 0] - rows[:-1, 1]) / 1e3
-
-
-def processes(pid: int) -> list[int]:
-    """``pid`` and its descendants."""
-    found = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            found += (child for kid in task.read_text().split() for child in processes(int(kid)))
-        except OSError:
-            continue
-    return found
-
-
-def cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds used so far by ``pid`` and its descendants (every thread, ended ones too), per command."""
-    tick = os.sysconf("SC_CLK_TCK")
-    used: dict[str, float] = {}
-    for each in processes(pid):
-        try:
-            stat = Path(f"/proc/{each}/stat").read_text()
-        except OSError:
-            continue
-        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return used
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
                 port, times = servers[name]
-                before, mine = cpu_seconds(pids[name]), time.process_time()
+                before, mine = process_cpu_by_command(pids[name]), time.process_time()
                 start = time.perf_counter_ns()
                 rate = throughput(lambda port=port: client(port), args.clients, args.seconds)
                 end = time.perf_counter_ns()
-                after, mine = cpu_seconds(pids[name]), time.process_time() - mine
+                after, mine = process_cpu_by_command(pids[name]), time.process_time() - mine
                 # throughput() makes one untimed call per client first: counted with the CPU they cost
                 inferences = rate * args.seconds + args.clients
                 used = {process: after[process] - before.get(process, 0.0) for process in after}

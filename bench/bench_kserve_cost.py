@@ -54,19 +54,25 @@ Case = tuple[int, Callable[[], Any]]  # the server's pid, one call
 
 def process_cpu(pid: int) -> float:
     """CPU seconds of ``pid`` and its live children (Triton's python_backend stubs)."""
-    total = 0.0
+    return sum(process_cpu_by_command(pid).values())
+
+
+def process_cpu_by_command(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid`` and its live children (every thread, ended ones too), per command name."""
+    used: dict[str, float] = {}
     todo = [pid]
     while todo:
         current = todo.pop()
         try:
             with open(f"/proc/{current}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                stat = f.read()
             with open(f"/proc/{current}/task/{current}/children") as f:
                 todo += [int(child) for child in f.read().split()]
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / TICKS
-    return total
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICKS
+    return used
 
 
 def client_cpu() -> float:
