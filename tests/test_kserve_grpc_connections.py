@@ -16,6 +16,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,25 @@ from tests.test_security_listeners import NOBODY, OtherUser, needs_root, public_
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
 
 
+@contextmanager
+def loopback(
+    clients: int, host: str = "127.0.0.1"
+) -> Iterator[tuple[socket.socket, list[socket.socket], list[socket.socket]]]:
+    """A listener on ``host`` and ``clients`` connections to it: (listener, client ends, accepted ends)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as server:
+        server.bind((host, 0))
+        server.listen(16)
+        port = server.getsockname()[1]
+        ends = [socket.create_connection((host, port)) for _ in range(clients)]
+        accepted = [server.accept()[0] for _ in ends]
+        try:
+            yield server, ends, accepted
+        finally:
+            for sock in ends + accepted:
+                sock.close()
+
+
 def test_each_user_keeps_its_oldest_connections_up_to_the_cap() -> None:
     found = [Link(inode, uid) for inode, uid in [(5, 1), (9, 1), (7, 1), (3, 2), (8, 1)]]
     assert sorted(link.inode for link in over_cap(found, 2)) == [8, 9]
@@ -59,46 +79,30 @@ def test_the_text_tables_read_into_the_same_sockets_as_the_kernels_answer() -> N
     """sock_diag.table (the fallback of the gRPC cap and of the shared-memory uid lookup) and the
     netlink query agree field for field: addresses as bytes (IPv4 on both families), ports, uid, inode."""
     for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
-        with socket.socket(family) as server:
-            server.bind((host, 0))
-            server.listen(4)
+        with loopback(1, host) as (server, _, _):
             port = server.getsockname()[1]
-            client = socket.create_connection((host, port))
-            accepted, _ = server.accept()
-            try:
 
-                def mine(found: Iterable[sock_diag.Socket], port: int = port) -> set[sock_diag.Socket]:
-                    return {s for s in found if port in (s.local_port, s.remote_port)}
+            def mine(found: Iterable[sock_diag.Socket], port: int = port) -> set[sock_diag.Socket]:
+                return {s for s in found if port in (s.local_port, s.remote_port)}
 
-                by_kernel = mine(sock_diag.sockets(family, bytecode=sock_diag.port_filter(port)))
-                by_text = mine(
-                    s for s in sock_diag.table() if len(s.local) == len(socket.inet_pton(family, host))
-                )
-                assert by_text == by_kernel and len(by_kernel) == 3  # listener, client, accepted
-                assert {s.local for s in by_text} == {socket.inet_pton(family, host)}
-            finally:
-                client.close()
-                accepted.close()
+            by_kernel = mine(sock_diag.sockets(family, bytecode=sock_diag.port_filter(port)))
+            by_text = mine(
+                s for s in sock_diag.table() if len(s.local) == len(socket.inet_pton(family, host))
+            )
+            assert by_text == by_kernel and len(by_kernel) == 3  # listener, client, accepted
+            assert {s.local for s in by_text} == {socket.inet_pton(family, host)}
 
 
 def test_the_kernels_answer_pairs_the_same_connections_as_its_text_tables() -> None:
     """sock_diag (filtered by port in the kernel) and /proc/net/tcp{,6} see the same links."""
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(16)
+    with loopback(5) as (server, _, accepted):
         port = server.getsockname()[1]
-        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
-        accepted = [server.accept()[0] for _ in clients]
-        try:
-            found = links(port)
-            assert sorted(found, key=lambda link: link.inode) == sorted(
-                links(port, "/proc/net"), key=lambda link: link.inode
-            )
-            assert {link.inode for link in found} == {os.fstat(sock.fileno()).st_ino for sock in accepted}
-            assert {link.uid for link in found} == {os.geteuid()}
-        finally:
-            for sock in clients + accepted:
-                sock.close()
+        found = links(port)
+        assert sorted(found, key=lambda link: link.inode) == sorted(
+            links(port, "/proc/net"), key=lambda link: link.inode
+        )
+        assert {link.inode for link in found} == {os.fstat(sock.fileno()).st_ino for sock in accepted}
+        assert {link.uid for link in found} == {os.geteuid()}
 
 
 def test_the_sockets_this_process_holds_are_counted() -> None:
@@ -308,19 +312,11 @@ def test_the_activity_counters_move_when_a_connection_opens_and_when_it_closes()
 
 
 def test_the_local_port_filter_keeps_the_listeners_ends_only() -> None:
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(4)
+    with loopback(3) as (server, _, accepted):
         port = server.getsockname()[1]
-        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
-        accepted = [server.accept()[0] for _ in clients]
-        try:
-            found = list(sock_diag.sockets(socket.AF_INET, bytecode=sock_diag.local_port_filter(port)))
-            assert {s.local_port for s in found} == {port}
-            assert {s.inode for s in found} == {os.fstat(s.fileno()).st_ino for s in [server, *accepted]}
-        finally:
-            for sock in clients + accepted:
-                sock.close()
+        found = list(sock_diag.sockets(socket.AF_INET, bytecode=sock_diag.local_port_filter(port)))
+        assert {s.local_port for s in found} == {port}
+        assert {s.inode for s in found} == {os.fstat(s.fileno()).st_ino for s in [server, *accepted]}
 
 
 def test_the_acceptor_looks_at_the_kernels_table_only_when_a_connection_may_have_closed(
