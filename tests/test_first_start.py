@@ -8,6 +8,7 @@ the daemon on its first start (issue #22).  Every test here runs the daemon with
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -136,3 +137,37 @@ def test_a_dropped_python_model_is_loaded_once(user_daemon: Daemon, repository: 
         wait_for(lambda: client.model_ready("tripler"), timeout=60, what="the second model to be ready")
     loads = _loads(user_daemon.log())
     assert (loads["doubler v1"], loads["tripler v1"]) == (1, 1), user_daemon.log()
+
+
+def _distributions(extras: set[str]) -> set[str]:
+    """The packages that installing edge-server with ``extras`` brings, nested extras followed."""
+    from packaging.requirements import Requirement
+
+    found: set[str] = set()
+    todo, seen = list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for text in importlib.metadata.requires("edge-server") or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or not requirement.marker.evaluate({"extra": extra}):
+                continue
+            if requirement.name == "edge-server":
+                todo += requirement.extras
+            else:
+                found.add(requirement.name)
+    return found
+
+
+def test_run_serve_installs_every_frontend_the_daemon_starts() -> None:
+    """A clean clone's ``./run serve`` installed the `ocr` extra alone: without grpcio the daemon started
+    with its gRPC frontend off, and a stock gRPC client was refused.  Every earlier check had run it in a
+    clone where ``./run test`` had already installed the `dev` extra, which brings grpc."""
+    run = (Path(__file__).resolve().parent.parent / "run").read_text()
+    branch = run[run.index("    serve)") :]
+    extras = re.search(r"setup (\S+)", branch[: branch.index(";;")])
+    assert extras is not None, "./run serve sets nothing up"
+    installed = _distributions(set(extras.group(1).split(",")))
+    assert {"grpcio", "tritonclient", "onnx", "scikit-learn"} <= installed, installed
